@@ -1,0 +1,1 @@
+"""DHT-only bootstrap peer."""

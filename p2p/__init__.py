@@ -1,0 +1,1 @@
+"""Peer-to-peer layer: identity, wire format, DHT access. Never imports `node`."""
