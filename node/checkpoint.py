@@ -1,0 +1,133 @@
+"""Checkpoints that survive SIGKILL: write into a temp dir, fsync, rename; verify by manifest on load.
+
+Layout: RUN_DIR/checkpoints/round-000012/{model.pt, optimizer.pt, state.json, MANIFEST.json}.
+MANIFEST.json (sha256 + size of every file) is written last, inside the temp dir, before the rename:
+a directory named round-* either is complete or fails verification and is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PREFIX = "round-"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+@dataclass
+class Checkpoint:
+    round: int  # last completed round; resume starts at round + 1
+    path: Path
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    state: dict[str, Any]  # rng states, sampler, ij policy, counters: JSON-safe
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointStore:
+    def __init__(self, run_dir: Path, keep: int = 2):
+        self.dir = Path(run_dir) / "checkpoints"
+        self.keep = max(1, keep)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def save(self, round_: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             state: dict[str, Any]) -> Path:
+        final = self.dir / f"{PREFIX}{round_:06d}"
+        tmp = self.dir / f".tmp-{PREFIX}{round_:06d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        torch.save(model.state_dict(), tmp / "model.pt")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        (tmp / "state.json").write_text(json.dumps({"round": round_, **state}))
+        files = {}
+        for name in ("model.pt", "optimizer.pt", "state.json"):
+            _fsync_file(tmp / name)
+            files[name] = {"sha256": _sha256(tmp / name), "size": (tmp / name).stat().st_size}
+        (tmp / "MANIFEST.json").write_text(json.dumps({"round": round_, "files": files}))
+        _fsync_file(tmp / "MANIFEST.json")
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving the same round (e.g. after a resume): replace it atomically
+            old = self.dir / f".old-{final.name}-{os.getpid()}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        _fsync_dir(self.dir)
+        self._prune()
+        return final
+
+    def _complete_dirs(self) -> list[Path]:
+        dirs = [p for p in self.dir.glob(f"{PREFIX}*") if p.is_dir() and p.name[len(PREFIX):].isdigit()]
+        return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+
+    def _prune(self) -> None:
+        for stale in self._complete_dirs()[self.keep:]:
+            shutil.rmtree(stale, ignore_errors=True)
+        for tmp in self.dir.glob(".tmp-*"):
+            if not tmp.name.endswith(f"-{os.getpid()}"):
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def verify(self, path: Path) -> None:
+        manifest_path = path / "MANIFEST.json"
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            files = manifest["files"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"{path}: missing or unreadable MANIFEST.json ({exc})") from exc
+        for name, meta in files.items():
+            f = path / name
+            if not f.exists() or f.stat().st_size != meta["size"] or _sha256(f) != meta["sha256"]:
+                raise CheckpointError(f"{path}: {name} is missing, truncated or corrupt")
+
+    def load_latest(self, map_location: str | torch.device = "cpu") -> Checkpoint | None:
+        """Newest checkpoint that verifies and loads; older ones are the fallback. None if there is none."""
+        candidates = self._complete_dirs()
+        errors = []
+        for path in candidates:
+            try:
+                self.verify(path)
+                state = json.loads((path / "state.json").read_text())
+                model = torch.load(path / "model.pt", map_location=map_location, weights_only=True)
+                optimizer = torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True)
+            except Exception as exc:  # corrupt in any way: say so, try the previous one
+                log.warning("skipping checkpoint %s: %s", path.name, exc)
+                errors.append(f"{path.name}: {exc}")
+                continue
+            return Checkpoint(round=int(state["round"]), path=path, model=model, optimizer=optimizer, state=state)
+        if candidates:
+            raise CheckpointError("no loadable checkpoint in " + str(self.dir) + ": " + "; ".join(errors))
+        return None

