@@ -1,0 +1,32 @@
+"""Shared test setup: never touch a model hub; helpers to run the real CLI."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def node_env(**extra: str) -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", SAPO_THREADS="1")
+    env.update(extra)
+    return env
+
+
+def run_node(*args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "node.cli", *args], cwd=REPO, env=node_env(**env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def tiny_args():
+    """A fast solo configuration on the tiny random model."""
+    return ["--model", "tiny-random", "--tasks", "cpu-easy", "--generations", "4", "--num-local", "2",
+            "--max-new-tokens", "8", "--seed", "3"]
