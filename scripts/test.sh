@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Sets up the environment and runs the whole test suite offline (no model hub access).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+# shellcheck disable=SC1091
+. "${SAPO_VENV:-.venv}/bin/activate"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec python -m pytest -q -p no:cacheprovider --durations=15 "$@"
