@@ -58,6 +58,7 @@ class LiveState:
     round: int = 0
     started_at: float = field(default_factory=time.time)
     history: list = field(default_factory=list)
+    last_round_at: float | None = None
 
 
 class SapoNode:
@@ -223,6 +224,7 @@ class SapoNode:
         self.live.history.append({k: rec[k] for k in ("round", "reward_mean", "num_local", "num_external")}
                                  | {"phase_s": p})
         del self.live.history[:-500]
+        self.live.last_round_at = rec["t_end"]
         log.info(
             "round %d | reward %.3f (max %.2f) | local %d/%d ext %d/%d (avail %d, got %d, rej %d) | dropped %d "
             "| loss %+.4f clip %.3f | gen %.1fs train %.1fs swarm %.2fs",
@@ -303,7 +305,7 @@ class SapoNode:
             "peers": dict(stats.peers),
             "groups": stats.to_dict(),
             "totals": vars(self.totals).copy(),
-            "healthy": self.live.phase != "stopped",
+            "last_round_at": self.live.last_round_at,
         }
 
 

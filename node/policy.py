@@ -148,17 +148,21 @@ class _BehaviourRecorder(LogitsProcessor):
 
     def __init__(self, temperature: float):
         self.temperature = temperature
-        self.pending: torch.Tensor | None = None
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (scaled logits, logsumexp)
         self.steps: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         self._collect(input_ids[:, -1])
-        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        # The warpers after us return new tensors, so keeping a reference (no copy) is safe. Only the
+        # log-normaliser is computed per step; the full log-softmax is never materialised.
+        scaled = scores if self.temperature == 1.0 else scores / self.temperature
+        self.pending = (scaled, torch.logsumexp(scaled.float(), dim=-1))
         return scores
 
     def _collect(self, last_tokens: torch.Tensor) -> None:
         if self.pending is not None:
-            self.steps.append(self.pending.gather(1, last_tokens.unsqueeze(1)).squeeze(1))
+            scaled, lse = self.pending
+            self.steps.append(scaled.gather(1, last_tokens.unsqueeze(1)).squeeze(1).float() - lse)
             self.pending = None
 
     def finish(self, sequences: torch.Tensor) -> torch.Tensor:
