@@ -117,8 +117,11 @@ class SapoNode:
     async def run_round(self, r: int) -> RoundResult:
         timer = PhaseTimer(self.live)
         total = self.cfg.num_local + self.cfg.num_external
-        num_external = self.ij.current_j() if self.cfg.ij_policy != "fixed" else self.cfg.num_external
-        num_local = max(1, total - num_external) if self.cfg.ij_policy != "fixed" else self.cfg.num_local
+        if self.cfg.ij_policy == "fixed":
+            num_local, num_external = self.cfg.num_local, self.cfg.num_external
+        else:  # I + J stays fixed; at least one local group so this node always contributes to the swarm
+            num_external = min(self.ij.current_j(), total - 1)
+            num_local = total - num_external
         self.live.round = r
 
         with timer("sample"):

@@ -183,6 +183,18 @@ PRESETS: dict[str, TaskMix] = {
         answer_prefix="<answer>",
         max_new_tokens=24,
     ),
+    # Scorers that give graded partial credit even to random text: a tiny random model still produces
+    # groups with a learning signal. For tests and smoke runs only.
+    "smoke": TaskMix(
+        name="smoke",
+        datasets={
+            "propositional_logic": {"weight": 1.0, "config": {}},
+            "palindrome_generation": {"weight": 1.0, "config": {}},
+        },
+        system_prompt=CPU_EASY_SYSTEM_PROMPT,
+        answer_prefix="<answer>",
+        max_new_tokens=12,
+    ),
 }
 
 

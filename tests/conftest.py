@@ -28,5 +28,5 @@ def run_node(*args: str, timeout: float = 240, **env: str) -> subprocess.Complet
 @pytest.fixture
 def tiny_args():
     """A fast solo configuration on the tiny random model."""
-    return ["--model", "tiny-random", "--tasks", "cpu-easy", "--generations", "4", "--num-local", "2",
+    return ["--model", "tiny-random", "--tasks", "smoke", "--generations", "4", "--num-local", "2",
             "--max-new-tokens", "8", "--seed", "3"]

@@ -1,0 +1,227 @@
+"""The node's side of the swarm: turn groups into signed batches, and received bytes into trusted groups.
+
+Nothing received is trusted: the DHT validator already refused unsigned or misplaced records, but the
+`Verifier` checks everything again on its own (caps, schema, signature, swarm, freshness, replays),
+regenerates every task from its spec with our task mix, and re-scores every completion with our reward
+function. Two transports share this code: `DhtExchange` (Hivemind DHT) and `MemoryExchange` (several
+nodes in one process, for exactly reproducible experiments).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from node.exchange import ExchangeStats
+from node.groups import Group, score_responses
+from node.tasks import TaskError, TaskMix, TaskSpec, regenerate
+from p2p.identity import KEY_FILENAME, Identity, peer_name_of
+from p2p.transport import FetchedRecord, SwarmTransport, TransportConfig
+from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireError, WireGroup, decode_signed, \
+    encode_signed
+
+log = logging.getLogger("sapo.swarm")
+
+UNKNOWN_PEER = "unknown"
+REWARD_TOLERANCE = 1e-6
+
+
+@dataclass
+class VerifyConfig:
+    swarm: str
+    window: int = 2  # rounds of a publisher's history we still accept, behind its newest batch
+    max_age_s: float = 600.0  # batches older than this (sender clock) are stale
+    max_clock_skew_s: float = 120.0
+    caps: WireCaps = WireCaps()
+
+
+class Verifier:
+    """Receiver-side verification of untrusted batches; counts every rejection by peer and reason."""
+
+    def __init__(self, own_key: bytes, mix: TaskMix, cfg: VerifyConfig, stats: ExchangeStats):
+        self.own_key = own_key
+        self.mix = mix
+        self.cfg = cfg
+        self.stats = stats
+        self.seen: dict[tuple[bytes, int], str] = {}  # (publisher, round) -> payload digest
+        self.newest: dict[bytes, int] = {}  # publisher -> newest round accepted
+
+    def verify(self, data: bytes, now: float | None = None, hint: bytes | None = None) -> list[Group]:
+        """Groups from one batch that passed every check (possibly none). Never raises on bad input."""
+        now = time.time() if now is None else now
+        claimed = hint.hex() if hint else UNKNOWN_PEER
+        try:
+            batch = decode_signed(data, self.cfg.caps)  # caps (bytes first), envelope, signature, schema
+        except WireError as exc:
+            self.stats.reject(claimed, exc.reason)
+            return []
+        except Exception:  # a decoder bug must not become a node crash
+            self.stats.reject(claimed, "malformed")
+            return []
+        peer = batch.publisher.hex()
+        if batch.publisher == self.own_key:
+            return []
+        if hint is not None and hint != batch.publisher:
+            self.stats.reject(peer, "publisher_mismatch")
+            return []
+        if batch.swarm != self.cfg.swarm:
+            self.stats.reject(peer, "wrong_swarm")
+            return []
+        if now - batch.created_at > self.cfg.max_age_s:
+            self.stats.reject(peer, "stale")
+            return []
+        if batch.created_at - now > self.cfg.max_clock_skew_s:
+            self.stats.reject(peer, "from_future")
+            return []
+        digest = hashlib.sha256(data).hexdigest()
+        key = (batch.publisher, batch.round)
+        if key in self.seen:
+            if self.seen[key] != digest:
+                self.stats.reject(peer, "equivocation")  # two different batches for one round
+            return []  # the same batch fetched again in a later round: already used, not an offence
+        newest = self.newest.get(batch.publisher, -1)
+        if batch.round <= newest - self.cfg.window:
+            self.stats.reject(peer, "stale_round")
+            return []
+        self.seen[key] = digest
+        self.newest[batch.publisher] = max(newest, batch.round)
+        self.stats.peers[peer] = {"name": peer_name_of(batch.publisher), "last_round": self.newest[batch.publisher],
+                                  "last_seen": now}
+        return [g for g in (self._group(peer, wg) for wg in batch.groups) if g is not None]
+
+    def _group(self, peer: str, wg: WireGroup) -> Group | None:
+        spec = TaskSpec.make(wg.task.dataset, wg.task.config, wg.task.seed, wg.task.index)
+        if not self.mix.allows(spec):
+            self.stats.reject(peer, "task_not_allowed")
+            return None
+        if len(wg.completions) < 2:
+            self.stats.reject(peer, "too_few_completions")
+            return None
+        try:
+            task = regenerate(spec)
+        except TaskError:
+            self.stats.reject(peer, "bad_task")
+            return None
+        rewards = score_responses(task, wg.completions)  # our reward function, our ground truth
+        if len(wg.rewards) != len(rewards) or any(abs(a - b) > REWARD_TOLERANCE for a, b in zip(wg.rewards, rewards)):
+            self.stats.reject(peer, "reward_mismatch")  # the sender lies, or scores differently: not trusted
+            return None
+        self.stats.accept(peer)
+        return Group(task=task, responses=list(wg.completions), rewards=rewards, source=peer,
+                     sender_rewards=list(wg.rewards))
+
+
+def make_batch(identity: Identity, swarm: str, round_: int, model: str, groups: list[Group]) -> bytes:
+    wire_groups = [
+        WireGroup(task=TaskSpecWire(**g.task.spec.to_wire()), completions=list(g.responses), rewards=list(g.rewards))
+        for g in groups
+    ]
+    batch = RolloutBatch(version=WIRE_VERSION, swarm=swarm, round=round_, publisher=identity.public_key_bytes,
+                         created_at=time.time(), model=model, groups=wire_groups)
+    return encode_signed(batch, identity)
+
+
+class _SignedExchange:
+    """Shared by both transports: sign what we publish, verify (off the event loop) what we receive."""
+
+    def __init__(self, identity: Identity, mix: TaskMix, verify_cfg: VerifyConfig, model_name: str):
+        self.identity = identity
+        self.stats = ExchangeStats()
+        self.verifier = Verifier(identity.public_key_bytes, mix, verify_cfg, self.stats)
+        self.swarm = verify_cfg.swarm
+        self.model_name = model_name
+
+    def identity_info(self) -> dict:
+        return {"peer_id": self.identity.peer_name, "public_key": self.identity.public_key_hex, "maddrs": []}
+
+    def _verify_all(self, records: list[tuple[bytes | None, bytes]]) -> list[Group]:
+        groups: list[Group] = []
+        for hint, data in records:
+            groups.extend(self.verifier.verify(data, hint=hint))
+        return groups
+
+    async def _verify_off_loop(self, records: list[tuple[bytes | None, bytes]]) -> list[Group]:
+        self.stats.new_round()
+        return await asyncio.get_running_loop().run_in_executor(None, self._verify_all, records)
+
+
+class DhtExchange(_SignedExchange):
+    """Publish and fetch through the Hivemind DHT (`p2p.transport`)."""
+
+    def __init__(self, transport: SwarmTransport, mix: TaskMix, verify_cfg: VerifyConfig, model_name: str):
+        super().__init__(transport.identity, mix, verify_cfg, model_name)
+        self.transport = transport
+
+    @classmethod
+    def from_config(cls, cfg, mix: TaskMix) -> "DhtExchange":
+        run_dir = Path(cfg.run_dir)
+        has_state = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
+        # An existing run dir keeps its identity: a missing key there is an error, never a new identity.
+        identity = Identity.load_or_create(run_dir / KEY_FILENAME, create=not has_state)
+        budget = max(1.0, cfg.net_timeout / 2)
+        tcfg = TransportConfig(identity_dir=run_dir, swarm=cfg.swarm, initial_peers=list(cfg.peers),
+                               host_maddrs=list(cfg.host_maddrs), announce_maddrs=list(cfg.announce_maddrs),
+                               client_mode=cfg.client_mode, window=cfg.window, fetch_timeout_s=budget,
+                               publish_timeout_s=budget)
+        vcfg = VerifyConfig(swarm=cfg.swarm, window=cfg.window, max_age_s=tcfg.record_ttl_s)
+        return cls(SwarmTransport(tcfg, identity), mix, vcfg, cfg.model)
+
+    async def start(self) -> None:
+        await self.transport.start()
+
+    def identity_info(self) -> dict:
+        return {**super().identity_info(), "maddrs": self.transport.visible_maddrs()}
+
+    async def publish(self, round_: int, groups: list[Group]) -> None:
+        data = make_batch(self.identity, self.swarm, round_, self.model_name, groups)
+        await self.transport.publish(round_, data)
+
+    async def collect(self, round_: int) -> list[Group]:
+        records: list[FetchedRecord] = await self.transport.fetch()
+        return await self._verify_off_loop([(r.publisher, r.data) for r in records])
+
+    async def close(self) -> None:
+        await self.transport.shutdown()
+
+
+class MemoryBoard:
+    """An in-process stand-in for the DHT: (publisher, round) -> signed bytes. Same bytes, same checks."""
+
+    def __init__(self) -> None:
+        self.records: dict[tuple[bytes, int], bytes] = {}
+        self.newest: dict[bytes, int] = {}
+
+    def put(self, publisher: bytes, round_: int, data: bytes) -> None:
+        self.records[(publisher, round_)] = data
+        self.newest[publisher] = max(self.newest.get(publisher, -1), round_)
+
+    def window(self, exclude: bytes, window: int) -> list[tuple[bytes, bytes]]:
+        out = []
+        for (pub, r), data in sorted(self.records.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            if pub != exclude and r > self.newest[pub] - window:
+                out.append((pub, data))
+        return out
+
+
+class MemoryExchange(_SignedExchange):
+    def __init__(self, board: MemoryBoard, identity: Identity, mix: TaskMix, verify_cfg: VerifyConfig,
+                 model_name: str):
+        super().__init__(identity, mix, verify_cfg, model_name)
+        self.board = board
+
+    async def start(self) -> None:
+        return None
+
+    async def publish(self, round_: int, groups: list[Group]) -> None:
+        self.board.put(self.identity.public_key_bytes, round_,
+                       make_batch(self.identity, self.swarm, round_, self.model_name, groups))
+
+    async def collect(self, round_: int) -> list[Group]:
+        return await self._verify_off_loop(self.board.window(self.identity.public_key_bytes, self.verifier.cfg.window))
+
+    async def close(self) -> None:
+        return None
