@@ -86,6 +86,7 @@ class SapoNode:
         self.metrics = MetricsWriter(self.run_dir)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.next_round = 0
+        self.rounds_this_run = 0
         self.totals = NodeTotals()
         self.live = LiveState()
         self.stop_requested = False
@@ -95,24 +96,41 @@ class SapoNode:
 
     async def run(self) -> int:
         """Runs rounds until cfg.rounds (in total) or a stop request; returns the rounds completed now."""
+        await self.open()
+        try:
+            while self.pending and not self.stop_requested:
+                await self.step()
+        finally:
+            await self.close()
+        return self.rounds_this_run
+
+    async def open(self) -> None:
         await self.exchange.start()
         if self.cfg.resume:
             await self._in_worker(self.resume)
-        done = 0
+
+    @property
+    def pending(self) -> bool:
+        return self.next_round < self.cfg.rounds
+
+    async def step(self) -> dict:
+        """One round, then a checkpoint every --checkpoint-every rounds."""
+        result = await self.run_round(self.next_round)
+        self.next_round = result.round + 1
+        self.rounds_this_run += 1
+        if self.next_round % self.cfg.checkpoint_every == 0 and self.pending:
+            await self._checkpoint()
+        return result.record
+
+    async def close(self) -> None:
+        """Final checkpoint (if anything ran), then release the swarm and the worker."""
         try:
-            while self.next_round < self.cfg.rounds and not self.stop_requested:
-                result = await self.run_round(self.next_round)
-                self.next_round = result.round + 1
-                done += 1
-                if self.next_round % self.cfg.checkpoint_every == 0 and self.next_round < self.cfg.rounds:
-                    await self._checkpoint()
-        finally:
-            if done:
+            if self.rounds_this_run:
                 await self._checkpoint()
+        finally:
             await self.exchange.close()
             self.worker.shutdown(wait=True)
             self.live.phase = "stopped"
-        return done
 
     async def run_round(self, r: int) -> RoundResult:
         timer = PhaseTimer(self.live)
