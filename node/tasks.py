@@ -158,9 +158,10 @@ PAPER_DATASETS = [
     "fraction_simplification", "decimal_arithmetic", "calendar_arithmetic", "binary_matrix",
 ]
 
+# Measured with the default model: a generic one-line example plus a forced "<answer>" prefix makes it
+# follow the format. (An example answer of 42 made it answer 42 everywhere.)
 CPU_EASY_SYSTEM_PROMPT = (
-    "Answer with only the final answer inside <answer></answer> tags. "
-    "Example: Q: What is 2 + 3? A: <answer>5</answer>"
+    "Reply with only the final answer inside <answer></answer> tags. Example: What is 7 - 2? <answer>5</answer>"
 )
 
 PRESETS: dict[str, TaskMix] = {
@@ -174,14 +175,14 @@ PRESETS: dict[str, TaskMix] = {
     "cpu-easy": TaskMix(
         name="cpu-easy",
         datasets={
-            "count_bits": {"weight": 1.0, "config": {"min_n": 1, "max_n": 64}},
-            "letter_counting": {"weight": 1.0, "config": {"min_words": 3, "max_words": 5}},
-            "gcd": {"weight": 1.0, "config": {"min_value": 1, "max_value": 20}},
-            "leg_counting": {"weight": 1.0, "config": {"min_animals": 1, "max_animals": 2}},
+            "count_bits": {"weight": 0.3, "config": {"min_n": 1, "max_n": 15}},
+            "letter_counting": {"weight": 0.2, "config": {"min_words": 1, "max_words": 3}},
+            "ransom_note": {"weight": 0.3, "config": {"max_note_length": 4, "max_magazine_length": 10}},
+            "syllogism": {"weight": 0.2, "config": {}},
         },
         system_prompt=CPU_EASY_SYSTEM_PROMPT,
         answer_prefix="<answer>",
-        max_new_tokens=24,
+        max_new_tokens=32,
     ),
     # Scorers that give graded partial credit even to random text: a tiny random model still produces
     # groups with a learning signal. For tests and smoke runs only.

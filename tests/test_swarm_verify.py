@@ -60,7 +60,7 @@ def _forged(peer: Identity, *, rewards=None, dataset=None, config=None, created_
 @pytest.mark.parametrize("make, reason", [
     (lambda p: _forged(p, rewards=[1.0, 1.0]), "reward_mismatch"),
     (lambda p: _forged(p, dataset="bf"), "task_not_allowed"),
-    (lambda p: _forged(p, dataset="gcd", config={"min_value": 1, "max_value": 10**6}), "task_not_allowed"),
+    (lambda p: _forged(p, dataset="count_bits", config={"min_n": 1, "max_n": 10**6}), "task_not_allowed"),
     (lambda p: _forged(p, created_at=time.time() - 3600), "stale"),
     (lambda p: _forged(p, created_at=time.time() + 3600), "from_future"),
     (lambda p: _forged(p, swarm="other"), "wrong_swarm"),

@@ -27,9 +27,9 @@ def test_sampler_state_round_trip():
 
 def test_mix_allows_only_its_own_datasets_and_configs():
     mix = PRESETS["cpu-easy"]
-    ok = TaskSpec.make("gcd", mix.datasets["gcd"]["config"], 1, 1)
+    ok = TaskSpec.make("count_bits", mix.datasets["count_bits"]["config"], 1, 1)
     assert mix.allows(ok)
-    assert not mix.allows(TaskSpec.make("gcd", {"min_value": 1, "max_value": 10**9}, 1, 1))
+    assert not mix.allows(TaskSpec.make("count_bits", {"min_n": 1, "max_n": 10**9}, 1, 1))
     assert not mix.allows(TaskSpec.make("bf", {}, 1, 1))
     with pytest.raises(TaskError):
         regenerate(TaskSpec.make("gcd", {}, 1, -1))

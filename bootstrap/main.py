@@ -1,0 +1,120 @@
+"""sapo-bootstrap: a DHT-only peer that new nodes join through.
+
+It keeps its libp2p identity in --identity-dir so its multiaddr survives restarts (the address
+other nodes have in their configs), runs the same record validator as nodes (so it stores only
+valid SAPO records for its swarm) and exits 0 on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from p2p.identity import KEY_FILENAME, Identity, IdentityError
+from p2p.transport import routing_peers, start_dht
+
+logger = logging.getLogger("sapo.bootstrap")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sapo-bootstrap", description=__doc__.splitlines()[0])
+    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/31337"], help="listen multiaddrs")
+    p.add_argument("--announce-maddrs", nargs="*", default=[], help="public multiaddrs to announce (explicit ports)")
+    p.add_argument("--identity-dir", type=Path, default=Path("./bootstrap-identity"))
+    p.add_argument("--swarm", default="sapo-default")
+    p.add_argument("--maddrs-file", type=Path, default=None, help="write full visible multiaddrs here, one per line")
+    p.add_argument("--status-port", type=int, default=None, help="serve a status page on this port (TODO)")
+    p.add_argument("--log-interval", type=float, default=60.0, help="seconds between peer-count log lines")
+    p.add_argument("--start-timeout", type=float, default=60.0)
+    return p.parse_args(argv)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Readers never see a half-written file: write a temp file in the same dir, then rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+class PeerCounter:
+    """Distinct peers ever seen in the routing table, plus the current table size."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+        self.current = 0
+
+    def update(self, peers: list[str]) -> None:
+        self.current = len(peers)
+        self.seen.update(peers)
+
+    def status(self) -> dict[str, int]:
+        return {"routing_table": self.current, "peers_seen": len(self.seen)}
+
+
+def serve_status(port: int, get_status: Callable[[], dict]) -> None:
+    """TODO: serve get_status() as JSON on `port` (left for the status-page work)."""
+    raise NotImplementedError
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        identity = Identity.load_or_create(args.identity_dir / KEY_FILENAME, create=True)
+        dht = start_dht(identity, args.identity_dir, args.swarm, [], args.host_maddrs, args.announce_maddrs)
+    except IdentityError as e:
+        logger.error("%s", e)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        dht.wait_until_ready(args.start_timeout)
+        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    except Exception as e:
+        logger.error("bootstrap DHT failed to start: %s: %s", type(e).__name__, e)
+        dht.shutdown()
+        return 1
+    for m in maddrs:
+        print(m, flush=True)
+    if args.maddrs_file is not None:
+        write_atomically(args.maddrs_file, "".join(f"{m}\n" for m in maddrs))
+    counter = PeerCounter()
+    if args.status_port is not None:
+        try:
+            serve_status(args.status_port, counter.status)
+        except NotImplementedError:
+            logger.warning("--status-port is not implemented yet; ignoring")
+    logger.info("bootstrap peer for swarm %r up (%s)", args.swarm, identity.peer_name)
+    next_log = time.monotonic() + args.log_interval
+    while not stop.wait(1.0):
+        if time.monotonic() >= next_log:
+            next_log = time.monotonic() + args.log_interval
+            try:
+                counter.update(routing_peers(dht))
+                logger.info("peers: %s", counter.status())
+            except Exception as e:
+                logger.warning("could not read routing table: %s", e)
+    logger.info("shutting down")
+    dht.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

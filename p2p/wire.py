@@ -1,0 +1,311 @@
+"""Wire format of what peers publish: signed rollout batches and signed presence records.
+
+Envelope (binary, see docs/PROTOCOL.md):  b"SAPO" | envelope version (1 byte) | publisher
+Ed25519 public key (32) | signature (64) | payload (UTF-8 JSON).  The signature covers the exact
+payload bytes, so receivers never re-serialize before verifying, and the key sits in the header
+so the signature is checked before any JSON from an unauthenticated sender is parsed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from p2p.identity import PUBLIC_KEY_LEN, SIGNATURE_LEN, Identity
+
+MAGIC = b"SAPO"
+ENVELOPE_VERSION = 1
+WIRE_VERSION = 1
+HEADER_LEN = len(MAGIC) + 1 + PUBLIC_KEY_LEN + SIGNATURE_LEN
+KIND_BATCH = "rollout_batch"
+KIND_PRESENCE = "presence"
+
+REASONS = frozenset(
+    {
+        "oversize",
+        "malformed",
+        "bad_signature",
+        "publisher_mismatch",
+        "schema",
+        "version",
+        "too_many_groups",
+        "too_many_completions",
+        "completion_too_long",
+        "config_too_large",
+    }
+)
+
+
+class WireError(ValueError):
+    """A received value was rejected; `reason` is one of REASONS (for counters and logs)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        assert reason in REASONS, reason
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+@dataclass(frozen=True)
+class WireCaps:
+    """Receiver-side limits; everything above is rejected before it can cost memory or time."""
+
+    max_batch_bytes: int = 2 * 1024 * 1024
+    max_groups: int = 64
+    max_completions: int = 32
+    max_completion_chars: int = 8000
+    max_config_bytes: int = 4096
+    max_name_chars: int = 256  # swarm, model and dataset names
+
+
+@dataclass
+class TaskSpecWire:
+    """Enough to regenerate the task (and its ground truth) locally with reasoning-gym."""
+
+    dataset: str
+    config: dict[str, Any]
+    seed: int
+    index: int
+
+
+@dataclass
+class WireGroup:
+    task: TaskSpecWire
+    completions: list[str]
+    rewards: list[float]  # the sender's own scores: informational only, receivers re-score
+
+
+@dataclass
+class RolloutBatch:
+    version: int
+    swarm: str
+    round: int
+    publisher: bytes  # 32-byte Ed25519 public key
+    created_at: float  # sender's wall clock (time.time())
+    model: str
+    groups: list[WireGroup] = field(default_factory=list)
+
+
+@dataclass
+class PresenceRecord:
+    """A peer's "I am alive and my latest round is R": rounds are not synchronized across peers."""
+
+    version: int
+    swarm: str
+    publisher: bytes
+    round: int
+    updated_at: float
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def canonical_json(obj: Any) -> bytes:
+    """orjson with sorted keys (recursively); floats as orjson prints them (shortest round-trip)."""
+    return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+
+
+def batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:
+    return {
+        "kind": KIND_BATCH,
+        "version": batch.version,
+        "swarm": batch.swarm,
+        "round": batch.round,
+        "publisher": batch.publisher.hex(),
+        "created_at": batch.created_at,
+        "model": batch.model,
+        "groups": [
+            {
+                "task": {
+                    "dataset": g.task.dataset,
+                    "config": g.task.config,
+                    "seed": g.task.seed,
+                    "index": g.task.index,
+                },
+                "completions": list(g.completions),
+                "rewards": list(g.rewards),
+            }
+            for g in batch.groups
+        ],
+    }
+
+
+def presence_to_dict(rec: PresenceRecord) -> dict[str, Any]:
+    return {
+        "kind": KIND_PRESENCE,
+        "version": rec.version,
+        "swarm": rec.swarm,
+        "publisher": rec.publisher.hex(),
+        "round": rec.round,
+        "updated_at": rec.updated_at,
+    }
+
+
+def seal(payload: bytes, identity: Identity) -> bytes:
+    """Wrap payload bytes in a signed envelope."""
+    return MAGIC + bytes([ENVELOPE_VERSION]) + identity.public_key_bytes + identity.sign(payload) + payload
+
+
+def encode_signed(batch: RolloutBatch, identity: Identity) -> bytes:
+    """Canonical payload + signature by `identity`, which must be the batch's publisher."""
+    if batch.publisher != identity.public_key_bytes:
+        raise ValueError("batch.publisher must be the signing identity's public key")
+    for g in batch.groups:
+        if not all(math.isfinite(r) for r in g.rewards):
+            raise ValueError("rewards must be finite")
+    if not math.isfinite(batch.created_at):
+        raise ValueError("created_at must be finite")
+    return seal(canonical_json(batch_to_dict(batch)), identity)
+
+
+def encode_presence(rec: PresenceRecord, identity: Identity) -> bytes:
+    if rec.publisher != identity.public_key_bytes:
+        raise ValueError("presence.publisher must be the signing identity's public key")
+    return seal(canonical_json(presence_to_dict(rec)), identity)
+
+
+# ---------------------------------------------------------------- decoding
+
+
+@dataclass(frozen=True)
+class Envelope:
+    publisher: bytes
+    signature: bytes
+    payload: bytes
+
+
+def open_envelope(data: bytes, max_bytes: int) -> Envelope:
+    """Size cap, then shape, then signature. Parses no JSON."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise WireError("malformed", "not bytes")
+    if len(data) > max_bytes:
+        raise WireError("oversize", f"{len(data)} > {max_bytes} bytes")
+    if len(data) < HEADER_LEN + 2 or data[: len(MAGIC)] != MAGIC:
+        raise WireError("malformed", "bad envelope header")
+    if data[len(MAGIC)] != ENVELOPE_VERSION:
+        raise WireError("version", f"envelope version {data[len(MAGIC)]}")
+    start = len(MAGIC) + 1
+    publisher = bytes(data[start : start + PUBLIC_KEY_LEN])
+    signature = bytes(data[start + PUBLIC_KEY_LEN : HEADER_LEN])
+    payload = bytes(data[HEADER_LEN:])
+    if not Identity.verify(publisher, payload, signature):
+        raise WireError("bad_signature")
+    return Envelope(publisher, signature, payload)
+
+
+def _parse_payload(env: Envelope, kind: str) -> dict[str, Any]:
+    try:
+        obj = orjson.loads(env.payload)
+    except orjson.JSONDecodeError as e:
+        raise WireError("schema", f"payload is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise WireError("schema", "payload is not an object")
+    if obj.get("kind") != kind:
+        raise WireError("schema", f"kind {obj.get('kind')!r} != {kind!r}")
+    version = obj.get("version")
+    if not _is_int(version):
+        raise WireError("schema", "version is not an int")
+    if version != WIRE_VERSION:
+        raise WireError("version", f"payload version {version}")
+    if obj.get("publisher") != env.publisher.hex():
+        raise WireError("publisher_mismatch", "payload publisher is not the signing key")
+    return obj
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return (isinstance(x, float) and math.isfinite(x)) or _is_int(x)
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        raise WireError("schema", what)
+
+
+def _name(obj: dict[str, Any], key: str, caps: WireCaps) -> str:
+    v = obj.get(key)
+    _require(isinstance(v, str) and 0 < len(v) <= caps.max_name_chars, f"{key} must be a non-empty short string")
+    return v
+
+
+def decode_signed(data: bytes, caps: WireCaps = WireCaps()) -> RolloutBatch:
+    """Verify and parse a signed rollout batch: size, envelope, signature, schema, caps (in that order)."""
+    env = open_envelope(data, caps.max_batch_bytes)
+    obj = _parse_payload(env, KIND_BATCH)
+    swarm, model = _name(obj, "swarm", caps), _name(obj, "model", caps)
+    _require(_is_int(obj.get("round")) and obj["round"] >= 0, "round must be an int >= 0")
+    _require(_is_num(obj.get("created_at")), "created_at must be a finite number")
+    raw_groups = obj.get("groups")
+    _require(isinstance(raw_groups, list), "groups must be a list")
+    for g in raw_groups:
+        _check_group_schema(g, caps)
+    # caps (schema is known to hold from here on)
+    if len(raw_groups) > caps.max_groups:
+        raise WireError("too_many_groups", f"{len(raw_groups)} > {caps.max_groups}")
+    groups = [_group_with_caps(g, caps) for g in raw_groups]
+    return RolloutBatch(
+        version=obj["version"],
+        swarm=swarm,
+        round=obj["round"],
+        publisher=env.publisher,
+        created_at=float(obj["created_at"]),
+        model=model,
+        groups=groups,
+    )
+
+
+def _check_group_schema(g: Any, caps: WireCaps) -> None:
+    _require(isinstance(g, dict), "group must be an object")
+    task = g.get("task")
+    _require(isinstance(task, dict), "task must be an object")
+    _name(task, "dataset", caps)
+    _require(isinstance(task.get("config"), dict), "task.config must be an object")
+    _require(_is_int(task.get("seed")), "task.seed must be an int")
+    _require(_is_int(task.get("index")) and task["index"] >= 0, "task.index must be an int >= 0")
+    comps, rewards = g.get("completions"), g.get("rewards")
+    _require(isinstance(comps, list) and all(isinstance(c, str) for c in comps), "completions must be strings")
+    _require(isinstance(rewards, list) and all(_is_num(r) for r in rewards), "rewards must be finite numbers")
+    _require(len(rewards) == len(comps), "one reward per completion")
+
+
+def _group_with_caps(g: dict[str, Any], caps: WireCaps) -> WireGroup:
+    comps: list[str] = g["completions"]
+    if len(comps) > caps.max_completions:
+        raise WireError("too_many_completions", f"{len(comps)} > {caps.max_completions}")
+    longest = max((len(c) for c in comps), default=0)
+    if longest > caps.max_completion_chars:
+        raise WireError("completion_too_long", f"{longest} > {caps.max_completion_chars} chars")
+    task = g["task"]
+    config_size = len(canonical_json(task["config"]))
+    if config_size > caps.max_config_bytes:
+        raise WireError("config_too_large", f"{config_size} > {caps.max_config_bytes} bytes")
+    return WireGroup(
+        task=TaskSpecWire(task["dataset"], task["config"], task["seed"], task["index"]),
+        completions=comps,
+        rewards=[float(r) for r in g["rewards"]],
+    )
+
+
+def decode_presence(data: bytes, max_bytes: int = 4096) -> PresenceRecord:
+    """Verify and parse a signed presence record."""
+    env = open_envelope(data, max_bytes)
+    obj = _parse_payload(env, KIND_PRESENCE)
+    swarm = _name(obj, "swarm", WireCaps())
+    _require(_is_int(obj.get("round")) and obj["round"] >= 0, "round must be an int >= 0")
+    _require(_is_num(obj.get("updated_at")), "updated_at must be a finite number")
+    return PresenceRecord(obj["version"], swarm, env.publisher, obj["round"], float(obj["updated_at"]))
+
+
+def payload_kind(data: bytes) -> str | None:
+    """Kind of an already-verified envelope's payload, or None if unparsable (validator helper)."""
+    try:
+        obj = orjson.loads(data[HEADER_LEN:])
+    except orjson.JSONDecodeError:
+        return None
+    return obj.get("kind") if isinstance(obj, dict) else None

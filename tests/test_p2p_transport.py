@@ -1,0 +1,207 @@
+"""Real hivemind DHT peers on 127.0.0.1: publish/fetch across peers, and owner protection."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from pathlib import Path
+
+import hivemind
+import pytest
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from p2p.identity import Identity
+from p2p.transport import SwarmTransport, TransportConfig, TransportError
+from p2p.validators import RECORD_SIG_MAGIC, SapoRecordValidator, key_id_bytes, owner_subkey, record_message, round_key
+from p2p.wire import RolloutBatch, TaskSpecWire, WireGroup, decode_signed, encode_signed
+
+SWARM = "ttest"
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+pytestmark = pytest.mark.timeout(90)
+
+
+def config(tmp: Path, name: str, peers: list[str] | None = None, **kw) -> TransportConfig:
+    return TransportConfig(
+        identity_dir=tmp / name, swarm=SWARM, host_maddrs=LOOPBACK, initial_peers=peers or [], **kw
+    )
+
+
+def batch(ident: Identity, rnd: int, text: str = "answer") -> bytes:
+    group = WireGroup(TaskSpecWire("basic_arithmetic", {"max_terms": 3}, 5, rnd), [text, text + "!"], [1.0, 0.0])
+    return encode_signed(RolloutBatch(1, SWARM, rnd, ident.public_key_bytes, time.time(), "m", [group]), ident)
+
+
+async def started(cfg: TransportConfig) -> SwarmTransport:
+    t = SwarmTransport(cfg)
+    await t.start()
+    return t
+
+
+def seen(records) -> set[tuple[bytes, int]]:
+    return {(r.publisher, r.round) for r in records}
+
+
+async def test_three_peers_publish_and_fetch(tmp_path):
+    a = await started(config(tmp_path, "a"))
+    b, c = await asyncio.gather(
+        started(config(tmp_path, "b", a.visible_maddrs())), started(config(tmp_path, "c", a.visible_maddrs()))
+    )
+    try:
+        # rounds are not synchronized: every peer is at a different round
+        for r in (1, 2, 3):
+            assert await a.publish(r, batch(a.identity, r))
+        assert await b.publish(10, batch(b.identity, 10))
+        assert await c.publish(0, batch(c.identity, 0))
+        ka, kb, kc = (t.identity.public_key_bytes for t in (a, b, c))
+
+        got_c = await c.fetch()
+        assert seen(got_c) == {(ka, 2), (ka, 3), (kb, 10)}  # window=2: a's round 1 is out
+        for rec in got_c:
+            assert decode_signed(rec.data).round == rec.round
+        assert seen(await a.fetch()) == {(kb, 10), (kc, 0)}
+        assert c.known_peers() == {ka.hex(): 3, kb.hex(): 10}
+    finally:
+        await asyncio.gather(a.shutdown(), b.shutdown(), c.shutdown())
+
+
+async def test_large_batch_round_trip(tmp_path):
+    """Values over 16 KiB used to kill hivemind's DHT process (pipe EAGAIN); ~1.6 MB must work."""
+    a = await started(config(tmp_path, "a"))
+    b = await started(config(tmp_path, "b", a.visible_maddrs()))
+    try:
+        groups = [WireGroup(TaskSpecWire("bf", {}, 1, i), ["x" * 3000] * 8, [0.0] * 8) for i in range(64)]
+        big = RolloutBatch(1, SWARM, 3, a.identity.public_key_bytes, time.time(), "m", groups)
+        data = encode_signed(big, a.identity)
+        assert len(data) > 1_500_000
+        assert await a.publish(3, data)
+        assert await a.publish(4, batch(a.identity, 4))  # the DHT process is still alive
+        got = {r.round: r.data for r in await b.fetch()}
+        assert got[3] == data and decode_signed(got[3]) == big
+    finally:
+        await asyncio.gather(a.shutdown(), b.shutdown())
+
+
+async def test_lonely_peer_and_tiny_timeouts_never_raise(tmp_path):
+    a = await started(config(tmp_path, "a", fetch_timeout_s=0.0))
+    try:
+        assert await a.fetch() == []
+        assert await a.publish(0, batch(a.identity, 0))  # stored locally
+        assert await a.fetch() == []  # own records are never returned
+    finally:
+        await a.shutdown()
+    with pytest.raises(RuntimeError):
+        await a.fetch()  # after shutdown: a programming error, not a network one
+
+
+async def test_identity_persists_across_restarts(tmp_path):
+    cfg = config(tmp_path, "a")
+    a = await started(cfg)
+    key, peer = a.identity.public_key_bytes, a.visible_maddrs()[0].split("/p2p/")[1]
+    await a.shutdown()
+    b = await started(config(tmp_path, "a", create_identity=False))
+    try:
+        assert b.identity.public_key_bytes == key
+        assert b.visible_maddrs()[0].split("/p2p/")[1] == peer
+    finally:
+        await b.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_unreachable_initial_peer_is_a_clear_error(tmp_path):
+    ghost = await started(config(tmp_path, "ghost"))
+    peer_id = ghost.visible_maddrs()[0].split("/p2p/")[1]
+    await ghost.shutdown()
+    dead = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{peer_id}"
+    with pytest.raises(TransportError, match="initial peers"):
+        await started(config(tmp_path, "x", [dead]))
+
+
+class EvilValidator(RecordValidatorBase):
+    """Mallory's node: stores anything, signs every record with her key, or injects raw bytes."""
+
+    def __init__(self, identity: Identity, swarm: str):
+        self.inner = SapoRecordValidator(identity, swarm)
+        self.identity = identity
+        self.raw: dict[bytes, bytes] = {}  # key id -> exact value bytes to send
+
+    def validate(self, record: DHTRecord) -> bool:
+        return True
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        if record.key in self.raw:
+            return self.raw[record.key]
+        msg = record_message(record.key, record.subkey, record.value, record.expiration_time)
+        return record.value + RECORD_SIG_MAGIC + self.identity.sign(msg)
+
+
+async def test_owner_protection_against_a_malicious_peer(tmp_path):
+    honest = await started(config(tmp_path, "h", record_ttl_s=20))
+    witness = await started(config(tmp_path, "w", honest.visible_maddrs()))
+    mallory_id = Identity.generate()
+    evil = EvilValidator(mallory_id, SWARM)
+    mallory = hivemind.DHT(
+        initial_peers=honest.visible_maddrs(), start=True, host_maddrs=LOOPBACK, record_validators=[evil]
+    )
+    try:
+        hk = honest.identity.public_key_bytes
+        h_subkey = owner_subkey(hk)
+        original = batch(honest.identity, 1, "honest")
+        assert await honest.publish(1, original)
+
+        # 1. Mallory writes her own signed batch under the honest peer's subkey of round 1
+        forged = batch(mallory_id, 1, "forged")
+        mallory.store(round_key(SWARM, 1), forged, get_dht_time() + 60, subkey=h_subkey)
+
+        # 2. she replays the honest, validly signed record under round 2 and with a later expiration
+        exp = get_dht_time() + 30
+        rec = DHTRecord(key_id_bytes(round_key(SWARM, 1)), MSGPackSerializer.dumps(h_subkey),
+                        MSGPackSerializer.dumps(original), exp)  # fmt: skip
+        honest_raw = SapoRecordValidator(honest.identity, SWARM).sign_value(rec)
+        evil.raw[key_id_bytes(round_key(SWARM, 2))] = honest_raw
+        mallory.store(round_key(SWARM, 2), b"ignored", exp, subkey=h_subkey)
+        evil.raw.clear()
+        evil.raw[key_id_bytes(round_key(SWARM, 1))] = honest_raw
+        mallory.store(round_key(SWARM, 1), b"ignored", exp + 300, subkey=h_subkey)
+
+        # positive control: Mallory's own, validly signed record does reach the honest peers
+        mk = owner_subkey(mallory_id.public_key_bytes)
+        assert mallory.store(round_key(SWARM, 5), batch(mallory_id, 5), get_dht_time() + 60, subkey=mk)
+
+        # the honest peers' stored records are unchanged
+        for peer in (honest, witness):
+            local = await peer.dht.run_coroutine(_local_entries, return_future=True)
+            entries = local.get(round_key(SWARM, 1), {})
+            assert entries.get(h_subkey) is not None
+            value, expiration = entries[h_subkey]
+            assert value == original
+            assert expiration < get_dht_time() + 25  # not extended to exp + 300
+            assert h_subkey not in local.get(round_key(SWARM, 2), {})
+            assert mk in local.get(round_key(SWARM, 5), {})
+        got = await witness.fetch()
+        assert seen(got) == {(hk, 1)} and got[0].data == original
+    finally:
+        mallory.shutdown()
+        await asyncio.gather(honest.shutdown(), witness.shutdown())
+
+
+async def _local_entries(_dht, node) -> dict:
+    """Inside a DHT process: this node's own storage for the keys under test, stripped values."""
+    out: dict = {}
+    for key in (round_key(SWARM, 1), round_key(SWARM, 2), round_key(SWARM, 5)):
+        found = node.protocol.storage.get(DHTID.generate(source=key))
+        if found is None:
+            continue
+        entries = {}
+        for subkey, (raw, exp) in found.value.items():
+            rec = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(subkey), raw, exp)
+            entries[subkey] = (MSGPackSerializer.loads(node.protocol.record_validator.strip_value(rec)), exp)
+        out[key] = entries
+    return out

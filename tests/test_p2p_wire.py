@@ -1,0 +1,168 @@
+"""Wire format: round trip, and every rejection reason in the documented check order."""
+
+import time
+
+import orjson
+import pytest
+
+from p2p.identity import Identity
+from p2p.wire import (
+    HEADER_LEN,
+    REASONS,
+    PresenceRecord,
+    RolloutBatch,
+    TaskSpecWire,
+    WireCaps,
+    WireError,
+    WireGroup,
+    canonical_json,
+    decode_presence,
+    decode_signed,
+    encode_presence,
+    encode_signed,
+    seal,
+)
+
+ME = Identity.generate()
+
+
+def make_batch(groups: int = 2, completions: int = 3, chars: int = 20, ident: Identity = ME) -> RolloutBatch:
+    return RolloutBatch(
+        version=1,
+        swarm="test",
+        round=7,
+        publisher=ident.public_key_bytes,
+        created_at=time.time(),
+        model="Qwen2.5-0.5B",
+        groups=[
+            WireGroup(
+                task=TaskSpecWire("basic_arithmetic", {"min_terms": 2, "max_terms": 4}, seed=11, index=i),
+                completions=["é" * chars for _ in range(completions)],
+                rewards=[0.0, 1.0, 0.5][:completions] + [0.0] * max(0, completions - 3),
+            )
+            for i in range(groups)
+        ],
+    )
+
+
+def reason_of(data: bytes, caps: WireCaps = WireCaps()) -> str:
+    with pytest.raises(WireError) as err:
+        decode_signed(data, caps)
+    assert err.value.reason in REASONS
+    return err.value.reason
+
+
+def resign(payload_obj: dict, ident: Identity = ME) -> bytes:
+    return seal(canonical_json(payload_obj), ident)
+
+
+def payload_of(data: bytes) -> dict:
+    return orjson.loads(data[HEADER_LEN:])
+
+
+def test_round_trip():
+    batch = make_batch()
+    data = encode_signed(batch, ME)
+    assert decode_signed(data) == batch
+
+
+def test_encoding_is_canonical():
+    batch = make_batch()
+    a, b = encode_signed(batch, ME), encode_signed(batch, ME)
+    assert a == b  # Ed25519 is deterministic and the payload has sorted keys
+    payload = a[HEADER_LEN:]
+    assert payload == canonical_json(orjson.loads(payload))
+
+
+def test_presence_round_trip():
+    rec = PresenceRecord(1, "test", ME.public_key_bytes, 12, time.time())
+    assert decode_presence(encode_presence(rec, ME)) == rec
+
+
+def test_cannot_encode_for_someone_else():
+    with pytest.raises(ValueError):
+        encode_signed(make_batch(ident=Identity.generate()), ME)
+
+
+def test_bad_signature_and_tampering():
+    data = bytearray(encode_signed(make_batch(), ME))
+    data[HEADER_LEN - 1] ^= 1  # signature byte
+    assert reason_of(bytes(data)) == "bad_signature"
+    data = bytearray(encode_signed(make_batch(), ME))
+    data[-5] ^= 1  # payload byte
+    assert reason_of(bytes(data)) == "bad_signature"
+    data = bytearray(encode_signed(make_batch(), ME))
+    data[10] ^= 1  # public key byte
+    assert reason_of(bytes(data)) == "bad_signature"
+
+
+def test_other_key_claiming_my_batch_is_publisher_mismatch():
+    mallory = Identity.generate()
+    obj = payload_of(encode_signed(make_batch(), ME))  # publisher field = ME
+    assert reason_of(resign(obj, mallory)) == "publisher_mismatch"
+
+
+def test_oversize_checked_before_anything_else():
+    # a huge blob of garbage is rejected by size alone (not 'malformed')
+    assert reason_of(b"\xff" * (2 * 1024 * 1024 + 1)) == "oversize"
+    data = encode_signed(make_batch(), ME)
+    assert reason_of(data, WireCaps(max_batch_bytes=len(data) - 1)) == "oversize"
+
+
+@pytest.mark.parametrize("garbage", [b"", b"SAPO", b"not a batch at all" * 20, b"\x00" * 200])
+def test_garbage_is_malformed(garbage):
+    assert reason_of(garbage) == "malformed"
+
+
+def test_envelope_version():
+    data = bytearray(encode_signed(make_batch(), ME))
+    data[4] = 2
+    assert reason_of(bytes(data)) == "version"
+
+
+def test_payload_version():
+    obj = payload_of(encode_signed(make_batch(), ME))
+    obj["version"] = 2
+    assert reason_of(resign(obj)) == "version"
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda o: o.pop("groups"),
+        lambda o: o.update(round=-1),
+        lambda o: o.update(round="7"),
+        lambda o: o.update(kind="presence"),
+        lambda o: o.update(swarm=""),
+        lambda o: o["groups"][0].update(rewards=[1.0]),
+        lambda o: o["groups"][0].update(completions=[1, 2, 3]),
+        lambda o: o["groups"][0]["task"].update(seed=True),
+        lambda o: o["groups"][0]["task"].update(config=[1]),
+        lambda o: o.update(version="1"),
+    ],
+)
+def test_schema(mutate):
+    obj = payload_of(encode_signed(make_batch(), ME))
+    mutate(obj)
+    assert reason_of(resign(obj)) == "schema"
+
+
+def test_signed_non_json_payload_is_schema():
+    assert reason_of(seal(b"\x00not json", ME)) == "schema"
+
+
+def test_caps():
+    assert reason_of(encode_signed(make_batch(groups=65), ME)) == "too_many_groups"
+    assert reason_of(encode_signed(make_batch(completions=33), ME)) == "too_many_completions"
+    assert reason_of(encode_signed(make_batch(chars=8001), ME)) == "completion_too_long"
+    decode_signed(encode_signed(make_batch(groups=64, completions=32, chars=10), ME))
+    decode_signed(encode_signed(make_batch(completions=1, chars=8000), ME))  # 8000 code points, 16000 bytes
+    big = make_batch()
+    big.groups[0].task.config = {"k": "v" * 5000}
+    assert reason_of(encode_signed(big, ME)) == "config_too_large"
+    assert reason_of(encode_signed(make_batch(groups=3), ME), WireCaps(max_groups=2)) == "too_many_groups"
+
+
+def test_presence_is_not_a_batch():
+    rec = PresenceRecord(1, "test", ME.public_key_bytes, 1, time.time())
+    assert reason_of(encode_presence(rec, ME)) == "schema"
