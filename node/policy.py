@@ -61,6 +61,7 @@ def pick_device(requested: str = "auto") -> torch.device:
 def load_model(name: str, device: torch.device) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     """Returns (model in train mode on device, tokenizer with a pad token and a chat template)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    _quiet_progress_bars()
     try:
         if name in ("tiny-random", "tiny-random-smol"):
             tokenizer = _byte_tokenizer() if name == "tiny-random" else _gguf_tokenizer(embedded_model_path())
@@ -90,6 +91,14 @@ def load_model(name: str, device: torch.device) -> tuple[torch.nn.Module, PreTra
     model.config.use_cache = True
     model.train()
     return model, tokenizer
+
+
+def _quiet_progress_bars() -> None:
+    """Weight-loading progress bars would fill node.log with carriage returns."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
@@ -260,32 +269,37 @@ class Sequence:
 
 
 def pad_batch(seqs: list[Sequence], pad_id: int, device: torch.device):
-    """Right-padded [B, L] ids/attention and a [B, C] completion mask aligned to completion positions."""
-    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in seqs]
-    max_len = max(lengths)
-    max_comp = max(len(s.completion_ids) for s in seqs)
-    ids = torch.full((len(seqs), max_len), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), max_len), dtype=torch.long)
-    gather_pos = torch.zeros((len(seqs), max_comp), dtype=torch.long)
-    comp_mask = torch.zeros((len(seqs), max_comp))
-    comp_ids = torch.full((len(seqs), max_comp), pad_id, dtype=torch.long)
+    """Layout [left pad | prompt | completion | right pad]: every completion starts at column P.
+
+    So the logits needed are the last C + 1 positions for every row (`logits_to_keep`): the lm head and
+    the log-softmax never run over prompt tokens, which dominate memory for long prompts and big
+    vocabularies. Position ids count real tokens only, exactly as `generate` does with left padding.
+    Returns (ids, attention, position ids, completion ids [B, C], completion mask [B, C]).
+    """
+    P = max(len(s.prompt_ids) for s in seqs)
+    C = max(len(s.completion_ids) for s in seqs)
+    B = len(seqs)
+    ids = torch.full((B, P + C), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P + C), dtype=torch.long)
+    comp_ids = torch.full((B, C), pad_id, dtype=torch.long)
+    comp_mask = torch.zeros((B, C))
     for i, s in enumerate(seqs):
-        full = s.prompt_ids + s.completion_ids
-        ids[i, : len(full)] = torch.tensor(full)
-        attn[i, : len(full)] = 1
-        c = len(s.completion_ids)
-        start = len(s.prompt_ids)
-        gather_pos[i, :c] = torch.arange(start - 1, start - 1 + c)  # logits at t-1 predict token t
-        comp_mask[i, :c] = 1.0
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        ids[i, P - p : P] = torch.tensor(s.prompt_ids)
+        ids[i, P : P + c] = torch.tensor(s.completion_ids)
+        attn[i, P - p : P + c] = 1
         comp_ids[i, :c] = torch.tensor(s.completion_ids)
-    return ids.to(device), attn.to(device), gather_pos.to(device), comp_ids.to(device), comp_mask.to(device)
+        comp_mask[i, :c] = 1.0
+    positions = (attn.cumsum(dim=1) - 1).clamp(min=0)
+    return ids.to(device), attn.to(device), positions.to(device), comp_ids.to(device), comp_mask.to(device)
 
 
 def token_logprobs(model: torch.nn.Module, seqs: list[Sequence], pad_id: int, temperature: float):
     """log softmax(logits / T) at each completion token; returns ([B, C] logp, [B, C] mask)."""
     device = next(model.parameters()).device
-    ids, attn, gather_pos, comp_ids, comp_mask = pad_batch(seqs, pad_id, device)
-    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-    picked = logits.gather(1, gather_pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-    logp = torch.log_softmax(picked.float() / temperature, dim=-1).gather(2, comp_ids.unsqueeze(-1)).squeeze(-1)
+    ids, attn, positions, comp_ids, comp_mask = pad_batch(seqs, pad_id, device)
+    C = comp_ids.shape[1]
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False,
+                   logits_to_keep=C + 1).logits[:, :-1]  # logits at t-1 predict token t
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(2, comp_ids.unsqueeze(-1)).squeeze(-1)
     return logp * comp_mask, comp_mask

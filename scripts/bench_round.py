@@ -133,7 +133,8 @@ def main() -> None:
     trainer = Trainer(model, tok.pad_token_id, TrainConfig(lr=1e-7, micro_batch_size=len(seqs)))
     from node.policy import pad_batch
 
-    ids, attn, *_ = pad_batch(seqs, tok.pad_token_id, device)
+    ids, attn, positions, comp_ids, _ = pad_batch(seqs, tok.pad_token_id, device)
+    keep = comp_ids.shape[1] + 1  # the same completion-only logits the trainer computes
     bare_opt = torch.optim.Adam(model.parameters(), lr=1e-7)
 
     def grpo_step(_):
@@ -141,7 +142,8 @@ def main() -> None:
 
     def bare_step(_):
         bare_opt.zero_grad(set_to_none=True)
-        model(input_ids=ids, attention_mask=attn, use_cache=False).logits.float().mean().backward()
+        model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False,
+              logits_to_keep=keep).logits.float().mean().backward()
         bare_opt.step()
 
     grpo_step(0), bare_step(0)
