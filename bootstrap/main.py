@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from p2p.identity import KEY_FILENAME, Identity, IdentityError
-from p2p.transport import routing_peers, start_dht
+from p2p.transport import die_with_parent, routing_peers, start_dht
 
 logger = logging.getLogger("sapo.bootstrap")
 
@@ -86,6 +86,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         dht.wait_until_ready(args.start_timeout)
+        die_with_parent(dht)  # a SIGKILLed bootstrap must not leave its DHT process holding the port
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
     except Exception as e:
         logger.error("bootstrap DHT failed to start: %s: %s", type(e).__name__, e)

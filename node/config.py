@@ -49,7 +49,7 @@ class NodeConfig:
     scale_std: bool = opt(True, "divide advantages by the group's reward std (off = Dr. GRPO)")
     epochs: int = opt(1, "passes over the round's sequences")
     minibatches: int = opt(1, "optimizer steps per epoch")
-    micro_batch_size: int = opt(8, "sequences per forward/backward (memory bound)")
+    micro_batch_size: int = opt(4, "sequences per forward/backward (memory bound)")
     max_grad_norm: float = opt(1.0, "gradient clipping norm")
     # run dir, checkpoints, logs
     run_dir: str = opt("runs/node", "where metrics, logs, identity and checkpoints live")

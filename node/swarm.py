@@ -27,7 +27,9 @@ from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireErr
 log = logging.getLogger("sapo.swarm")
 
 UNKNOWN_PEER = "unknown"
+DHT_PEER = "dht"  # records our DHT validator refused before they could reach the Verifier (no trusted sender)
 REWARD_TOLERANCE = 1e-6
+MAX_JUDGED = 100_000
 
 
 @dataclass
@@ -49,10 +51,23 @@ class Verifier:
         self.stats = stats
         self.seen: dict[tuple[bytes, int], str] = {}  # (publisher, round) -> payload digest
         self.newest: dict[bytes, int] = {}  # publisher -> newest round accepted
+        self.judged: dict[str, None] = {}  # digests of every batch already judged (insertion-ordered)
 
     def verify(self, data: bytes, now: float | None = None, hint: bytes | None = None) -> list[Group]:
-        """Groups from one batch that passed every check (possibly none). Never raises on bad input."""
-        now = time.time() if now is None else now
+        """Groups from one batch that passed every check (possibly none). Never raises on bad input.
+
+        Each distinct byte string is judged once: a batch stays in the fetch window for several rounds,
+        and neither its groups nor its offences may count twice.
+        """
+        digest = hashlib.sha256(data).hexdigest()
+        if digest in self.judged:
+            return []
+        self.judged[digest] = None
+        while len(self.judged) > MAX_JUDGED:
+            del self.judged[next(iter(self.judged))]
+        return self._verify(data, digest, time.time() if now is None else now, hint)
+
+    def _verify(self, data: bytes, digest: str, now: float, hint: bytes | None) -> list[Group]:
         claimed = hint.hex() if hint else UNKNOWN_PEER
         try:
             batch = decode_signed(data, self.cfg.caps)  # caps (bytes first), envelope, signature, schema
@@ -77,12 +92,10 @@ class Verifier:
         if batch.created_at - now > self.cfg.max_clock_skew_s:
             self.stats.reject(peer, "from_future")
             return []
-        digest = hashlib.sha256(data).hexdigest()
         key = (batch.publisher, batch.round)
-        if key in self.seen:
-            if self.seen[key] != digest:
-                self.stats.reject(peer, "equivocation")  # two different batches for one round
-            return []  # the same batch fetched again in a later round: already used, not an offence
+        if key in self.seen:  # a different batch for a round we already took from this publisher
+            self.stats.reject(peer, "equivocation")
+            return []
         newest = self.newest.get(batch.publisher, -1)
         if batch.round <= newest - self.cfg.window:
             self.stats.reject(peer, "stale_round")
@@ -155,6 +168,7 @@ class DhtExchange(_SignedExchange):
     def __init__(self, transport: SwarmTransport, mix: TaskMix, verify_cfg: VerifyConfig, model_name: str):
         super().__init__(transport.identity, mix, verify_cfg, model_name)
         self.transport = transport
+        self._dht_rejections: dict[str, int] = {}  # cumulative counts already reported
 
     @classmethod
     def from_config(cls, cfg, mix: TaskMix) -> "DhtExchange":
@@ -181,8 +195,16 @@ class DhtExchange(_SignedExchange):
         await self.transport.publish(round_, data)
 
     async def collect(self, round_: int) -> list[Group]:
-        records: list[FetchedRecord] = await self.transport.fetch()
-        return await self._verify_off_loop([(r.publisher, r.data) for r in records])
+        # DHT-level refusals (counted in the DHT process) are read alongside the fetch, within its budget
+        records, totals = await asyncio.gather(
+            self.transport.fetch(), self.transport.validator_rejections(self.transport.config.fetch_timeout_s))
+        fetched: list[FetchedRecord] = records
+        groups = await self._verify_off_loop([(r.publisher, r.data) for r in fetched])  # starts a new round
+        for reason, n in totals.items():
+            if n > self._dht_rejections.get(reason, 0):
+                self.stats.reject(DHT_PEER, reason, n - self._dht_rejections.get(reason, 0))
+        self._dht_rejections.update(totals)
+        return groups
 
     async def close(self) -> None:
         await self.transport.shutdown()

@@ -129,6 +129,7 @@ class SwarmTransport:
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(None, dht.wait_until_ready, cfg.start_timeout_s)
+            await loop.run_in_executor(None, die_with_parent, dht)
             maddrs = await loop.run_in_executor(None, dht.get_visible_maddrs)
         except Exception as e:
             await self.shutdown()
@@ -265,6 +266,18 @@ class SwarmTransport:
                 out[pub] = item.value
         return out
 
+    async def validator_rejections(self, timeout: float = 5.0) -> dict[str, int]:
+        """Records our DHT validator refused since start, by reason code (cumulative; {} if unavailable)."""
+        if self._dht is None or not self._dht.is_alive():
+            return {}
+        future = self._dht.run_coroutine(_validator_rejections, return_future=True)
+        try:
+            return dict(await asyncio.wait_for(future, timeout))
+        except Exception as e:  # asyncio.TimeoutError included: diagnostics must never break a round
+            future.cancel()
+            logger.debug("could not read validator rejections: %s: %s", type(e).__name__, e)
+            return {}
+
     async def shutdown(self) -> None:
         dht, self._dht = self._dht, None
         if dht is not None:
@@ -298,6 +311,51 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+async def _validator_rejections(_dht: hivemind.DHT, node: Any) -> dict[str, int]:
+    """Runs inside the DHT process: the SAPO validator's rejection counters."""
+    validator = node.protocol.record_validator
+    out: dict[str, int] = {}
+    for v in getattr(validator, "_validators", [validator]):
+        if isinstance(v, SapoRecordValidator):
+            for reason, n in v.rejections.items():
+                out[reason] = out.get(reason, 0) + n
+    return out
+
+
+async def _die_with_parent(_dht: hivemind.DHT, node: Any, parent_pid: int) -> bool:
+    """Runs inside the DHT process: be SIGKILLed (with p2pd, which follows it) when our parent dies (Linux).
+
+    hivemind's DHT process never notices its parent's death (it holds both ends of its command pipe),
+    so a node killed with SIGKILL (or by the OOM killer) left it running: it kept serving the dead
+    peer's records and kept the listen port, so a restart on the same port could not bind.
+    """
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+def die_with_parent(dht: hivemind.DHT, timeout: float = 10.0) -> bool:
+    """Blocking: tie `dht`'s process to this one (call from the thread that started it: the death signal
+    follows the forking thread). False where unsupported or on failure; never raises."""
+    try:
+        return bool(dht.run_coroutine(partial(_die_with_parent, parent_pid=os.getpid()),
+                                      return_future=True).result(timeout))
+    except Exception as e:
+        logger.warning("could not tie the DHT process to this one: %s: %s", type(e).__name__, e)
+        return False
 
 
 async def _routing_peers(_dht: hivemind.DHT, node: Any) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections import Counter
 from typing import Any
 
 import orjson
@@ -52,6 +53,11 @@ def key_id_bytes(key: str) -> bytes:
     return DHTID.generate(source=key).to_bytes()
 
 
+def reason_code(reason: str) -> str:
+    """A `check()` reason as a counter key: "envelope: bad_signature" -> "dht_envelope_bad_signature"."""
+    return "dht_" + re.sub(r"[^a-z0-9]+", "_", reason.lower()).strip("_")
+
+
 def record_message(key: bytes, subkey: bytes, value: bytes, expiration_time: float) -> bytes:
     """Bytes signed for a DHT record: domain tag, length-prefixed fields, expiration as f64 BE."""
     parts = [RECORD_SIG_DOMAIN]
@@ -74,6 +80,7 @@ class SapoRecordValidator(RecordValidatorBase):
         self._max_ttl_s = max_ttl_s
         self._own_subkey = MSGPackSerializer.dumps(owner_subkey(identity.public_key_bytes))
         self._presence_id = key_id_bytes(presence_key(swarm))
+        self.rejections: Counter = Counter()  # reason_code -> records refused (stores and get answers)
 
     # DHT is a forked process today, but keep the validator picklable (run_coroutine pickles).
     def __getstate__(self) -> dict[str, Any]:
@@ -103,6 +110,7 @@ class SapoRecordValidator(RecordValidatorBase):
         reason = self.check(record)
         if reason is not None:
             logger.debug(f"rejected DHT record: {reason}")
+            self.rejections[reason_code(reason)] += 1
         return reason is None
 
     def check(self, record: DHTRecord) -> str | None:

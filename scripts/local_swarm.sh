@@ -23,6 +23,9 @@ TASKS="${SAPO_TASKS:-$DEFAULT_TASKS}"
 CORES=$(nproc)
 THREADS=$(( CORES / PEERS )); [ "$THREADS" -ge 1 ] || THREADS=1
 STATUS_BASE="${SAPO_STATUS_BASE_PORT:-0}"
+# Activation memory grows with the micro-batch; on a shared CPU keep it small so 5 peers fit in RAM.
+if [ "$HAS_GPU" = 1 ]; then MICRO=8; else MICRO=2; fi
+MICRO="${SAPO_MICRO_BATCH_SIZE:-$MICRO}"
 
 # Refuse to start when the peers would not fit in memory (GPU memory if there is a GPU, else RAM).
 python -m node.resources --model "$MODEL" --peers "$PEERS"
@@ -66,7 +69,7 @@ for i in $(seq 0 $((PEERS - 1))); do
   [ "$STATUS_BASE" -gt 0 ] && extra+=(--status-port $((STATUS_BASE + i)))
   sapo-node --model "$MODEL" --tasks "$TASKS" --rounds "$ROUNDS" --seed "$i" --name "peer$i" \
     --num-local "${SAPO_NUM_LOCAL:-2}" --num-external "${SAPO_NUM_EXTERNAL:-2}" \
-    --generations "${SAPO_GENERATIONS:-6}" --threads "$THREADS" --run-dir "$dir" \
+    --generations "${SAPO_GENERATIONS:-6}" --threads "$THREADS" --micro-batch-size "$MICRO" --run-dir "$dir" \
     --host-maddrs /ip4/127.0.0.1/tcp/0 --peers "${MADDRS[@]}" "${extra[@]}" \
     >>"$dir/console.log" 2>&1 &
   PIDS+=($!)

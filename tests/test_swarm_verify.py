@@ -70,7 +70,9 @@ def _forged(peer: Identity, *, rewards=None, dataset=None, config=None, created_
 def test_hostile_batches_are_rejected_by_reason(make, reason):
     v, stats, _ = verifier()
     peer = Identity.generate()
-    assert v.verify(make(peer), hint=peer.public_key_bytes) == []
+    data = make(peer)
+    assert v.verify(data, hint=peer.public_key_bytes) == []
+    assert v.verify(data, hint=peer.public_key_bytes) == []  # fetched again next round: counted once
     assert stats.rejected[peer.public_key_hex][reason] == 1
     assert sum(stats.accepted.values()) == 0
 
