@@ -16,8 +16,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+from node import __version__
+from node.status import ThreadedStatusServer, start_status_server_in_thread
 from p2p.identity import KEY_FILENAME, Identity, IdentityError
 from p2p.transport import die_with_parent, routing_peers, start_dht
 
@@ -31,7 +33,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--identity-dir", type=Path, default=Path("./bootstrap-identity"))
     p.add_argument("--swarm", default="sapo-default")
     p.add_argument("--maddrs-file", type=Path, default=None, help="write full visible multiaddrs here, one per line")
-    p.add_argument("--status-port", type=int, default=None, help="serve a status page on this port (TODO)")
+    p.add_argument("--status-port", type=int, default=None,
+                   help="serve /status, /metrics, /healthz on this port (0 = any free port)")
+    p.add_argument("--status-host", default="127.0.0.1", help="status server bind address")
     p.add_argument("--log-interval", type=float, default=60.0, help="seconds between peer-count log lines")
     p.add_argument("--start-timeout", type=float, default=60.0)
     return p.parse_args(argv)
@@ -67,9 +71,9 @@ class PeerCounter:
         return {"routing_table": self.current, "peers_seen": len(self.seen)}
 
 
-def serve_status(port: int, get_status: Callable[[], dict]) -> None:
-    """TODO: serve get_status() as JSON on `port` (left for the status-page work)."""
-    raise NotImplementedError
+def serve_status(host: str, port: int, snapshot: Callable[[], dict[str, Any]]) -> ThreadedStatusServer:
+    """Serve the bootstrap snapshot from a daemon thread (the main loop stays synchronous)."""
+    return start_status_server_in_thread(snapshot, host, port, kind="bootstrap")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -97,22 +101,43 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.maddrs_file is not None:
         write_atomically(args.maddrs_file, "".join(f"{m}\n" for m in maddrs))
     counter = PeerCounter()
+    started = time.time()
+    peer_id = str(dht.peer_id)
+
+    def snapshot() -> dict[str, Any]:
+        # Called from the status thread: only reads immutable values and two ints.
+        return {"peer_id": peer_id, "maddrs": maddrs, "swarm": args.swarm, "uptime_s": time.time() - started,
+                "started_at": started, "version": __version__, **counter.status()}
+
+    status: Optional[ThreadedStatusServer] = None
     if args.status_port is not None:
         try:
-            serve_status(args.status_port, counter.status)
-        except NotImplementedError:
-            logger.warning("--status-port is not implemented yet; ignoring")
+            status = serve_status(args.status_host, args.status_port, snapshot)
+        except OSError as e:
+            logger.error("cannot serve status on %s:%s: %s", args.status_host, args.status_port, e)
+            dht.shutdown()
+            return 1
+        logger.info("status on %s/", status.url)
     logger.info("bootstrap peer for swarm %r up (%s)", args.swarm, identity.peer_name)
-    next_log = time.monotonic() + args.log_interval
-    while not stop.wait(1.0):
-        if time.monotonic() >= next_log:
-            next_log = time.monotonic() + args.log_interval
-            try:
-                counter.update(routing_peers(dht))
-                logger.info("peers: %s", counter.status())
-            except Exception as e:
-                logger.warning("could not read routing table: %s", e)
+    # The status page wants a fresh peer count; the log line keeps its own (usually longer) interval.
+    refresh = max(0.1, min(args.log_interval, 5.0) if status is not None else args.log_interval)
+    next_refresh, next_log = time.monotonic(), time.monotonic() + args.log_interval
+    while not stop.wait(min(1.0, refresh)):
+        now = time.monotonic()
+        if now < next_refresh:
+            continue
+        next_refresh = now + refresh
+        try:
+            counter.update(routing_peers(dht))
+        except Exception as e:
+            logger.warning("could not read routing table: %s", e)
+            continue
+        if now >= next_log:
+            next_log = now + args.log_interval
+            logger.info("peers: %s", counter.status())
     logger.info("shutting down")
+    if status is not None:
+        status.stop()
     dht.shutdown()
     return 0
 

@@ -1,14 +1,14 @@
-"""Two hivemind DHT peers in separate Linux network namespaces, joined over a veth pair.
+"""The real bootstrap and two real SAPO transports in separate Linux network namespaces, joined over a veth pair.
 
 Topology (addresses picked by the test, 10.213.X.0/24)::
 
-    netns A (10.213.X.1)                       netns B (10.213.X.2)
-      bootstrap DHT  <------ veth pair ------>   writer DHT: joins A by its namespace address, stores a value
-      reader DHT: joins the bootstrap, reads the value the writer stored
+    netns A (10.213.X.1)                          netns B (10.213.X.2)
+      sapo-bootstrap (python -m bootstrap.main) <-- veth --> writer: SwarmTransport joins the bootstrap by its
+      reader: SwarmTransport joins the bootstrap,              namespace multiaddr, publishes a signed batch
+              fetches the writer's batch and verifies it
 
 Requires root, the ``ip`` command (iproute2) and permission to create namespaces; skipped otherwise.
-The namespaces are always deleted. All process commands are built in ``COMMANDS`` below so the bootstrap can
-later be switched to ``sapo-bootstrap`` in one place (its maddrs are found by regex in its output).
+The namespaces are always deleted. All process commands are built in ``COMMANDS`` below.
 """
 
 from __future__ import annotations
@@ -17,66 +17,64 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.timeout(180)
 
 IP = shutil.which("ip")
+REPO = Path(__file__).resolve().parents[1]
 SUBNET_PREFIX = "10.213"
-MADDR_RE = re.compile(r"/ip4/(?:\d+\.){3}\d+/tcp/\d+/p2p/[1-9A-HJ-NP-Za-km-z]+")
-KEY, VALUE = "sapo-netns-test", "hello-from-namespace-B"
+SWARM, ROUND, MODEL = "sapo-netns-test", 7, "netns-model"
 
-_BOOTSTRAP_PY = textwrap.dedent("""
-    import sys, time, hivemind
-    from hivemind.utils import get_dht_time
-    dht = hivemind.DHT(host_maddrs=[f"/ip4/{sys.argv[1]}/tcp/0"], start=True)
-    for m in dht.get_visible_maddrs():
-        print("MADDR", m, flush=True)
-    print("READY", flush=True)
-    sys.stdin.read()  # serve until the test closes stdin
-    dht.shutdown()
-""")
+# Both joiners: argv = role, own ip, identity dir, bootstrap multiaddrs...
+_PEER_PY = textwrap.dedent("""
+    import asyncio, sys, time
+    from pathlib import Path
+    from p2p.transport import SwarmTransport, TransportConfig
+    from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireGroup, decode_signed, encode_signed
 
-_WRITER_PY = textwrap.dedent("""
-    import sys, time, hivemind
-    from hivemind.utils import get_dht_time
-    ip, peers = sys.argv[1], sys.argv[2:]
-    dht = hivemind.DHT(host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=peers, start=True)
-    ok = dht.store(%(key)r, %(value)r, expiration_time=get_dht_time() + 600)
-    print("STORED", ok, flush=True)
-    sys.stdin.read()  # keep serving the value until the test is done
-    dht.shutdown()
-""") % {"key": KEY, "value": VALUE}
+    async def main(role, ip, identity_dir, peers):
+        t = SwarmTransport(TransportConfig(identity_dir=Path(identity_dir), swarm=%(swarm)r,
+                                           host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=peers))
+        await t.start()
+        print("UP", t.identity.public_key_hex, *t.visible_maddrs(), flush=True)
+        try:
+            if role == "writer":
+                group = WireGroup(TaskSpecWire("basic_arithmetic", {}, 1, 0), ["2", "3"], [1.0, 0.0])
+                batch = RolloutBatch(WIRE_VERSION, %(swarm)r, %(round)d, t.identity.public_key_bytes, time.time(),
+                                     %(model)r, [group])
+                print("PUBLISHED", await t.publish(%(round)d, encode_signed(batch, t.identity)), flush=True)
+                await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # serve until stdin closes
+            else:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    for rec in await t.fetch():
+                        b = decode_signed(rec.data)  # signature + schema checked again on this side
+                        print("GOT", rec.publisher.hex(), rec.round, b.model, len(b.groups), flush=True)
+                        return
+                    await asyncio.sleep(0.5)
+                print("NOT FOUND", flush=True)
+        finally:
+            await t.shutdown()
 
-_READER_PY = textwrap.dedent("""
-    import sys, time, hivemind
-    from hivemind.utils import get_dht_time
-    ip, peers = sys.argv[1], sys.argv[2:]
-    dht = hivemind.DHT(host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=peers, start=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        found = dht.get(%(key)r, latest=True)
-        if found is not None:
-            print("GOT", found.value, flush=True)
-            break
-        time.sleep(0.5)
-    else:
-        print("NOT FOUND", flush=True)
-    dht.shutdown()
-""") % {"key": KEY}
+    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]))
+""") % {"swarm": SWARM, "round": ROUND, "model": MODEL}
 
 # One place for the commands each role runs inside its namespace.
-# To use the real bootstrap binary: "bootstrap": lambda ip: ["sapo-bootstrap", "--host-maddrs", f"/ip4/{ip}/tcp/0"]
 COMMANDS = {
-    "bootstrap": lambda ip: [sys.executable, "-c", _BOOTSTRAP_PY, ip],
-    "writer": lambda ip, peers: [sys.executable, "-c", _WRITER_PY, ip, *peers],
-    "reader": lambda ip, peers: [sys.executable, "-c", _READER_PY, ip, *peers],
+    "bootstrap": lambda ip, tmp: [sys.executable, "-m", "bootstrap.main", "--host-maddrs", f"/ip4/{ip}/tcp/0",
+                                  "--identity-dir", str(tmp / "boot"), "--maddrs-file", str(tmp / "maddrs.txt"),
+                                  "--swarm", SWARM],
+    "writer": lambda ip, tmp, peers: [sys.executable, "-c", _PEER_PY, "writer", ip, str(tmp / "writer"), *peers],
+    "reader": lambda ip, tmp, peers: [sys.executable, "-c", _PEER_PY, "reader", ip, str(tmp / "reader"), *peers],
 }
 
 
@@ -90,7 +88,8 @@ class Proc:
     def __init__(self, ns: str, argv: list[str]):
         self.p = subprocess.Popen(
             [IP, "netns", "exec", ns, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stderr=subprocess.STDOUT, text=True, cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), "SAPO_THREADS": "1"},
         )
         self.lines: list[str] = []
         self._cond = threading.Condition()
@@ -119,6 +118,11 @@ class Proc:
                 if left <= 0 or (self.p.poll() is not None and seen == len(self.lines)):
                     raise AssertionError(f"no line matching {pattern!r}; output:\n" + "\n".join(self.lines[-40:]))
                 self._cond.wait(min(left, 0.5))
+
+    def terminate(self, timeout: float = 30) -> int:
+        """SIGTERM (`ip netns exec` execs the command, so this reaches it) and return the exit code."""
+        self.p.send_signal(signal.SIGTERM)
+        return self.p.wait(timeout=timeout)
 
     def stop(self):
         if self.p.poll() is None:
@@ -173,24 +177,39 @@ def two_namespaces():
         assert not any(ns in leftover for ns in created), leftover
 
 
-def test_dht_across_namespaces(two_namespaces):
+def wait_for_file(path: Path, proc: Proc, timeout: float) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return path.read_text().split()
+        assert proc.p.poll() is None, "bootstrap exited early:\n" + "\n".join(proc.lines[-40:])
+        time.sleep(0.2)
+    raise AssertionError(f"{path} never appeared:\n" + "\n".join(proc.lines[-40:]))
+
+
+def test_swarm_across_namespaces(two_namespaces, tmp_path):
     (ns_a, ip_a), (ns_b, ip_b) = two_namespaces["a"], two_namespaces["b"]
     procs: list[Proc] = []
     try:
-        boot = Proc(ns_a, COMMANDS["bootstrap"](ip_a))
+        boot = Proc(ns_a, COMMANDS["bootstrap"](ip_a, tmp_path))
         procs.append(boot)
-        maddr = boot.wait_line(MADDR_RE.pattern.replace("(?:\\d+\\.){3}\\d+", re.escape(ip_a)), timeout=60).group(0)
-        assert maddr.startswith(f"/ip4/{ip_a}/tcp/")
+        maddrs = wait_for_file(tmp_path / "maddrs.txt", boot, timeout=60)
+        assert maddrs and all(re.match(rf"/ip4/{re.escape(ip_a)}/tcp/\d+/p2p/\w+$", m) for m in maddrs), maddrs
 
-        writer = Proc(ns_b, COMMANDS["writer"](ip_b, [maddr]))
+        writer = Proc(ns_b, COMMANDS["writer"](ip_b, tmp_path, maddrs))
         procs.append(writer)
-        assert writer.wait_line(r"^STORED (True|False)", timeout=60).group(1) == "True"
+        writer_key = writer.wait_line(r"^UP ([0-9a-f]{64}) ", timeout=60).group(1)
+        assert writer.wait_line(r"^PUBLISHED (True|False)", timeout=60).group(1) == "True"
 
-        reader = Proc(ns_a, COMMANDS["reader"](ip_a, [maddr]))
+        reader = Proc(ns_a, COMMANDS["reader"](ip_a, tmp_path, maddrs))
         procs.append(reader)
         got = reader.wait_line(r"^(GOT|NOT FOUND)(.*)$", timeout=90)
         assert got.group(1) == "GOT", "\n".join(reader.lines)
-        assert got.group(2).strip() == VALUE
+        assert got.group(2).split() == [writer_key, str(ROUND), MODEL, "1"]
+        assert reader.p.wait(timeout=30) == 0, "\n".join(reader.lines)
+
+        writer.stop()
+        assert boot.terminate() == 0, "\n".join(boot.lines[-40:])
     finally:
         for p in reversed(procs):
             p.stop()
