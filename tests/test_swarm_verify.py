@@ -137,3 +137,31 @@ def test_regenerated_spec_from_wire_matches():
     task = TaskSampler(MIX, 4).sample(1)[0]
     w = task.spec.to_wire()
     assert regenerate(TaskSpec.make(**w)).answer == task.answer
+
+
+async def test_a_three_times_slower_peer_gets_and_gives_groups(tmp_path, tiny_model):
+    """No coordinator: the slow peer runs one round while the others run three; both directions flow."""
+    import copy
+
+    board = MemoryBoard()
+    nodes = []
+    for i in range(3):
+        cfg = load_config(["--model", "tiny-random", "--tasks", "smoke", "--num-local", "2", "--num-external", "4",
+                           "--generations", "4", "--seed", str(10 + i), "--run-dir", str(tmp_path / f"p{i}"),
+                           "--swarm", "mem"], env={})
+        mix = PRESETS["smoke"]
+        exchange = MemoryExchange(board, Identity.generate(), mix, VerifyConfig(swarm="mem"), "tiny")
+        nodes.append(SapoNode(cfg, mix, copy.deepcopy(tiny_model[0]), tiny_model[1], exchange, torch.device("cpu")))
+    slow = nodes[2]
+    used = [set() for _ in nodes]
+    for _ in range(3):
+        for _ in range(3):
+            for i in (0, 1):
+                used[i] |= set((await nodes[i].step())["external_sources"])
+        used[2] |= set((await slow.step())["external_sources"])
+    key = [n.exchange.identity.public_key_hex[:16] for n in nodes]
+    assert slow.next_round == 3 and nodes[0].next_round == 9
+    assert {key[0], key[1]} <= used[2], "the slow peer trains on the fast peers' groups"
+    assert key[2] in used[0] and key[2] in used[1], "the fast peers train on the slow peer's groups"
+    for node in nodes:
+        node.worker.shutdown()
