@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +213,3 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
     validate(cfg)
     return cfg
 
-
-def config_field_names() -> list[str]:
-    return [f.name for f in fields(NodeConfig) if f.default is not MISSING or f.default_factory is not MISSING]

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from node.grpo import group_advantages, has_signal
-from node.policy import SampledGroup, Sequence, encode_completion
-from node.tasks import Task, extract_answer, score
+from node.policy import SampledGroup, Sequence, encode_completion, prompt_text
+from node.tasks import Task, TaskMix, build_messages, extract_answer, score
 
 LOCAL = "local"
 
@@ -92,12 +92,10 @@ def to_sequences(groups: list[Group], tokenizer, prompt_for, scale_std: bool) ->
 class Prompter:
     """This node's prompt for a task: chat template + system prompt + forced answer prefix."""
 
-    def __init__(self, tokenizer, mix):
-        from node.policy import prompt_text
-        from node.tasks import build_messages
-
-        self._render = lambda task: prompt_text(tokenizer, build_messages(mix, task), mix.answer_prefix)
+    def __init__(self, tokenizer, mix: TaskMix):
+        self.tokenizer = tokenizer
+        self.mix = mix
         self.answer_prefix = mix.answer_prefix
 
     def __call__(self, task: Task) -> str:
-        return self._render(task)
+        return prompt_text(self.tokenizer, build_messages(self.mix, task), self.answer_prefix)

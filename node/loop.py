@@ -204,7 +204,7 @@ class SapoNode:
             "swarm_io_s": round(phase_s.get("publish", 0.0) + phase_s.get("fetch", 0.0), 4),
             "reward_mean": float(sum(rewards) / len(rewards)) if rewards else 0.0,
             "reward_max": float(max(rewards)) if rewards else 0.0,
-            "local_signal_frac": sum(g.signal() for g in local) / max(len(local), 1),
+            "local_signal_frac": (len(local) - selection.dropped_local) / max(len(local), 1),
             "target_local": num_local,
             "target_external": num_external,
             "num_local": len(selection.local),
@@ -227,7 +227,6 @@ class SapoNode:
         }
 
     def _observation(self, r, local, external, selection, record) -> RoundObservation:
-        ext_signal = [g.signal() for g in external]
         return RoundObservation(
             round=r,
             reward_mean=record["reward_mean"],
@@ -235,7 +234,7 @@ class SapoNode:
             num_external=record["num_external"],
             external_available=selection.external_available,
             local_signal_frac=record["local_signal_frac"],
-            external_signal_frac=sum(ext_signal) / len(ext_signal) if ext_signal else 0.0,
+            external_signal_frac=selection.external_available / len(external) if external else 0.0,
             external_adv_abs_mean=_mean_abs_adv(selection.external),
             local_adv_abs_mean=_mean_abs_adv(selection.local),
         )

@@ -41,9 +41,6 @@ class MetricsWriter:
             f.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
             f.flush()
 
-    def read(self) -> list[dict[str, Any]]:
-        return read_metrics(self.path)
-
     def truncate_after(self, last_round: int) -> int:
         """On resume: rounds after the checkpoint will run again. Their old lines move to
         metrics.orphaned.jsonl (kept, never deleted) so metrics.jsonl has each round once."""
@@ -63,17 +60,6 @@ class MetricsWriter:
         tmp.write_bytes(b"".join(line + b"\n" for line in keep))
         tmp.replace(self.path)
         return len(orphaned)
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    records = []
-    if path.exists():
-        for line in path.read_bytes().splitlines():
-            try:
-                records.append(orjson.loads(line))
-            except orjson.JSONDecodeError:
-                continue
-    return records
 
 
 def peak_memory_mb(device) -> float:

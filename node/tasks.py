@@ -82,8 +82,6 @@ def regenerate(spec: TaskSpec) -> Task:
         raise TaskError(f"task index {spec.index} outside [0, {DATASET_SIZE})")
     try:
         entry = _dataset(spec.dataset, spec.config, spec.seed)[spec.index]
-    except TaskError:
-        raise
     except Exception as exc:  # reasoning-gym raises many kinds on bad configs
         raise TaskError(f"cannot regenerate {spec.dataset} {spec.config_dict()}: {exc}") from exc
     return Task(spec=spec, question=entry["question"], answer=str(entry["answer"]), entry=entry)

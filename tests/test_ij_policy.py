@@ -9,7 +9,6 @@ from node.ij_policy import (
     EMAPolicy,
     IJPolicy,
     RoundObservation,
-    UsefulnessPolicy,
     make_ij_policy,
 )
 

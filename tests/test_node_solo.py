@@ -9,7 +9,7 @@ import time
 import orjson
 import pytest
 
-from conftest import REPO, node_env, run_node
+from conftest import REPO, run_node
 from node.checkpoint import CheckpointStore
 
 REQUIRED_FIELDS = {
