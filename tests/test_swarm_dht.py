@@ -169,6 +169,16 @@ async def await_for(pred, timeout: float, what: str, poll: float = 0.5) -> None:
         await asyncio.sleep(poll)
 
 
+async def stored_eventually(store, what: str, attempts: int = 5) -> None:
+    """A valid store came back False once on a loaded CI machine (hivemind reports the verdict of the last
+    replica to answer); what is under test is what the honest node does with the record, so retry."""
+    for _ in range(attempts):
+        if await store():
+            return
+        await asyncio.sleep(1.0)
+    raise AssertionError(f"{what}: valid record not stored after {attempts} attempts")
+
+
 def up_line(run_dir: Path) -> list[tuple[str, list[str]]]:
     """(peer name, visible maddrs) from every 'DHT peer ... up at [...]' line in node.log."""
     text = (run_dir / "node.log").read_text()
@@ -334,8 +344,8 @@ async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
             assert await raw_store(evil, round_key(swarm, r), value) is False, f"round {r} was stored"
         # the presence record points at them (window 4 covers rounds 1..4), so the node would fetch them
         presence = encode_presence(PresenceRecord(1, swarm, ev, 4, time.time()), me)
-        assert await evil.dht.store(presence_key(swarm), presence, get_dht_time() + 300, subkey=owner_subkey(ev),
-                                    return_future=True)
+        await stored_eventually(lambda: evil.dht.store(presence_key(swarm), presence, get_dht_time() + 300,
+                                                       subkey=owner_subkey(ev), return_future=True), "presence")
         for r in dht_level:
             assert ev not in await entries(witness, round_key(swarm, r)), f"round {r} is visible"
         assert not [rec for rec in await witness.fetch() if rec.publisher == ev]  # nothing of evil's
@@ -346,7 +356,7 @@ async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
         outside_mix = WireGroup(TaskSpecWire("basic_arithmetic", {}, 1, 0), ["<answer>1</answer>", "2"], [1.0, 0.0])
         valid = _smoke_group(14)
         round10 = batch(10, [valid, wrong_reward, outside_mix])
-        assert await evil.publish(10, round10)
+        await stored_eventually(lambda: evil.publish(10, round10), "round 10")
         assert (await entries(witness, round_key(swarm, 10)))[ev] == round10
 
         def seen(reason: str) -> bool:
@@ -358,10 +368,12 @@ async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
         assert ev.hex()[:16] in sources(recs)  # ... which it then trained on, with its own rewards
 
         # replay: an older round after a newer one (window 4: round 5 <= 10 - 4) -> stale_round
-        assert await evil.publish(5, batch(5, [_smoke_group(15)]))
+        stale = batch(5, [_smoke_group(15)])
+        await stored_eventually(lambda: evil.publish(5, stale), "round 5")
         await await_for(lambda: seen("stale_round"), 90, "stale_round")
         # two different batches for round 10 -> equivocation
-        assert await evil.publish(10, batch(10, [_smoke_group(16)], created_at=time.time() + 1))
+        second = batch(10, [_smoke_group(16)], created_at=time.time() + 1)
+        await stored_eventually(lambda: evil.publish(10, second), "second round 10")
         await await_for(lambda: seen("equivocation"), 90, "equivocation")
 
         # the honest node keeps going after all of it
