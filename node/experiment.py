@@ -21,6 +21,7 @@ import logging
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,6 +116,16 @@ def write_run_json(path: Path, spec: RunSpec, status: str) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
+
+
+def prune_checkpoints(root: Path) -> int:
+    """Delete the peers' checkpoints of a finished run; returns bytes freed. A 135M model with Adam
+    state is ~1.5 GB per peer, so a 3 x 3 comparison would otherwise keep ~70 GB nobody reads."""
+    freed = 0
+    for ckpt in root.glob("peer*/checkpoints"):
+        freed += sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+        shutil.rmtree(ckpt, ignore_errors=True)
+    return freed
 
 
 def is_complete(path: Path) -> bool:
@@ -243,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--mode", choices=("dht", "memory"), default="dht")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads per peer (0 = cores / peers)")
+    ap.add_argument("--keep-run-checkpoints", action="store_true",
+                    help="keep the peers' checkpoints of finished runs (default: delete them; metrics stay)")
     ap.add_argument("--node-arg", action="append", default=[], help="extra sapo-node flag (repeatable)")
     return ap
 
@@ -291,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
             ok = asyncio.run(run_memory(spec, root)) if args.mode == "memory" else run_dht(spec, root)
             write_run_json(root / "run.json", spec, "complete" if ok else "interrupted")
             log.info("%s seed %d: %s in %.0fs", name, seed, "complete" if ok else "interrupted", time.time() - t0)
+            if ok and not args.keep_run_checkpoints:
+                freed = prune_checkpoints(root)
+                if freed:
+                    log.info("%s seed %d: removed its checkpoints (%.1f GB; --keep-run-checkpoints keeps them)",
+                             name, seed, freed / 1e9)
             if Stop.requested:
                 log.warning("interrupted; resume with the same command")
                 return 130

@@ -65,6 +65,8 @@ def test_preset_over_dht_resumes_after_ctrl_c(tmp_path):
                for line in (p / "metrics.jsonl").read_bytes().splitlines())
     assert used > 0, "the two peers never trained on each other's groups"
 
+    assert not list(run.glob("peer*/checkpoints")), "a finished run keeps no checkpoints by default"
+
     third = subprocess.run(cmd, cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=120)
     assert third.returncode == 0 and "complete, skipped" in third.stderr, third.stderr[-2000:]
 
