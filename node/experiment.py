@@ -111,8 +111,10 @@ def run_dir_of(exp: Path, spec: RunSpec) -> Path:
     return exp / slug(spec.config_name) / f"seed{spec.seed}"
 
 
-def write_run_json(path: Path, spec: RunSpec, status: str) -> None:
-    data = {**asdict(spec), "status": status, "updated_at": time.time(), **provenance()}
+def write_run_json(path: Path, spec: RunSpec, status: str, prov: dict) -> None:
+    """`prov` is taken once when the runner starts: the code that runs is the code loaded then, even if
+    the checkout moves on while a long experiment is going."""
+    data = {**asdict(spec), "status": status, "updated_at": time.time(), **prov}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
@@ -273,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     exp = Path(args.out)
     exp.mkdir(parents=True, exist_ok=True)
+    prov = provenance()
 
     def on_signal(signum, frame):
         if Stop.requested:
@@ -299,10 +302,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             log.info("%s seed %d: %d peers x %d rounds (%s mode) in %s", name, seed, peers, args.rounds,
                      args.mode, root)
-            write_run_json(root / "run.json", spec, "running")
+            write_run_json(root / "run.json", spec, "running", prov)
             t0 = time.time()
             ok = asyncio.run(run_memory(spec, root)) if args.mode == "memory" else run_dht(spec, root)
-            write_run_json(root / "run.json", spec, "complete" if ok else "interrupted")
+            write_run_json(root / "run.json", spec, "complete" if ok else "interrupted", prov)
             log.info("%s seed %d: %s in %.0fs", name, seed, "complete" if ok else "interrupted", time.time() - t0)
             if ok and not args.keep_run_checkpoints:
                 freed = prune_checkpoints(root)
