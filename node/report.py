@@ -30,6 +30,9 @@ Definitions (also written into the report):
   of the config and of the baseline are resampled independently with replacement (``--bootstrap``
   resamples, ``numpy.random.default_rng(--boot-seed)``), 2.5/97.5 percentiles.  With one seed on
   both sides the CI is degenerate (a point) and the report says so.
+* seeds ahead: number of seeds k in which the config's cumulative reward beats the baseline's with
+  the same seed k (same node seeds), with the one-sided exact sign-test p = P(X >= wins), X ~
+  Binomial(n, 1/2) over the n seeds without a tie; never below 0.5^n.
 * rounds to threshold: first logged round at which the swarm-mean MA is >= threshold; default
   threshold = 0.5 × the largest swarm-mean MA observed in any run.
 * stability: std (ddof = 0) over rounds of the swarm-mean reward (includes the learning trend);
@@ -427,6 +430,18 @@ def bootstrap_improvement(
     return point, float(lo), float(hi), note
 
 
+def paired_sign_test(cfg: dict[str, float], base: dict[str, float]) -> tuple[int, int, float]:
+    """(seeds where the config beat the baseline, common seeds, one-sided exact sign-test p).
+
+    Seeds are paired: peer p of seed k has the same node seed in every configuration. With n seeds
+    the smallest possible p is 0.5**n, so 3 seeds can never reach p < 0.05 however large the effect."""
+    common = [k for k in cfg if k in base and math.isfinite(cfg[k]) and math.isfinite(base[k])]
+    diffs = [cfg[k] - base[k] for k in common if cfg[k] != base[k]]  # ties carry no sign
+    n, wins = len(diffs), sum(d > 0 for d in diffs)
+    p = sum(math.comb(n, i) for i in range(wins, n + 1)) / 2**n if n else math.nan
+    return wins, len(common), p
+
+
 def _steep_drops(curve: np.ndarray, window: int, drop: float) -> int:
     n = curve.size // max(window, 1)
     if n < 2 or not math.isfinite(drop):
@@ -543,6 +558,9 @@ def summarize(
             "improvement_pct": math.nan,
             "improvement_ci": [math.nan, math.nan],
             "improvement_note": "",
+            "paired_wins": None,
+            "paired_seeds": None,
+            "sign_test_p": math.nan,
             "rounds_to_threshold_by_seed": rtt,
             "rounds_to_threshold_mean": float(np.mean(reached)) if reached else math.nan,
             "seeds_reaching_threshold": len(reached),
@@ -571,6 +589,8 @@ def summarize(
                 continue
             pt, lo, hi, note = bootstrap_improvement(list(d["cumulative_by_seed"].values()), bvals, n_boot, boot_seed)
             d["improvement_pct"], d["improvement_ci"], d["improvement_note"] = pt, [lo, hi], note
+            d["paired_wins"], d["paired_seeds"], d["sign_test_p"] = paired_sign_test(
+                d["cumulative_by_seed"], b["cumulative_by_seed"])
             if d["peers"] != b["peers"] or d["rounds"] != b["rounds"]:
                 warnings.append(
                     f"{cfg}: agents {d['peers']} / rounds {d['rounds']} differ from baseline {base_name} "
@@ -850,20 +870,26 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
 
     L.append("## Cumulative reward\n")
     L.append("Sum over agents and rounds of `reward_mean`, per seed; mean ± sample std over seeds.\n")
-    L.append("| config | cumulative reward (mean ± std) | per seed | reward per agent-round | vs baseline | 95% CI (bootstrap over seeds) | note |")
-    L.append("|---|---|---|---|---|---|---|")
+    L.append("Seeds ahead: in how many seeds the configuration beat the baseline with the same seed (peer p of "
+             "seed k has the same node seed in every configuration), with the one-sided exact sign-test p; "
+             "with n seeds p cannot go below 0.5^n.\n")
+    L.append("| config | cumulative reward (mean ± std) | per seed | reward per agent-round | vs baseline | 95% CI (bootstrap over seeds) | seeds ahead (sign-test p) | note |")
+    L.append("|---|---|---|---|---|---|---|---|")
     for c in cfgs:
         d = per[c]
         seeds = ", ".join(f"s{s}: {_f(v)}" for s, v in d["cumulative_by_seed"].items())
         if c == base:
-            vs, ci = "baseline", "—"
+            vs, ci, ahead = "baseline", "—", "—"
         else:
+            ahead = ("n/a" if not d["paired_seeds"] else
+                     f"{d['paired_wins']}/{d['paired_seeds']} (p = {_f(d['sign_test_p'], '.3f')})")
             vs = _pct(d["improvement_pct"])
             lo, hi = d["improvement_ci"]
             ci = "n/a" if not (math.isfinite(lo) and math.isfinite(hi)) else f"[{lo:+.2f}%, {hi:+.2f}%]"
         L.append(
             f"| {c} | {_f(d['cumulative_mean'])} ± {_f(d['cumulative_std'])} | {seeds} | "
-            f"{_f(d['reward_per_agent_round'], '.4f')} | {vs} | {ci} | {d['improvement_note'] if c != base else ''} |"
+            f"{_f(d['reward_per_agent_round'], '.4f')} | {vs} | {ci} | {ahead} | "
+            f"{d['improvement_note'] if c != base else ''} |"
         )
     L.append("")
     L.append(f"![cumulative reward]({FIGURES['cumulative']})\n")

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from node.report import bootstrap_improvement, load_runs, main, moving_average, summarize
+from node.report import bootstrap_improvement, load_runs, main, moving_average, paired_sign_test, summarize
 
 # reward(config, seed, peer, round t) = BASE[config] + 0.02 * t + 0.01 * seed  (same for both peers)
 BASE = {"4/0": 0.10, "2/2": 0.25}
@@ -59,6 +59,7 @@ def test_report_end_to_end(tmp_path, capsys):
     assert "| 2/2 | 7.00 ± 0.20 | s0: 6.80, s1: 7.00, s2: 7.20 |" in md
     # improvement = 100 * (7.0 / 4.0 - 1) = +75.00 %
     assert "+75.00%" in md
+    assert "| 3/3 (p = 0.125) |" in md  # 2/2 beats 4/0 in every paired seed; 0.5^3
     assert "Baseline: **4/0**" in md
     # acceptance 3 / (3 + 1)
     assert "75.0%" in md
@@ -152,6 +153,17 @@ def test_no_metrics_and_all_corrupt(tmp_path, capsys):
     d.joinpath("metrics.jsonl").write_text('[1, 2]\n{"round": "x", "reward_mean": 1}\n{"round": true, "reward_mean": 1}\n')
     assert main([str(tmp_path / "bad")]) == 2
     assert "3 corrupt" in capsys.readouterr().err
+
+
+def test_paired_sign_test():
+    assert paired_sign_test({"0": 2.0, "1": 3.0, "2": 1.0}, {"0": 1.0, "1": 1.0, "2": 1.5}) == (2, 3, 0.5)
+    assert paired_sign_test({"0": 2.0, "1": 3.0}, {"0": 1.0, "1": 1.0, "7": 9.0}) == (2, 2, 0.25)
+    wins, n, p = paired_sign_test({str(k): 1.0 for k in range(5)}, {str(k): 0.0 for k in range(5)})
+    assert (wins, n, p) == (5, 5, 1 / 32)
+    # a tie carries no sign: 1 win out of 1 informative pair
+    assert paired_sign_test({"0": 1.0, "1": 2.0}, {"0": 1.0, "1": 1.0}) == (1, 2, 0.5)
+    wins, n, p = paired_sign_test({}, {"0": 1.0})
+    assert (wins, n) == (0, 0) and math.isnan(p)
 
 
 def test_moving_average_and_bootstrap_helpers():
