@@ -7,8 +7,11 @@ group as the swarm runs it is compared with. Finished runs are skipped; unfinish
 their checkpoints, so an interrupted experiment continues where it stopped.
 
 Modes: `dht` (default) runs each peer as its own `sapo-node` process over a real Hivemind DHT with a
-bootstrap peer; `memory` runs the peers in this process over an in-memory board, round-robin, which
-is exactly reproducible; sampling, signing, verification and training code are the same in both.
+bootstrap peer; `memory` runs the peers in this process over an in-memory board, round-robin: a fixed
+interleaving, so every configuration sees the same task streams, and a re-run repeats round 0 exactly.
+Later rounds agree only up to the floating-point non-determinism of multi-threaded CPU kernels (a
+flipped sampled token lets runs drift apart). Sampling, signing, verification and training code are
+the same in both modes.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Nothing received is trusted: the DHT validator already refused unsigned or mispl
 `Verifier` checks everything again on its own (caps, schema, signature, swarm, freshness, replays),
 regenerates every task from its spec with our task mix, and re-scores every completion with our reward
 function. Two transports share this code: `DhtExchange` (Hivemind DHT) and `MemoryExchange` (several
-nodes in one process, for exactly reproducible experiments).
+nodes in one process, round-robin, for controlled experiments).
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def test_preset_over_dht_resumes_after_ctrl_c(tmp_path):
 
 
 def test_memory_mode_comparison_then_report(tmp_path):
-    """Silo vs swarm in the exactly reproducible in-process mode, then `sapo-report` on the result."""
+    """Silo vs swarm in the in-process round-robin mode, then `sapo-report` on the result."""
     exp = tmp_path / "exp"
     done = subprocess.run(experiment("4/0", "2/2", "--mode", "memory", "--rounds", "3", "--out", str(exp), *TINY),
                           cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=300)
