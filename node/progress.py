@@ -14,6 +14,7 @@ import argparse
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -288,6 +289,10 @@ def _line_for(view: RunView, rec: Mapping[str, Any]) -> str:
     return format_progress_line(rec)
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Iterable[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m node.progress",
@@ -300,6 +305,10 @@ def main(argv: Iterable[str] | None = None) -> int:
     args = ap.parse_args(list(argv) if argv is not None else None)
 
     views = [RunView(d, MetricsTail(d / "metrics.jsonl")) for d in args.run_dirs]
+    # Explicit handlers: a shell script that starts us with `&` makes us inherit SIGINT as *ignored*,
+    # and Python then never raises KeyboardInterrupt; SIGTERM ends the view the same quiet way.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     out = sys.stdout
     live = not args.plain and not args.once and out.isatty()
     try:

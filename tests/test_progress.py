@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -111,24 +112,42 @@ def test_table_and_once(tmp_path, capsys):
     assert "alice" in out and "n1" in out
 
 
-def test_cli_follows_and_exits_on_ctrl_c(tmp_path):
+def _read_until(proc: subprocess.Popen, needle: bytes, timeout: float) -> bytes:
+    """Read the child's stdout until `needle` shows up (or time out), without blocking forever."""
+    got, deadline = b"", time.monotonic() + timeout
+    while needle not in got and time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            if not chunk:
+                break
+            got += chunk
+    return got
+
+
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["terminal", "started-with-&"])
+def test_cli_follows_and_exits_on_ctrl_c(tmp_path, sigint_ignored):
+    """Ctrl-C ends the view quietly, also when a script started it with `&` (SIGINT inherited as ignored)."""
     run = tmp_path / "node-a"
     _write(run, [{"round": 1, "reward_mean": 0.1, "num_local": 4, "num_external": 0, "peer": "alice"}])
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
     proc = subprocess.Popen(
         [sys.executable, "-m", "node.progress", str(run), "--interval", "0.2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=ignore,
     )
     try:
-        time.sleep(1.0)
+        first = _read_until(proc, b"alice", 60)  # it is up and watching
+        assert b"alice" in first, first
         _write(run, [{"round": 2, "reward_mean": 0.7, "num_local": 4, "num_external": 3, "peer": "alice"}])
-        time.sleep(1.0)
+        first += _read_until(proc, b"round 2", 30)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=10)
+        rest, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    out, err = (first + rest).decode(), err.decode()
     assert proc.returncode == 0, err
     assert "Traceback" not in err
     assert "peer" in out.splitlines()[0]  # initial table
