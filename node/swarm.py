@@ -49,7 +49,7 @@ class Verifier:
         self.mix = mix
         self.cfg = cfg
         self.stats = stats
-        self.seen: dict[tuple[bytes, int], str] = {}  # (publisher, round) -> payload digest
+        self.seen: set[tuple[bytes, int]] = set()  # (publisher, round) already taken
         self.newest: dict[bytes, int] = {}  # publisher -> newest round accepted
         self.judged: dict[str, None] = {}  # digests of every batch already judged (insertion-ordered)
 
@@ -65,9 +65,9 @@ class Verifier:
         self.judged[digest] = None
         while len(self.judged) > MAX_JUDGED:
             del self.judged[next(iter(self.judged))]
-        return self._verify(data, digest, time.time() if now is None else now, hint)
+        return self._verify(data, time.time() if now is None else now, hint)
 
-    def _verify(self, data: bytes, digest: str, now: float, hint: bytes | None) -> list[Group]:
+    def _verify(self, data: bytes, now: float, hint: bytes | None) -> list[Group]:
         claimed = hint.hex() if hint else UNKNOWN_PEER
         try:
             batch = decode_signed(data, self.cfg.caps)  # caps (bytes first), envelope, signature, schema
@@ -100,7 +100,7 @@ class Verifier:
         if batch.round <= newest - self.cfg.window:
             self.stats.reject(peer, "stale_round")
             return []
-        self.seen[key] = digest
+        self.seen.add(key)
         self.newest[batch.publisher] = max(newest, batch.round)
         self.stats.peers[peer] = {"name": peer_name_of(batch.publisher), "last_round": self.newest[batch.publisher],
                                   "last_seen": now}
@@ -196,13 +196,14 @@ class DhtExchange(_SignedExchange):
 
     async def collect(self, round_: int) -> list[Group]:
         # DHT-level refusals (counted in the DHT process) are read alongside the fetch, within its budget
+        records: list[FetchedRecord]
         records, totals = await asyncio.gather(
             self.transport.fetch(), self.transport.validator_rejections(self.transport.config.fetch_timeout_s))
-        fetched: list[FetchedRecord] = records
-        groups = await self._verify_off_loop([(r.publisher, r.data) for r in fetched])  # starts a new round
+        groups = await self._verify_off_loop([(r.publisher, r.data) for r in records])  # starts a new round
         for reason, n in totals.items():
-            if n > self._dht_rejections.get(reason, 0):
-                self.stats.reject(DHT_PEER, reason, n - self._dht_rejections.get(reason, 0))
+            new = n - self._dht_rejections.get(reason, 0)
+            if new > 0:
+                self.stats.reject(DHT_PEER, reason, new)
         self._dht_rejections.update(totals)
         return groups
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -18,6 +19,20 @@ def node_env(**extra: str) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", SAPO_THREADS="1")
     env.update(extra)
     return env
+
+
+def live_metrics(run_dir: Path) -> list[dict]:
+    """Round records of a run that may still be writing: no file yet -> [], a half-written line skipped."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_bytes().splitlines():
+        try:
+            out.append(orjson.loads(line))
+        except orjson.JSONDecodeError:
+            pass  # a line being written right now
+    return out
 
 
 def run_node(*args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:

@@ -6,9 +6,7 @@ import subprocess
 import sys
 import time
 
-import orjson
-
-from conftest import REPO, node_env
+from conftest import REPO, live_metrics, node_env
 
 TINY = ["--model", "tiny-random", "--tasks", "smoke", "--generations", "4", "--max-new-tokens", "8",
         "--seeds", "0", "--peers", "2", "--threads", "1"]
@@ -19,10 +17,11 @@ def experiment(*args: str) -> list[str]:
 
 
 def rounds_of(peer_dir) -> list[int]:
-    path = peer_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [orjson.loads(line)["round"] for line in path.read_bytes().splitlines() if line.strip()]
+    return [r["round"] for r in live_metrics(peer_dir)]
+
+
+def external_used(peer_dirs) -> int:
+    return sum(r["num_external"] for d in peer_dirs for r in live_metrics(d))
 
 
 def test_preset_over_dht_resumes_after_ctrl_c(tmp_path):
@@ -61,9 +60,7 @@ def test_preset_over_dht_resumes_after_ctrl_c(tmp_path):
         got = rounds_of(p)
         assert got == list(range(12)), got  # continued where it stopped: no round lost, none repeated
         assert got[: len(before)] == before
-    used = sum(orjson.loads(line)["num_external"] for p in peers
-               for line in (p / "metrics.jsonl").read_bytes().splitlines())
-    assert used > 0, "the two peers never trained on each other's groups"
+    assert external_used(peers) > 0, "the two peers never trained on each other's groups"
 
     assert not list(run.glob("peer*/checkpoints")), "a finished run keeps no checkpoints by default"
 
@@ -79,9 +76,7 @@ def test_memory_mode_comparison_then_report(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     silo = [rounds_of(exp / "4-0" / "seed0" / f"peer{p}") for p in range(2)]
     assert silo == [[0, 1, 2], [0, 1, 2]]
-    swarm_external = sum(orjson.loads(line)["num_external"] for p in range(2)
-                         for line in (exp / "2-2" / "seed0" / f"peer{p}" / "metrics.jsonl").read_bytes().splitlines())
-    assert swarm_external > 0
+    assert external_used([exp / "2-2" / "seed0" / f"peer{p}" for p in range(2)]) > 0
     assert json.loads((exp / "2-2" / "seed0" / "run.json").read_text())["mode"] == "memory"
 
     report = subprocess.run([sys.executable, "-m", "node.report", str(exp), "--out", str(tmp_path / "report")],

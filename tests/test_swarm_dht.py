@@ -18,11 +18,11 @@ import time
 from functools import partial
 from pathlib import Path
 
-import orjson
 import pytest
 from hivemind.utils import get_dht_time
 
 from conftest import REPO, node_env
+from conftest import live_metrics as rounds
 from node.groups import score_responses
 from node.tasks import PRESETS, TaskSampler
 from p2p.identity import KEY_FILENAME, Identity
@@ -112,19 +112,6 @@ def start_node(run_dir: Path, peers: list[str], swarm: str, *extra: str, model: 
     args = ["-m", "node.cli", "--model", model, *TINY, "--seed", str(seed), "--swarm", swarm,
             "--run-dir", str(run_dir), "--host-maddrs", host, "--peers", *peers, *extra]
     return Proc(args, run_dir.parent / f"{run_dir.name}.out")
-
-
-def rounds(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_bytes().splitlines():
-        try:
-            out.append(orjson.loads(line))
-        except orjson.JSONDecodeError:
-            pass  # a line being written right now
-    return out
 
 
 def prefix_of(run_dir: Path, timeout: float = 60) -> str:
