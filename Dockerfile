@@ -67,7 +67,7 @@ COPY bootstrap ./bootstrap
 # hadolint ignore=DL3013
 RUN pip install --no-deps . \
     && rm -rf build ./*.egg-info \
-    && python -c "import node.status, node.progress; from importlib.resources import files; assert files('node').joinpath('static/index.html').is_file()"
+    && python -c "import node.ops.status, node.ops.progress; from importlib.resources import files; assert files('node.ops').joinpath('static/index.html').is_file()"
 
 RUN groupadd --system --gid 10001 sapo \
     && useradd --system --uid 10001 --gid sapo --home-dir /home/sapo --create-home --shell /usr/sbin/nologin sapo \

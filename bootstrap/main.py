@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from node import __version__
-from node.status import ThreadedStatusServer, start_status_server_in_thread
+from node.ops.status import ThreadedStatusServer, start_status_server_in_thread
 from p2p.identity import KEY_FILENAME, Identity, IdentityError
 from p2p.transport import die_with_parent, routing_peers, start_dht
 

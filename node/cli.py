@@ -8,8 +8,8 @@ import os
 import signal
 import sys
 
-from node.config import ConfigError, NodeConfig, load_config
-from node.metrics import METRICS_FILE, setup_logging
+from node.ops.config import ConfigError, NodeConfig, load_config
+from node.ops.metrics import METRICS_FILE, setup_logging
 
 log = logging.getLogger("sapo.cli")
 
@@ -30,10 +30,10 @@ def configure_threads(cfg: NodeConfig) -> int:
 
 def build_exchange(cfg: NodeConfig, mix):
     if not cfg.swarm_enabled:
-        from node.exchange import Silo
+        from node.swarm.exchange import Silo
 
         return Silo()
-    from node.swarm import DhtExchange
+    from node.swarm.dht_exchange import DhtExchange
 
     return DhtExchange.from_config(cfg, mix)
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                     "or choose another --run-dir")
     setup_logging(run_dir, cfg.log_level, cfg.name)
 
-    from node.tasks import TaskError, resolve_mix
+    from node.learn.tasks import TaskError, resolve_mix
 
     try:
         mix = resolve_mix(cfg.tasks)
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"cannot join the swarm: {exc}", 1)
 
     from node.loop import SapoNode
-    from node.policy import ModelLoadError, load_model, pick_device
+    from node.learn.policy import ModelLoadError, load_model, pick_device
 
     device = pick_device(cfg.device)
     log.info("loading model %s on %s (%d CPU threads)", cfg.model, device, threads)
@@ -96,7 +96,7 @@ async def _serve(node, cfg: NodeConfig) -> None:
         loop.add_signal_handler(sig, request_stop, sig.name)
     status = None
     if cfg.status_port:
-        from node.status import start_status_server
+        from node.ops.status import start_status_server
 
         status = await start_status_server(node.snapshot, host=cfg.status_host, port=cfg.status_port)
         log.info("status on http://%s:%d/", cfg.status_host, status.port)

@@ -22,15 +22,15 @@ from typing import Any, Callable
 import torch
 
 from node import __version__
-from node.checkpoint import CheckpointStore
-from node.config import NodeConfig
-from node.exchange import Exchange
-from node.groups import Group, Prompter, local_group, select_groups, to_sequences
-from node.ij_policy import RoundObservation, make_ij_policy
-from node.metrics import MetricsWriter, peak_memory_mb
-from node.policy import SamplingConfig, sample_groups
-from node.tasks import TaskMix, TaskSampler
-from node.trainer import StepStats, TrainConfig, Trainer
+from node.ops.checkpoint import CheckpointStore
+from node.ops.config import NodeConfig
+from node.swarm.exchange import Exchange
+from node.learn.groups import Group, Prompter, local_group, select_groups, to_sequences
+from node.swarm.ij_policy import RoundObservation, make_ij_policy
+from node.ops.metrics import MetricsWriter, peak_memory_mb
+from node.learn.policy import SamplingConfig, sample_groups
+from node.learn.tasks import TaskMix, TaskSampler
+from node.learn.trainer import StepStats, TrainConfig, Trainer
 
 log = logging.getLogger("sapo.node")
 
@@ -360,7 +360,7 @@ def _count_sources(groups: list[Group]) -> dict[str, int]:
 
 
 def _mean_abs_adv(groups: list[Group]) -> float:
-    from node.grpo import group_advantages
+    from node.learn.grpo import group_advantages
 
     values = []
     for g in groups:

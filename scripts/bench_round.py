@@ -26,13 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from node.config import load_config  # noqa: E402
-from node.exchange import Silo  # noqa: E402
-from node.groups import Prompter, local_group, to_sequences  # noqa: E402
+from node.ops.config import load_config  # noqa: E402
+from node.swarm.exchange import Silo  # noqa: E402
+from node.learn.groups import Prompter, local_group, to_sequences  # noqa: E402
 from node.loop import SapoNode  # noqa: E402
-from node.policy import SamplingConfig, load_model, pick_device, sample_groups  # noqa: E402
-from node.tasks import TaskSampler, resolve_mix  # noqa: E402
-from node.trainer import TrainConfig, Trainer  # noqa: E402
+from node.learn.policy import SamplingConfig, load_model, pick_device, sample_groups  # noqa: E402
+from node.learn.tasks import TaskSampler, resolve_mix  # noqa: E402
+from node.learn.trainer import TrainConfig, Trainer  # noqa: E402
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -131,7 +131,7 @@ def main() -> None:
         g.rewards = [float(i % 2) for i in range(len(g.rewards))]
     seqs = to_sequences(groups, tok, prompter, scale_std=True)
     trainer = Trainer(model, tok.pad_token_id, TrainConfig(lr=1e-7, micro_batch_size=len(seqs)))
-    from node.policy import pad_batch
+    from node.learn.policy import pad_batch
 
     ids, attn, positions, comp_ids, _ = pad_batch(seqs, tok.pad_token_id, device)
     keep = comp_ids.shape[1] + 1  # the same completion-only logits the trainer computes

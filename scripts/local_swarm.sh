@@ -28,7 +28,7 @@ if [ "$HAS_GPU" = 1 ]; then MICRO=8; else MICRO=2; fi
 MICRO="${SAPO_MICRO_BATCH_SIZE:-$MICRO}"
 
 # Refuse to start when the peers would not fit in memory (GPU memory if there is a GPU, else RAM).
-python -m node.resources --model "$MODEL" --peers "$PEERS"
+python -m node.ops.resources --model "$MODEL" --peers "$PEERS"
 
 mkdir -p "$ROOT/bootstrap"
 rm -f "$ROOT/bootstrap/maddrs.txt"
@@ -75,7 +75,7 @@ for i in $(seq 0 $((PEERS - 1))); do
   PIDS+=($!)
 done
 
-python -m node.progress "${RUN_DIRS[@]}" &
+python -m node.ops.progress "${RUN_DIRS[@]}" &
 PROGRESS_PID=$!
 for pid in "${PIDS[@]}"; do wait "$pid" || true; done
 echo "[local-swarm] all peers finished $ROUNDS rounds. Report: sapo-report $ROOT"

@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from node.groups import Prompter, local_group  # noqa: E402
-from node.policy import SamplingConfig, load_model, pick_device, sample_groups  # noqa: E402
-from node.tasks import TaskSampler, resolve_mix  # noqa: E402
+from node.learn.groups import Prompter, local_group  # noqa: E402
+from node.learn.policy import SamplingConfig, load_model, pick_device, sample_groups  # noqa: E402
+from node.learn.tasks import TaskSampler, resolve_mix  # noqa: E402
 
 
 def main() -> None:

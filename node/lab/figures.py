@@ -1,0 +1,188 @@
+"""The report's figures (matplotlib, Agg): per-agent curves, moving-average band, cumulative bars, J over time."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from node.lab.runs import Run
+from node.lab.stats import align_series, moving_average, nanmean_rows
+
+
+def _figure(w: float, h: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h), dpi=110)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _colors(n: int) -> list:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10" if n <= 10 else "tab20"]
+    return [cmap(i % cmap.N) for i in range(max(n, 1))]
+
+
+def _grid(n: int) -> tuple[int, int]:
+    cols = min(3, max(n, 1))
+    return int(math.ceil(max(n, 1) / cols)), cols
+
+
+def _by_cfg(runs: Sequence[Run], configs: Sequence[str]) -> dict[str, list[Run]]:
+    out: dict[str, list[Run]] = {c: [] for c in configs}
+    for r in runs:
+        if r.config in out and r.peers:
+            out[r.config].append(r)
+    return out
+
+
+def fig_per_agent(runs: Sequence[Run], summary: dict, path: Path) -> None:
+    configs = summary["configs"]
+    w = summary["window"]
+    by = _by_cfg(runs, configs)
+    nr, nc = _grid(len(configs))
+    fig = _figure(5.2 * nc, 3.6 * nr)
+    axes = fig.subplots(nr, nc, squeeze=False, sharey=True)
+    for k, cfg in enumerate(configs):
+        ax = axes[k // nc][k % nc]
+        agents = [(r, p) for r in by[cfg] for p in r.peers]
+        cols = _colors(len(agents))
+        for i, (r, p) in enumerate(agents):
+            lab = f"seed {r.seed} · {p.peer}" if len(by[cfg]) > 1 else p.peer
+            ax.plot(p.rounds, moving_average(p.reward, w), lw=1.0, alpha=0.75, color=cols[i], label=lab)
+        rounds, mat = align_series([p for _, p in agents])
+        if mat.size:
+            ax.plot(rounds, moving_average(nanmean_rows(mat), w), color="black", lw=2.0, label="mean of agents")
+        ax.set_title(f"{cfg}  ({len(by[cfg])} seed(s), {len(agents)} agent curves)")
+        ax.set_xlabel("round")
+        ax.set_ylabel(f"reward (MA, window {w})")
+        ax.grid(alpha=0.3)
+        if len(agents) <= 12:
+            ax.legend(fontsize=7, loc="best")
+    for k in range(len(configs), nr * nc):
+        axes[k // nc][k % nc].set_visible(False)
+    fig.suptitle("Per-agent reward curves, one panel per configuration")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def fig_ma_band(runs: Sequence[Run], summary: dict, path: Path) -> None:
+    configs = summary["configs"]
+    w = summary["window"]
+    by = _by_cfg(runs, configs)
+    fig = _figure(9, 5)
+    ax = fig.add_subplot(111)
+    cols = _colors(len(configs))
+    for i, cfg in enumerate(configs):
+        series = [p for r in by[cfg] for p in r.peers]
+        rounds, mat = align_series(series)
+        if not mat.size:
+            continue
+        # per-agent MA computed on each agent's own logged rounds, then aligned
+        ma = np.full_like(mat, np.nan)
+        for j, p in enumerate(series):
+            ma[j, np.searchsorted(rounds, p.rounds)] = moving_average(p.reward, w)
+        ok = np.isfinite(ma).any(axis=0)
+        lo = np.where(ok, np.min(np.where(np.isfinite(ma), ma, np.inf), axis=0), np.nan)
+        hi = np.where(ok, np.max(np.where(np.isfinite(ma), ma, -np.inf), axis=0), np.nan)
+        mean = nanmean_rows(ma)
+        imp = summary["per_config"][cfg]["improvement_pct"]
+        lab = cfg + ("" if not math.isfinite(imp) or cfg == summary["baseline"] else f" ({imp:+.1f}%)")
+        ax.plot(rounds, mean, color=cols[i], lw=2, label=lab)
+        ax.fill_between(rounds, lo, hi, color=cols[i], alpha=0.15, lw=0)
+    thr = summary["threshold"]
+    if math.isfinite(thr):
+        ax.axhline(thr, color="grey", ls="--", lw=1, label=f"threshold {thr:.3g}")
+    ax.set_title(f"Reward moving average (window {w}): mean over agents, band = min/max across agents")
+    ax.set_xlabel("round")
+    ax.set_ylabel("reward (moving average)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def fig_cumulative(summary: dict, path: Path) -> None:
+    configs = summary["configs"]
+    per = summary["per_config"]
+    fig = _figure(max(5.0, 1.4 * len(configs) + 2), 4.8)
+    ax = fig.add_subplot(111)
+    means = [per[c]["cumulative_mean"] for c in configs]
+    stds = [per[c]["cumulative_std"] if math.isfinite(per[c]["cumulative_std"]) else 0.0 for c in configs]
+    cols = ["#888888" if c == summary["baseline"] else "#1f77b4" for c in configs]
+    x = np.arange(len(configs))
+    ax.bar(x, means, yerr=stds, color=cols, capsize=4)
+    top = max([m + s for m, s in zip(means, stds) if math.isfinite(m)] or [1.0])
+    for xi, c, m, s in zip(x, configs, means, stds):
+        imp = per[c]["improvement_pct"]
+        if c == summary["baseline"]:
+            tag = "baseline"
+        elif math.isfinite(imp):
+            tag = f"{imp:+.1f}%"
+        else:
+            tag = "n/a"
+        ax.text(xi, (m if math.isfinite(m) else 0) + s + 0.02 * top, f"{m:.1f}\n{tag}", ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(x)
+    ax.set_xticklabels(configs)
+    ax.set_ylim(0, top * 1.2 if top > 0 else 1)
+    ax.set_xlabel("configuration (I/J)")
+    ax.set_ylabel("cumulative reward (sum over agents and rounds)")
+    ax.set_title(f"Cumulative reward, mean ± std over seeds; % vs baseline {summary['baseline']}")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def fig_j_trajectory(runs: Sequence[Run], summary: dict, path: Path) -> bool:
+    """J over rounds for adaptive configurations; returns False when there were none."""
+    adaptive = [c for c in summary["configs"] if summary["per_config"][c]["adaptive"]]
+    by = _by_cfg(runs, adaptive)
+    if not adaptive:
+        fig = _figure(6, 2.5)
+        ax = fig.add_subplot(111)
+        ax.text(0.5, 0.5, "no adaptive runs", ha="center", va="center", fontsize=14)
+        ax.set_axis_off()
+        ax.set_title("J trajectory (target_external over rounds)")
+        fig.savefig(path)
+        return False
+    nr, nc = _grid(len(adaptive))
+    fig = _figure(5.2 * nc, 3.6 * nr)
+    axes = fig.subplots(nr, nc, squeeze=False)
+    for k, cfg in enumerate(adaptive):
+        ax = axes[k // nc][k % nc]
+        agents = [(r, p) for r in by[cfg] for p in r.peers]
+        cols = _colors(len(agents))
+        top = 0.0
+        for i, (r, p) in enumerate(agents):
+            y = p.target_external if np.isfinite(p.target_external).any() else p.num_external
+            tot = p.num_local + p.num_external
+            if np.isfinite(tot).any():
+                top = max(top, float(np.nanmax(tot)))
+            lab = f"seed {r.seed} · {p.peer}" if len(by[cfg]) > 1 else p.peer
+            ax.step(p.rounds, y, where="post", lw=1.0, alpha=0.8 if len(agents) <= 12 else 0.3,
+                    color=cols[i], label=lab if len(agents) <= 12 else None)
+        if len(agents) > 1:
+            jr, jm = align_series([p for _, p in agents], "target_external")
+            if np.isfinite(jm).any():
+                ax.plot(jr, moving_average(nanmean_rows(jm), summary["window"]), color="black", lw=2.0,
+                        label=f"mean over agents (MA {summary['window']})")
+        if top > 0:
+            ax.set_ylim(-0.3, top + 0.3)
+        ax.set_title(f"{cfg} ({summary['per_config'][cfg]['ij_policy']})")
+        ax.set_xlabel("round")
+        ax.set_ylabel("J (target external groups)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    for k in range(len(adaptive), nr * nc):
+        axes[k // nc][k % nc].set_visible(False)
+    fig.suptitle("J chosen by the adaptive I/J policy, per agent")
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+

@@ -1,0 +1,283 @@
+"""sapo-report: compare SAPO local/external (I/J) configurations from experiment metrics.
+
+Usage::
+
+    sapo-report EXPERIMENT_DIR [EXPERIMENT_DIR ...] [--out DIR] [--threshold R] [--baseline NAME]
+                [--window 10] [--drop X] [--bootstrap 2000] [--boot-seed 0]
+
+Input layout (discovered leniently): every ``metrics.jsonl`` below an experiment dir is one agent
+(peer) of one run.  A run is identified by the nearest ``run.json`` above the file (fields
+``config_name``, ``seed``, ``num_local``, ``num_external``, ``ij_policy``, ``peers``, ``rounds``),
+e.g. ``EXP/<config>/seed<k>/run.json`` + ``EXP/<config>/seed<k>/peer<p>/metrics.jsonl``.  Without a
+``run.json`` the config and seed come from the directory names (``.../<config>/seed<k>/<peer>/``).
+Runs with the same config name are pooled across all experiment dirs given.
+
+Each metrics line is a JSON object with ``round`` (int) and ``reward_mean`` (float, or null when
+the round had no local groups), plus optionally ``num_local``, ``num_external``,
+``target_external``, ``external_accepted``, ``external_rejected``, ``round_s``.  Lines that are not
+JSON objects or lack a valid ``round``/``reward_mean`` are skipped and counted; if a round is
+logged twice (a resumed run) the last line wins.
+
+Definitions (also written into the report):
+
+* swarm-mean reward of a run at round t: mean over the run's agents that logged round t.
+* moving average (MA): trailing mean over the last ``window`` logged rounds (positions, not round
+  numbers); undefined for the first ``window - 1`` rounds (or ``window`` = number of rounds when a
+  run is shorter than the window).
+* cumulative reward of a run: sum over agents and rounds of ``reward_mean`` (NaN rounds count 0).
+  Per config: mean ± sample std (ddof = 1) over seeds.
+* improvement over the baseline: 100 * (mean_cum(config) / mean_cum(baseline) - 1).  95% CI: seeds
+  of the config and of the baseline are resampled independently with replacement (``--bootstrap``
+  resamples, ``numpy.random.default_rng(--boot-seed)``), 2.5/97.5 percentiles.  With one seed on
+  both sides the CI is degenerate (a point) and the report says so.
+* seeds ahead: number of seeds k in which the config's cumulative reward beats the baseline's with
+  the same seed k (same node seeds), with the one-sided exact sign-test p = P(X >= wins), X ~
+  Binomial(n, 1/2) over the n seeds without a tie; never below 0.5^n.
+* rounds to threshold: first logged round at which the swarm-mean MA is >= threshold; default
+  threshold = 0.5 × the largest swarm-mean MA observed in any run.
+* stability: std (ddof = 0) over rounds of the swarm-mean reward (includes the learning trend);
+  steep drops: the swarm-mean reward is averaged over consecutive non-overlapping windows of
+  ``window`` rounds (the MA sampled at window ends) and a drop is counted whenever one window's
+  mean is lower than the previous window's by more than X (``--drop``; default 0.1 × the largest
+  swarm-mean MA observed); max drawdown: largest fall of the MA below its running maximum.
+* acceptance rate: sum(external_accepted) / (sum(external_accepted) + sum(external_rejected)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from node.lab.figures import (
+    fig_cumulative,
+    fig_j_trajectory,
+    fig_ma_band,
+    fig_per_agent,
+)
+from node.lab.runs import PeerSeries, Run, load_runs
+from node.lab.stats import summarize
+
+__all__ = [
+    "PeerSeries",
+    "Run",
+    "load_runs",
+    "summarize",
+    "write_report",
+    "main",
+]
+
+
+def _f(x: Any, fmt: str = ".2f", na: str = "n/a") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return na
+    return format(x, fmt)
+
+
+def _pct(x: float) -> str:
+    return "n/a" if not math.isfinite(x) else f"{x:+.2f}%"
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (float, np.floating)):
+        return float(x) if math.isfinite(x) else None
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+FIGURES = {
+    "per_agent": "per_agent_rewards.png",
+    "ma_band": "moving_average_band.png",
+    "cumulative": "cumulative_reward.png",
+    "j_trajectory": "j_trajectory.png",
+}
+
+
+def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence[str] = ()) -> Path:
+    """Write figures, summary.json and report.md into `out`; returns the report path."""
+    out.mkdir(parents=True, exist_ok=True)
+    fig_per_agent(runs, summary, out / FIGURES["per_agent"])
+    fig_ma_band(runs, summary, out / FIGURES["ma_band"])
+    fig_cumulative(summary, out / FIGURES["cumulative"])
+    has_adaptive = fig_j_trajectory(runs, summary, out / FIGURES["j_trajectory"])
+    (out / "summary.json").write_text(json.dumps(_jsonable(summary), indent=2, sort_keys=False))
+
+    per = summary["per_config"]
+    cfgs = summary["configs"]
+    base = summary["baseline"]
+    L: list[str] = []
+    L.append("# SAPO I/J experiment report\n")
+    if inputs:
+        L.append("Inputs: " + ", ".join(f"`{p}`" for p in inputs) + "\n")
+    L.append(
+        f"Baseline: **{base if base else 'none'}** ({summary['baseline_reason']}). "
+        f"Moving-average window: {summary['window']} rounds. Bootstrap: {summary['n_boot']} resamples of seeds, "
+        f"numpy default_rng({summary['boot_seed']}).\n"
+    )
+    if summary["warnings"]:
+        L.append("**Warnings**\n")
+        L += [f"- {w}" for w in summary["warnings"]]
+        L.append("")
+
+    L.append("## Configurations\n")
+    L.append("| config | I/J policy | seeds | agents per run | rounds per agent | mean I used | mean J used |")
+    L.append("|---|---|---|---|---|---|---|")
+    for c in cfgs:
+        d = per[c]
+        L.append(
+            f"| {c} | {d['ij_policy']}{' (adaptive)' if d['adaptive'] else ''} | {d['n_seeds']} | "
+            f"{', '.join(map(str, d['peers']))} | {', '.join(map(str, d['rounds']))} | "
+            f"{_f(d['mean_num_local'])} | {_f(d['mean_num_external'])} |"
+        )
+    L.append("")
+
+    L.append("## Cumulative reward\n")
+    L.append("Sum over agents and rounds of `reward_mean`, per seed; mean ± sample std over seeds.\n")
+    L.append("Seeds ahead: in how many seeds the configuration beat the baseline with the same seed (peer p of "
+             "seed k has the same node seed in every configuration), with the one-sided exact sign-test p; "
+             "with n seeds p cannot go below 0.5^n.\n")
+    L.append("| config | cumulative reward (mean ± std) | per seed | reward per agent-round | vs baseline | 95% CI (bootstrap over seeds) | seeds ahead (sign-test p) | note |")
+    L.append("|---|---|---|---|---|---|---|---|")
+    for c in cfgs:
+        d = per[c]
+        seeds = ", ".join(f"s{s}: {_f(v)}" for s, v in d["cumulative_by_seed"].items())
+        if c == base:
+            vs, ci, ahead = "baseline", "—", "—"
+        else:
+            ahead = ("n/a" if not d["paired_seeds"] else
+                     f"{d['paired_wins']}/{d['paired_seeds']} (p = {_f(d['sign_test_p'], '.3f')})")
+            vs = _pct(d["improvement_pct"])
+            lo, hi = d["improvement_ci"]
+            ci = "n/a" if not (math.isfinite(lo) and math.isfinite(hi)) else f"[{lo:+.2f}%, {hi:+.2f}%]"
+        L.append(
+            f"| {c} | {_f(d['cumulative_mean'])} ± {_f(d['cumulative_std'])} | {seeds} | "
+            f"{_f(d['reward_per_agent_round'], '.4f')} | {vs} | {ci} | {ahead} | "
+            f"{d['improvement_note'] if c != base else ''} |"
+        )
+    L.append("")
+    L.append(f"![cumulative reward]({FIGURES['cumulative']})\n")
+
+    L.append("## Learning speed\n")
+    L.append(
+        f"Threshold: {_f(summary['threshold'], '.4f')} ({summary['threshold_source']}). "
+        "Rounds to threshold = first logged round at which the swarm-mean reward's moving average "
+        "reaches the threshold.\n"
+    )
+    L.append("| config | round reached (mean over seeds that reached it) | seeds reaching | per seed |")
+    L.append("|---|---|---|---|")
+    for c in cfgs:
+        d = per[c]
+        ps = ", ".join(f"s{s}: {v if v is not None else 'never'}" for s, v in d["rounds_to_threshold_by_seed"].items())
+        L.append(f"| {c} | {_f(d['rounds_to_threshold_mean'], '.1f', 'never')} | {d['seeds_reaching_threshold']}/{d['n_seeds']} | {ps} |")
+    L.append("")
+    L.append(f"![moving average with min/max band]({FIGURES['ma_band']})\n")
+    L.append(f"![per-agent reward curves]({FIGURES['per_agent']})\n")
+
+    L.append("## Stability\n")
+    L.append(
+        f"Std over rounds of the swarm-mean reward (mean over seeds; includes the learning trend). "
+        f"Steep drop: the mean over a block of {summary['window']} consecutive rounds is lower than the previous "
+        f"block's by more than X = {_f(summary['drop'], '.4f')} ({summary['drop_source']}). "
+        "Max drawdown: largest fall of the moving average below its running maximum (mean over seeds).\n"
+    )
+    L.append("| config | reward std | steep drops per seed (mean) | max drawdown |")
+    L.append("|---|---|---|---|")
+    for c in cfgs:
+        d = per[c]
+        L.append(f"| {c} | {_f(d['reward_std_mean'], '.4f')} | {_f(d['steep_drops_mean'])} | {_f(d['max_drawdown_mean'], '.4f')} |")
+    L.append("")
+
+    L.append("## External groups and J\n")
+    L.append("| config | accepted | rejected | acceptance rate | mean target J | final target J (mean over agents) | mean round time (s) |")
+    L.append("|---|---|---|---|---|---|---|")
+    for c in cfgs:
+        d = per[c]
+        rate = d["acceptance_rate"]
+        L.append(
+            f"| {c} | {_f(d['external_accepted'], 'd')} | {_f(d['external_rejected'], 'd')} | "
+            f"{'n/a' if not math.isfinite(rate) else f'{100 * rate:.1f}%'} | {_f(d['mean_target_j'])} | "
+            f"{_f(d['final_target_j_mean'])} | {_f(d['mean_round_s'])} |"
+        )
+    L.append("")
+    if has_adaptive:
+        L.append(f"![J trajectory]({FIGURES['j_trajectory']})\n")
+    else:
+        L.append(f"No adaptive runs (every configuration used a fixed J); [{FIGURES['j_trajectory']}]({FIGURES['j_trajectory']}) says so.\n")
+
+    L.append("## Data quality\n")
+    L.append(f"Corrupt metrics lines skipped: **{summary['skipped_lines']}**. Rounds logged more than once (last kept): {summary['duplicate_rounds']}.\n")
+    for fpath, n in summary["skipped_by_file"].items():
+        L.append(f"- `{fpath}`: {n} line(s) skipped")
+    L.append("")
+    path = out / "report.md"
+    path.write_text("\n".join(L))
+    return path
+
+
+def _console_table(summary: dict) -> str:
+    rows = [f"{'config':<16}{'seeds':>6}{'cumulative':>22}{'vs base':>11}  95% CI"]
+    for c in summary["configs"]:
+        d = summary["per_config"][c]
+        cum = f"{_f(d['cumulative_mean'])} ± {_f(d['cumulative_std'])}"
+        lo, hi = d["improvement_ci"]
+        ci = "" if c == summary["baseline"] else ("n/a" if not math.isfinite(lo) else f"[{lo:+.1f}%, {hi:+.1f}%]")
+        vs = "baseline" if c == summary["baseline"] else _pct(d["improvement_pct"])
+        rows.append(f"{c:<16}{d['n_seeds']:>6}{cum:>22}{vs:>11}  {ci}")
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="sapo-report", description="Compare SAPO I/J configurations from metrics.jsonl files.")
+    ap.add_argument("experiments", nargs="+", metavar="EXPERIMENT_DIR")
+    ap.add_argument("--out", type=Path, default=None, help="output dir (default: FIRST_EXPERIMENT_DIR/report)")
+    ap.add_argument("--threshold", type=float, default=None, help="reward threshold (default 0.5 × max observed MA)")
+    ap.add_argument("--baseline", default=None, help="baseline config name (default: the silo config, J = 0)")
+    ap.add_argument("--window", type=int, default=10, help="moving-average window in rounds (default 10)")
+    ap.add_argument("--drop", type=float, default=None, help="steep-drop size X (default 0.1 × max observed MA)")
+    ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default 2000)")
+    ap.add_argument("--boot-seed", type=int, default=0, help="bootstrap RNG seed (default 0)")
+    a = ap.parse_args(argv)
+
+    missing = [p for p in a.experiments if not Path(p).exists()]
+    if missing:
+        print(f"sapo-report: no such path: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    if a.window < 1 or a.bootstrap < 1:
+        print("sapo-report: --window and --bootstrap must be >= 1", file=sys.stderr)
+        return 2
+    runs = load_runs(a.experiments)
+    if not any(r.peers for r in runs):
+        skipped = sum(r.skipped_lines for r in runs)
+        print(f"sapo-report: no usable metrics.jsonl found ({skipped} corrupt line(s) skipped)", file=sys.stderr)
+        return 2
+    try:
+        summary = summarize(
+            runs, baseline=a.baseline, threshold=a.threshold, window=a.window, drop=a.drop,
+            n_boot=a.bootstrap, boot_seed=a.boot_seed,
+        )
+    except ValueError as e:
+        print(f"sapo-report: {e}", file=sys.stderr)
+        return 2
+    out = a.out if a.out is not None else Path(a.experiments[0]) / "report"
+    path = write_report(runs, summary, out, a.experiments)
+    print(_console_table(summary))
+    if summary["skipped_lines"]:
+        print(f"skipped {summary['skipped_lines']} corrupt metrics line(s)")
+    for w in summary["warnings"]:
+        print(f"warning: {w}")
+    print(f"report: {path}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

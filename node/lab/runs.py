@@ -1,0 +1,271 @@
+"""Reading experiment output: every metrics.jsonl below a dir becomes one agent of one `Run` (layout in `node.lab.report`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import orjson
+
+_SEED_RE = re.compile(r"^seed[_-]?(\w+)$", re.IGNORECASE)
+IJ_RE = re.compile(r"^(\d+)\s*[/_-]\s*(\d+)$")
+
+
+
+@dataclass
+class PeerSeries:
+    """One agent's metrics, sorted by round (one entry per round)."""
+
+    peer: str
+    path: str
+    rounds: np.ndarray  # int
+    reward: np.ndarray  # float, NaN where no local reward
+    num_local: np.ndarray  # float (NaN = missing)
+    num_external: np.ndarray
+    target_external: np.ndarray
+    accepted: np.ndarray
+    rejected: np.ndarray
+    round_s: np.ndarray
+    ij_policy: str | None = None  # last "ij_policy" string logged in the file, if any
+
+
+@dataclass
+class Run:
+    """One configuration × seed: its agents and metadata."""
+
+    config: str
+    seed: str
+    run_dir: str
+    meta: dict = field(default_factory=dict)
+    peers: list[PeerSeries] = field(default_factory=list)
+    skipped_lines: int = 0
+    skipped_by_file: dict[str, int] = field(default_factory=dict)
+    duplicate_rounds: int = 0
+
+    @property
+    def ij_policy(self) -> str:
+        p = self.meta.get("ij_policy")
+        if p in (None, ""):
+            p = next((s.ij_policy for s in self.peers if s.ij_policy), None)
+        return str(p) if p not in (None, "") else "fixed"
+
+    @property
+    def adaptive(self) -> bool:
+        if self.ij_policy.lower() != "fixed":
+            return True
+        for p in self.peers:
+            t = p.target_external[np.isfinite(p.target_external)]
+            if t.size and np.unique(t).size > 1:
+                return True
+        return False
+
+    @property
+    def silo(self) -> bool:
+        """True when this run never used an external group (and is not adaptive)."""
+        if self.adaptive:
+            return False
+        ne = self.meta.get("num_external")
+        if isinstance(ne, (int, float)) and not isinstance(ne, bool) and ne != 0:
+            return False
+        seen = False
+        for p in self.peers:
+            v = p.num_external[np.isfinite(p.num_external)]
+            if v.size:
+                seen = True
+                if np.any(v != 0):
+                    return False
+        return seen or ne == 0
+
+
+
+def _num(x: Any) -> float:
+    if isinstance(x, bool) or x is None:
+        return math.nan
+    if isinstance(x, (int, float)):
+        return float(x)
+    return math.nan
+
+
+def _parse_line(raw: bytes) -> dict | None:
+    """Parsed record, or None when the line is corrupt."""
+    try:
+        obj = orjson.loads(raw)
+    except Exception:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    r = obj.get("round")
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r != int(r):
+        return None
+    if "reward_mean" not in obj:
+        return None
+    rm = obj["reward_mean"]
+    if rm is not None and (isinstance(rm, bool) or not isinstance(rm, (int, float))):
+        return None
+    return obj
+
+
+def _read_metrics(path: Path, peer: str) -> tuple[PeerSeries | None, int, int]:
+    """(series or None if no valid line, corrupt line count, duplicate round count)."""
+    by_round: dict[int, dict] = {}
+    bad = dup = 0
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None, 1, 0
+    for raw in data.splitlines():
+        if not raw.strip():
+            continue
+        obj = _parse_line(raw)
+        if obj is None:
+            bad += 1
+            continue
+        r = int(obj["round"])
+        if r in by_round:
+            dup += 1
+        by_round[r] = obj
+    if not by_round:
+        return None, bad, dup
+    rounds = np.array(sorted(by_round), dtype=np.int64)
+    recs = [by_round[int(r)] for r in rounds]
+
+    pol = next((o["ij_policy"] for o in reversed(recs) if isinstance(o.get("ij_policy"), str)), None)
+
+    def col(key: str) -> np.ndarray:
+        return np.array([_num(o.get(key)) for o in recs], dtype=float)
+
+    return (
+        PeerSeries(
+            peer=peer,
+            path=str(path),
+            rounds=rounds,
+            reward=col("reward_mean"),
+            num_local=col("num_local"),
+            num_external=col("num_external"),
+            target_external=col("target_external"),
+            accepted=col("external_accepted"),
+            rejected=col("external_rejected"),
+            round_s=col("round_s"),
+            ij_policy=pol,
+        ),
+        bad,
+        dup,
+    )
+
+
+def _read_run_json(path: Path) -> dict:
+    try:
+        d = json.loads(path.read_text())
+        return d if isinstance(d, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _identify(metrics: Path, root: Path) -> tuple[str, str, str, str, dict]:
+    """(config, seed, run_dir, peer, meta) for one metrics file below experiment root."""
+    parent = metrics.parent
+    run_json_dir: Path | None = None
+    d = parent
+    while True:
+        if (d / "run.json").is_file():
+            run_json_dir = d
+            break
+        if d == root or root not in d.parents:
+            break
+        d = d.parent
+    rel = parent.relative_to(root).parts if parent != root else ()
+
+    # directory-name fallbacks
+    seed_idx = next((i for i, p in enumerate(rel) if _SEED_RE.match(p)), None)
+    if seed_idx is not None:
+        fb_config = "/".join(rel[:seed_idx]) or root.name
+        fb_seed = _SEED_RE.match(rel[seed_idx]).group(1)  # type: ignore[union-attr]
+        fb_run_dir = root.joinpath(*rel[: seed_idx + 1])
+    elif rel:
+        fb_config, fb_seed, fb_run_dir = rel[0], "0", root / rel[0]
+    else:
+        fb_config, fb_seed, fb_run_dir = root.name, "0", root
+
+    meta: dict = {}
+    if run_json_dir is not None:
+        meta = _read_run_json(run_json_dir / "run.json")
+        run_dir = run_json_dir
+    else:
+        run_dir = fb_run_dir
+
+    config = meta.get("config_name")
+    if not isinstance(config, str) or not config:
+        nl, ne = meta.get("num_local"), meta.get("num_external")
+        if isinstance(nl, int) and isinstance(ne, int):
+            config = f"{nl}/{ne}"
+            pol = meta.get("ij_policy")
+            if pol and str(pol).lower() != "fixed":
+                config += f" {pol}"
+        elif run_json_dir is not None and run_json_dir != root and seed_idx is None:
+            config = run_json_dir.name
+        else:
+            config = fb_config
+    seed = meta.get("seed")
+    seed = str(seed) if seed is not None and not isinstance(seed, (dict, list)) else fb_seed
+    prel = parent.relative_to(run_dir).parts if parent != run_dir and run_dir in parent.parents else ()
+    peer = "/".join(prel) if prel else "peer0"
+    return config, seed, str(run_dir), peer, meta
+
+
+def load_runs(paths: Iterable[str | Path]) -> list[Run]:
+    """Discover every metrics.jsonl below the given experiment dirs and group them into runs."""
+    runs: dict[tuple[str, str], Run] = {}
+    seen_files: set[Path] = set()
+    for p in paths:
+        root = Path(p).resolve()
+        if root.is_file():
+            files = [root]
+            root = root.parent
+        else:
+            files = sorted(root.rglob("metrics.jsonl"))
+        for f in files:
+            f = f.resolve()
+            if f in seen_files:
+                continue
+            seen_files.add(f)
+            config, seed, run_dir, peer, meta = _identify(f, root)
+            key = (run_dir, config)
+            run = runs.get(key)
+            if run is None:
+                run = runs[key] = Run(config=config, seed=seed, run_dir=run_dir, meta=meta)
+            series, bad, dup = _read_metrics(f, peer)
+            if bad:
+                run.skipped_lines += bad
+                run.skipped_by_file[str(f)] = bad
+            run.duplicate_rounds += dup
+            if series is not None:
+                run.peers.append(series)
+    out = [r for r in runs.values()]
+    # seeds must be unique within a config: disambiguate same seed from different run dirs
+    used: dict[tuple[str, str], int] = {}
+    for r in sorted(out, key=lambda r: (r.config, r.seed, r.run_dir)):
+        k = (r.config, r.seed)
+        n = used.get(k, 0)
+        used[k] = n + 1
+        if n:
+            r.seed = f"{r.seed}#{n + 1}"
+    for r in out:
+        r.peers.sort(key=lambda s: s.peer)
+    return sorted(out, key=lambda r: (config_sort_key(r.config), seed_sort_key(r.seed)))
+
+
+def config_sort_key(name: str) -> tuple:
+    m = IJ_RE.match(name.strip())
+    if m:
+        return (0, int(m.group(2)), -int(m.group(1)), name)
+    return (1, 0, 0, name)
+
+
+def seed_sort_key(seed: str) -> tuple:
+    m = re.match(r"^(\d+)", seed)
+    return (0, int(m.group(1)), seed) if m else (1, 0, seed)

@@ -1,0 +1,292 @@
+"""The numbers behind `sapo-report`: moving averages, cumulative reward, bootstrap CIs, the paired sign test, `summarize`.
+
+Definitions are in `node.lab.report`'s docstring, which is also what the report prints.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from node.lab.runs import IJ_RE, PeerSeries, Run, config_sort_key, seed_sort_key
+
+
+def moving_average(x: np.ndarray, window: int) -> np.ndarray:
+    """Trailing NaN-aware mean over `window` positions; NaN for the first window-1 positions.
+
+    If len(x) < window the window shrinks to len(x).  A position whose window holds only NaN is NaN.
+    """
+    x = np.asarray(x, dtype=float)
+    n = x.size
+    out = np.full(n, np.nan)
+    if n == 0:
+        return out
+    w = max(1, min(int(window), n))
+    ok = np.isfinite(x)
+    cs = np.concatenate([[0.0], np.cumsum(np.where(ok, x, 0.0))])
+    cc = np.concatenate([[0], np.cumsum(ok)])
+    s = cs[w:] - cs[:-w]
+    c = cc[w:] - cc[:-w]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out[w - 1 :] = np.where(c > 0, s / np.maximum(c, 1), np.nan)
+    return out
+
+
+def align_series(series: Sequence[PeerSeries], attr: str = "reward") -> tuple[np.ndarray, np.ndarray]:
+    """(union of rounds, matrix agents × rounds with NaN where an agent did not log the round)."""
+    if not series:
+        return np.array([], dtype=np.int64), np.zeros((0, 0))
+    rounds = np.unique(np.concatenate([s.rounds for s in series]))
+    mat = np.full((len(series), rounds.size), np.nan)
+    for i, s in enumerate(series):
+        mat[i, np.searchsorted(rounds, s.rounds)] = getattr(s, attr)
+    return rounds, mat
+
+
+def nanmean_rows(mat: np.ndarray) -> np.ndarray:
+    ok = np.isfinite(mat)
+    cnt = ok.sum(axis=0)
+    tot = np.where(ok, mat, 0.0).sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(cnt > 0, tot / np.maximum(cnt, 1), np.nan)
+
+
+def swarm_curve(run: Run) -> tuple[np.ndarray, np.ndarray]:
+    """(rounds, swarm-mean reward per round) of one run."""
+    rounds, mat = align_series(run.peers)
+    return rounds, (nanmean_rows(mat) if mat.size else np.array([]))
+
+
+def _fmean(xs: Sequence[float]) -> float:
+    v = [x for x in xs if x is not None and math.isfinite(x)]
+    return float(np.mean(v)) if v else math.nan
+
+
+def _fstd(xs: Sequence[float]) -> float:
+    v = [x for x in xs if x is not None and math.isfinite(x)]
+    return float(np.std(v, ddof=1)) if len(v) >= 2 else (0.0 if len(v) == 1 else math.nan)
+
+
+def bootstrap_improvement(
+    cfg: Sequence[float], base: Sequence[float], n_boot: int = 2000, seed: int = 0
+) -> tuple[float, float, float, str]:
+    """(point %, CI low %, CI high %, note) for 100 * (mean(cfg)/mean(base) - 1)."""
+    c = np.asarray([x for x in cfg if math.isfinite(x)], dtype=float)
+    b = np.asarray([x for x in base if math.isfinite(x)], dtype=float)
+    if c.size == 0 or b.size == 0:
+        return math.nan, math.nan, math.nan, "no data"
+    bm = float(b.mean())
+    if bm == 0:
+        return math.nan, math.nan, math.nan, "baseline cumulative reward is 0"
+    point = 100.0 * (float(c.mean()) / bm - 1.0)
+    if c.size == 1 and b.size == 1:
+        return point, point, point, "degenerate CI: 1 seed each"
+    rng = np.random.default_rng(seed)
+    cm = c[rng.integers(0, c.size, size=(n_boot, c.size))].mean(axis=1)
+    bms = b[rng.integers(0, b.size, size=(n_boot, b.size))].mean(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.where(bms != 0, 100.0 * (cm / bms - 1.0), np.nan)
+    ratio = ratio[np.isfinite(ratio)]
+    if ratio.size == 0:
+        return point, math.nan, math.nan, "bootstrap failed"
+    lo, hi = np.percentile(ratio, [2.5, 97.5])
+    note = ""
+    if c.size == 1:
+        note = "config has 1 seed: CI reflects baseline seeds only"
+    elif b.size == 1:
+        note = "baseline has 1 seed: CI reflects config seeds only"
+    return point, float(lo), float(hi), note
+
+
+def paired_sign_test(cfg: dict[str, float], base: dict[str, float]) -> tuple[int, int, float]:
+    """(seeds where the config beat the baseline, common seeds, one-sided exact sign-test p).
+
+    Seeds are paired: peer p of seed k has the same node seed in every configuration. With n seeds
+    the smallest possible p is 0.5**n, so 3 seeds can never reach p < 0.05 however large the effect."""
+    common = [k for k in cfg if k in base and math.isfinite(cfg[k]) and math.isfinite(base[k])]
+    diffs = [cfg[k] - base[k] for k in common if cfg[k] != base[k]]  # ties carry no sign
+    n, wins = len(diffs), sum(d > 0 for d in diffs)
+    p = sum(math.comb(n, i) for i in range(wins, n + 1)) / 2**n if n else math.nan
+    return wins, len(common), p
+
+
+def _steep_drops(curve: np.ndarray, window: int, drop: float) -> int:
+    n = curve.size // max(window, 1)
+    if n < 2 or not math.isfinite(drop):
+        return 0
+    blocks = curve[: n * window].reshape(n, window)
+    m = nanmean_rows(blocks.T)
+    d = m[:-1] - m[1:]
+    return int(np.sum(np.isfinite(d) & (d > drop)))
+
+
+def _max_drawdown(ma: np.ndarray) -> float:
+    v = ma[np.isfinite(ma)]
+    if v.size == 0:
+        return math.nan
+    return float(np.max(np.maximum.accumulate(v) - v))
+
+
+def _pick_baseline(by_cfg: dict[str, list[Run]], requested: str | None) -> tuple[str | None, str]:
+    if requested is not None:
+        if requested not in by_cfg:
+            raise ValueError(f"baseline {requested!r} not found; configurations: {', '.join(by_cfg)}")
+        return requested, "given with --baseline"
+    silo = [c for c, rs in by_cfg.items() if all(r.silo for r in rs)]
+    named = [c for c in by_cfg if IJ_RE.match(c.strip()) and IJ_RE.match(c.strip()).group(2) == "0"]  # type: ignore[union-attr]
+    both = [c for c in named if c in silo] or named or silo
+    if not both:
+        return None, "no silo configuration found (use --baseline)"
+    if len(both) > 1:
+        return both[0], f"several silo configurations ({', '.join(both)}); using the first (use --baseline)"
+    return both[0], "silo configuration (num_external == 0)"
+
+
+def summarize(
+    runs: Sequence[Run],
+    *,
+    baseline: str | None = None,
+    threshold: float | None = None,
+    window: int = 10,
+    drop: float | None = None,
+    n_boot: int = 2000,
+    boot_seed: int = 0,
+) -> dict:
+    """Core numbers per configuration (see the module docstring for definitions).
+
+    Returns a JSON-safe-ish dict (NaN where undefined) with keys: configs, baseline,
+    baseline_reason, threshold, threshold_source, drop, drop_source, window, n_boot, boot_seed,
+    skipped_lines, skipped_by_file, duplicate_rounds, warnings, per_config{name: {...}}.
+    """
+    if window < 1:
+        raise ValueError("window must be >= 1")
+    by_cfg: dict[str, list[Run]] = {}
+    for r in sorted(runs, key=lambda r: (config_sort_key(r.config), seed_sort_key(r.seed))):
+        if r.peers:
+            by_cfg.setdefault(r.config, []).append(r)
+    warnings: list[str] = []
+    empty = [f"{r.config} seed {r.seed}" for r in runs if not r.peers]
+    if empty:
+        warnings.append(f"runs with no valid metrics: {', '.join(empty)}")
+
+    curves = {id(r): swarm_curve(r) for rs in by_cfg.values() for r in rs}
+    mas = {k: moving_average(v[1], window) for k, v in curves.items()}
+    all_ma = np.concatenate([m for m in mas.values()]) if mas else np.array([])
+    max_ma = float(np.nanmax(all_ma)) if np.any(np.isfinite(all_ma)) else math.nan
+    if threshold is None:
+        thr, thr_src = 0.5 * max_ma, f"0.5 × max observed moving average ({max_ma:.4g})"
+    else:
+        thr, thr_src = float(threshold), "given with --threshold"
+    if drop is None:
+        drp, drp_src = 0.1 * max_ma, f"0.1 × max observed moving average ({max_ma:.4g})"
+    else:
+        drp, drp_src = float(drop), "given with --drop"
+
+    base_name, base_reason = _pick_baseline(by_cfg, baseline) if by_cfg else (None, "no runs")
+
+    per: dict[str, dict] = {}
+    for cfg, rs in by_cfg.items():
+        seeds = [r.seed for r in rs]
+        cum = {r.seed: float(np.nansum(np.concatenate([p.reward for p in r.peers]))) for r in rs}
+        agent_rounds = {r.seed: int(sum(np.isfinite(p.reward).sum() for p in r.peers)) for r in rs}
+        per_ar = [cum[s] / agent_rounds[s] if agent_rounds[s] else math.nan for s in seeds]
+        rtt: dict[str, int | None] = {}
+        rstd, drops, dd = {}, {}, {}
+        for r in rs:
+            rounds, cur = curves[id(r)]
+            ma = mas[id(r)]
+            hit = np.nonzero(np.isfinite(ma) & (ma >= thr))[0] if math.isfinite(thr) else np.array([])
+            rtt[r.seed] = int(rounds[hit[0]]) if hit.size else None
+            fin = cur[np.isfinite(cur)]
+            rstd[r.seed] = float(np.std(fin)) if fin.size else math.nan
+            drops[r.seed] = _steep_drops(cur, window, drp)
+            dd[r.seed] = _max_drawdown(ma)
+        acc = float(sum(np.nansum(p.accepted) for r in rs for p in r.peers))
+        rej = float(sum(np.nansum(p.rejected) for r in rs for p in r.peers))
+        has_acc = any(np.isfinite(p.accepted).any() or np.isfinite(p.rejected).any() for r in rs for p in r.peers)
+        tj = np.concatenate([p.target_external for r in rs for p in r.peers])
+        tj_fin = tj[np.isfinite(tj)]
+        final_j = [p.target_external[np.isfinite(p.target_external)][-1] for r in rs for p in r.peers if np.isfinite(p.target_external).any()]
+        ne = np.concatenate([p.num_external for r in rs for p in r.peers])
+        nl = np.concatenate([p.num_local for r in rs for p in r.peers])
+        rs_s = np.concatenate([p.round_s for r in rs for p in r.peers])
+        reached = [v for v in rtt.values() if v is not None]
+        per[cfg] = {
+            "ij_policy": ",".join(sorted({r.ij_policy for r in rs})),
+            "adaptive": any(r.adaptive for r in rs),
+            "silo": all(r.silo for r in rs),
+            "seeds": seeds,
+            "n_seeds": len(rs),
+            "peers": sorted({len(r.peers) for r in rs}),
+            "rounds": sorted({int(max(p.rounds.size for p in r.peers)) for r in rs}),
+            "cumulative_by_seed": cum,
+            "cumulative_mean": _fmean(list(cum.values())),
+            "cumulative_std": _fstd(list(cum.values())),
+            "reward_per_agent_round": _fmean(per_ar),
+            "improvement_pct": math.nan,
+            "improvement_ci": [math.nan, math.nan],
+            "improvement_note": "",
+            "paired_wins": None,
+            "paired_seeds": None,
+            "sign_test_p": math.nan,
+            "rounds_to_threshold_by_seed": rtt,
+            "rounds_to_threshold_mean": float(np.mean(reached)) if reached else math.nan,
+            "seeds_reaching_threshold": len(reached),
+            "reward_std_by_seed": rstd,
+            "reward_std_mean": _fmean(list(rstd.values())),
+            "steep_drops_by_seed": drops,
+            "steep_drops_mean": _fmean([float(v) for v in drops.values()]),
+            "max_drawdown_mean": _fmean(list(dd.values())),
+            "external_accepted": int(acc) if has_acc else None,
+            "external_rejected": int(rej) if has_acc else None,
+            "acceptance_rate": (acc / (acc + rej)) if has_acc and (acc + rej) > 0 else math.nan,
+            "mean_num_local": float(np.nanmean(nl)) if np.isfinite(nl).any() else math.nan,
+            "mean_num_external": float(np.nanmean(ne)) if np.isfinite(ne).any() else math.nan,
+            "mean_target_j": float(tj_fin.mean()) if tj_fin.size else math.nan,
+            "final_target_j_mean": float(np.mean(final_j)) if final_j else math.nan,
+            "mean_round_s": float(np.nanmean(rs_s)) if np.isfinite(rs_s).any() else math.nan,
+            "skipped_lines": sum(r.skipped_lines for r in rs),
+        }
+
+    if base_name is not None:
+        b = per[base_name]
+        bvals = list(b["cumulative_by_seed"].values())
+        for cfg, d in per.items():
+            if cfg == base_name:
+                d["improvement_pct"], d["improvement_ci"], d["improvement_note"] = 0.0, [0.0, 0.0], "baseline"
+                continue
+            pt, lo, hi, note = bootstrap_improvement(list(d["cumulative_by_seed"].values()), bvals, n_boot, boot_seed)
+            d["improvement_pct"], d["improvement_ci"], d["improvement_note"] = pt, [lo, hi], note
+            d["paired_wins"], d["paired_seeds"], d["sign_test_p"] = paired_sign_test(
+                d["cumulative_by_seed"], b["cumulative_by_seed"])
+            if d["peers"] != b["peers"] or d["rounds"] != b["rounds"]:
+                warnings.append(
+                    f"{cfg}: agents {d['peers']} / rounds {d['rounds']} differ from baseline {base_name} "
+                    f"({b['peers']} / {b['rounds']}): cumulative sums are not directly comparable; "
+                    "see reward per agent-round"
+                )
+
+    skipped_by_file: dict[str, int] = {}
+    for r in runs:
+        skipped_by_file.update(r.skipped_by_file)
+    return {
+        "configs": list(per),
+        "baseline": base_name,
+        "baseline_reason": base_reason,
+        "threshold": thr,
+        "threshold_source": thr_src,
+        "drop": drp,
+        "drop_source": drp_src,
+        "window": window,
+        "n_boot": n_boot,
+        "boot_seed": boot_seed,
+        "skipped_lines": sum(skipped_by_file.values()),
+        "skipped_by_file": skipped_by_file,
+        "duplicate_rounds": sum(r.duplicate_rounds for r in runs),
+        "warnings": warnings,
+        "per_config": per,
+    }
+
+

@@ -1,0 +1,101 @@
+"""Rollout groups, local and external, and how I local + J external groups are chosen for training."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from node.learn.grpo import group_advantages, has_signal
+from node.learn.policy import SampledGroup, Sequence, encode_completion, prompt_text
+from node.learn.tasks import Task, TaskMix, build_messages, extract_answer, score
+
+LOCAL = "local"
+
+
+@dataclass
+class Group:
+    """A task and G full assistant responses, scored by *this* node's reward function."""
+
+    task: Task
+    responses: list[str]  # full assistant text, forced answer prefix included
+    rewards: list[float]
+    source: str = LOCAL  # "local" or the publisher's public key (hex)
+    sampled: SampledGroup | None = None  # token ids and behaviour log-probs, local groups only
+    sender_rewards: list[float] = field(default_factory=list)  # informational, never trusted
+
+    @property
+    def is_local(self) -> bool:
+        return self.source == LOCAL
+
+    def signal(self) -> bool:
+        return has_signal(self.rewards)
+
+
+def score_responses(task: Task, responses: list[str]) -> list[float]:
+    return [score(task, extract_answer(r)) for r in responses]
+
+
+def local_group(task: Task, sampled: SampledGroup, answer_prefix: str) -> Group:
+    responses = [answer_prefix + text for text in sampled.texts]
+    return Group(task=task, responses=responses, rewards=score_responses(task, responses), sampled=sampled)
+
+
+@dataclass
+class Selection:
+    local: list[Group]
+    external: list[Group]
+    dropped_local: int  # zero-advantage groups dropped
+    dropped_external: int
+    external_available: int  # external groups with signal to sample from
+
+
+def select_groups(local: list[Group], external: list[Group], num_local: int, num_external: int,
+                  rng: random.Random) -> Selection:
+    """Drop zero-advantage groups, keep up to I local ones, sample J external ones uniformly (seeded)."""
+    useful_local = [g for g in local if g.signal()]
+    useful_external = [g for g in external if g.signal()]
+    chosen_external = rng.sample(useful_external, min(num_external, len(useful_external)))
+    return Selection(
+        local=useful_local[:num_local],
+        external=chosen_external,
+        dropped_local=len(local) - len(useful_local),
+        dropped_external=len(external) - len(useful_external),
+        external_available=len(useful_external),
+    )
+
+
+def to_sequences(groups: list[Group], tokenizer, prompt_for, scale_std: bool) -> list[Sequence]:
+    """Training sequences with group-relative advantages.
+
+    Local groups keep their sampled token ids and behaviour log-probs. External groups are re-encoded
+    with our tokenizer and chat template; their pi_old is filled in later by our own model.
+    """
+    seqs: list[Sequence] = []
+    for g in groups:
+        adv = group_advantages(torch.tensor(g.rewards, dtype=torch.float64), scale_std=scale_std).tolist()
+        if g.sampled is not None:
+            for ids, lp, a in zip(g.sampled.completion_ids, g.sampled.behaviour_logp, adv):
+                if ids:
+                    seqs.append(Sequence(g.sampled.prompt_ids, ids, a, lp))
+            continue
+        prompt = prompt_for(g.task)
+        prefix = prompt_for.answer_prefix
+        for response, a in zip(g.responses, adv):
+            body = response[len(prefix):] if prefix and response.startswith(prefix) else response
+            prompt_ids, completion_ids = encode_completion(tokenizer, prompt, body)
+            seqs.append(Sequence(prompt_ids, completion_ids, a))
+    return seqs
+
+
+class Prompter:
+    """This node's prompt for a task: chat template + system prompt + forced answer prefix."""
+
+    def __init__(self, tokenizer, mix: TaskMix):
+        self.tokenizer = tokenizer
+        self.mix = mix
+        self.answer_prefix = mix.answer_prefix
+
+    def __call__(self, task: Task) -> str:
+        return prompt_text(self.tokenizer, build_messages(self.mix, task), self.answer_prefix)

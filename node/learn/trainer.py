@@ -1,0 +1,147 @@
+"""One GRPO update per round: several optimizer steps over the round's sequences with a fixed pi_old."""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import math
+import random
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from node.learn.grpo import LOSS_TYPES, grpo_loss
+from node.learn.policy import Sequence, token_logprobs
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 1e-5
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    beta: float = 0.0  # KL weight; > 0 keeps a frozen copy of the initial model as reference
+    loss_type: str = "grpo"
+    scale_std: bool = True
+    max_grad_norm: float = 1.0
+    epochs: int = 1
+    minibatches: int = 1  # optimizer steps per epoch
+    micro_batch_size: int = 16  # sequences per forward/backward (memory bound), gradients accumulate
+    temperature: float = 1.0  # same scaling as at sampling time
+    max_completion_len: int = 256  # dr_grpo's constant normaliser
+
+    def validate(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss type must be one of {LOSS_TYPES}")
+        if self.epochs < 1 or self.minibatches < 1 or self.micro_batch_size < 1:
+            raise ValueError("epochs, minibatches and micro batch size must be >= 1")
+
+
+@dataclass
+class StepStats:
+    loss: float = 0.0
+    clip_frac: float = 0.0
+    ratio_mean: float = 1.0
+    kl: float = 0.0
+    grad_norm: float = 0.0
+    optimizer_steps: int = 0
+    sequences: int = 0
+    tokens: int = 0
+
+
+class Trainer:
+    def __init__(self, model: torch.nn.Module, pad_id: int, cfg: TrainConfig, seed: int = 0):
+        cfg.validate()
+        self.model = model
+        self.pad_id = pad_id
+        self.cfg = cfg
+        # foreach=False: the multi-tensor path allocates a copy of all parameters per update (peak memory)
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, foreach=False)
+        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
+        self.rng = random.Random(seed)
+
+    @torch.no_grad()
+    def fill_old_logp(self, seqs: list[Sequence]) -> None:
+        """pi_old for sequences that were not sampled by this model (external groups): evaluate now."""
+        todo = [s for s in seqs if s.old_logp is None]
+        for chunk in _chunks(todo, self.cfg.micro_batch_size):
+            logp, mask = token_logprobs(self.model, chunk, self.pad_id, self.cfg.temperature)
+            for s, row, m in zip(chunk, logp, mask):
+                s.old_logp = row[: int(m.sum())].tolist()
+
+    def step(self, seqs: list[Sequence]) -> StepStats:
+        """epochs x minibatches optimizer steps; pi_old stays the one recorded before the first step."""
+        stats = StepStats(sequences=len(seqs))
+        if not seqs:
+            return stats
+        self.fill_old_logp(seqs)
+        order = list(range(len(seqs)))
+        totals = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0, "grad_norm": 0.0}
+        for _ in range(self.cfg.epochs):
+            self.rng.shuffle(order)
+            per_mb = math.ceil(len(order) / self.cfg.minibatches)
+            for start in range(0, len(order), per_mb):
+                minibatch = [seqs[i] for i in order[start : start + per_mb]]
+                mb = self._optimizer_step(minibatch)
+                for key in totals:
+                    totals[key] += mb[key]
+                stats.optimizer_steps += 1
+                stats.tokens += int(mb["tokens"])
+        for key, value in totals.items():
+            setattr(stats, key, value / max(stats.optimizer_steps, 1))
+        self.optimizer.zero_grad(set_to_none=True)  # gradients are dead weight until the next round
+        release_freed_memory()
+        return stats
+
+    def _optimizer_step(self, minibatch: list[Sequence]) -> dict[str, float]:
+        cfg = self.cfg
+        self.optimizer.zero_grad(set_to_none=True)
+        total_tokens = sum(len(s.completion_ids) for s in minibatch)
+        acc = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0, "tokens": 0.0}
+        for chunk in _chunks(minibatch, cfg.micro_batch_size):
+            logp, mask = token_logprobs(self.model, chunk, self.pad_id, cfg.temperature)
+            old = _padded([s.old_logp for s in chunk], logp.shape[1], logp.device)
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref, _ = token_logprobs(self.ref_model, chunk, self.pad_id, cfg.temperature)
+            adv = torch.tensor([s.advantage for s in chunk], device=logp.device)
+            loss, st = grpo_loss(logp, old, adv, mask, cfg.eps_low, cfg.eps_high, cfg.loss_type, cfg.beta, ref,
+                                 cfg.max_completion_len)
+            # Weight each micro-batch so the sum equals the loss over the whole minibatch.
+            n_tokens = int(mask.sum())
+            weight = n_tokens / max(total_tokens, 1) if cfg.loss_type == "dapo" else len(chunk) / len(minibatch)
+            (loss * weight).backward()
+            acc["loss"] += st.loss * weight
+            tok_w = n_tokens / max(total_tokens, 1)
+            acc["clip_frac"] += st.clip_frac * tok_w
+            acc["ratio_mean"] += st.ratio_mean * tok_w
+            acc["kl"] += st.kl * tok_w
+            acc["tokens"] += n_tokens
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        self.optimizer.step()
+        acc["grad_norm"] = float(grad_norm)
+        return acc
+
+
+def release_freed_memory() -> None:
+    """Hand freed activation memory back to the OS (glibc keeps it otherwise): several peers share one
+    machine's RAM, and each one's resident size would otherwise creep up to its worst round."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+
+
+def _chunks(items: list, size: int):
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def _padded(rows: list[list[float] | None], width: int, device: torch.device) -> torch.Tensor:
+    out = torch.zeros((len(rows), width), device=device)
+    for i, row in enumerate(rows):
+        if row:
+            out[i, : len(row)] = torch.tensor(row[:width], device=device)
+    return out

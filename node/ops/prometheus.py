@@ -1,0 +1,169 @@
+"""Prometheus text exposition (format 0.0.4) of a node's or the bootstrap's status snapshot.
+
+Pure functions of the snapshot dict, so that /metrics can be tested without a server and junk values
+(NaN, strings, missing keys) can never break the exposition.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PHASES = ("generate", "score", "publish", "fetch", "train", "checkpoint", "idle")
+
+
+
+def escape_label_value(value: Any) -> str:
+    """Escape a label value for the text exposition format (backslash, double quote, newline)."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _format_value(value: Any) -> str | None:
+    """Format a sample value; None for values that cannot be a sample (skipped, never an error)."""
+    if value is None or isinstance(value, (str, bytes, dict, list, tuple)):
+        return None
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return None
+    if math.isnan(f):
+        return "NaN"
+    if math.isinf(f):
+        return "+Inf" if f > 0 else "-Inf"
+    if f.is_integer() and abs(f) < 1e15:
+        return str(int(f))
+    return repr(f)
+
+
+class _MetricsWriter:
+    def __init__(self) -> None:
+        self._families: dict[str, tuple[str, str, list[str]]] = {}
+
+    def add(self, name: str, mtype: str, help_text: str, value: Any, labels: Mapping[str, Any] | None = None) -> None:
+        formatted = _format_value(value)
+        if formatted is None:
+            return
+        family = self._families.setdefault(name, (mtype, help_text, []))
+        if labels:
+            label_str = ",".join(f'{k}="{escape_label_value(v)}"' for k, v in labels.items())
+            family[2].append(f"{name}{{{label_str}}} {formatted}")
+        else:
+            family[2].append(f"{name} {formatted}")
+
+    def render(self) -> str:
+        out: list[str] = []
+        for name, (mtype, help_text, samples) in self._families.items():
+            if not samples:
+                continue
+            out.append(f"# HELP {name} {_escape_help(help_text)}")
+            out.append(f"# TYPE {name} {mtype}")
+            out.extend(samples)
+        return "\n".join(out) + "\n" if out else ""
+
+
+def as_dict(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def num(value: Any) -> Any:
+    """Numbers pass through; anything else becomes None (skipped)."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def render_metrics(snap: Mapping[str, Any], kind: str = "node") -> str:
+    """Render a node or bootstrap snapshot as Prometheus text (format 0.0.4).
+
+    Missing or malformed keys are skipped, never an error, so the same renderer serves both the node
+    snapshot and the (much smaller) bootstrap snapshot.
+    """
+    m = _MetricsWriter()
+    snap = as_dict(snap)
+
+    info = {"kind": kind}
+    for key in ("version", "model", "swarm"):
+        if isinstance(snap.get(key), str):
+            info[key] = snap[key]
+    m.add("sapo_build_info", "gauge", "Build and run information (constant 1).", 1, info)
+
+    m.add("sapo_uptime_seconds", "gauge", "Seconds since the process started.", num(snap.get("uptime_s")))
+    m.add(
+        "sapo_start_time_seconds",
+        "gauge",
+        "Start time of the process since the Unix epoch in seconds.",
+        num(snap.get("started_at")),
+    )
+    m.add(
+        "sapo_bootstrap_peers_seen",
+        "gauge",
+        "Number of distinct peers the bootstrap node has seen.",
+        num(snap.get("peers_seen")),
+    )
+    m.add("sapo_round", "gauge", "Current training round.", num(snap.get("round")))
+
+    phase = snap.get("phase")
+    if isinstance(phase, str):
+        phases = list(PHASES) if phase in PHASES else [*PHASES, phase]
+        for p in phases:
+            m.add("sapo_phase", "gauge", "Current phase of the round loop (1 for the active phase).",
+                  int(p == phase), {"phase": p})
+
+    m.add("sapo_reward_last", "gauge", "Mean reward of local completions in the last round.",
+          num(snap.get("last_reward")))
+    m.add("sapo_reward_moving_average", "gauge", "Moving average of the per-round mean reward.",
+          num(snap.get("reward_ma")))
+    for p, secs in as_dict(snap.get("phase_s")).items():
+        m.add("sapo_phase_duration_seconds", "gauge", "Duration of each phase in the last finished round.",
+              num(secs), {"phase": p})
+    m.add("sapo_last_round_timestamp_seconds", "gauge",
+          "Unix time at which the last round finished.", num(snap.get("last_round_at")))
+
+    totals = as_dict(snap.get("totals"))
+    m.add("sapo_rounds_total", "counter", "Rounds completed since start.", num(totals.get("rounds")))
+    m.add("sapo_tokens_generated_total", "counter", "Completion tokens generated locally.",
+          num(totals.get("tokens_generated")))
+    m.add("sapo_groups_local_total", "counter", "Rollout groups generated locally and used for training.",
+          num(totals.get("groups_local")))
+    m.add("sapo_groups_external_total", "counter", "Rollout groups from other peers used for training.",
+          num(totals.get("groups_external")))
+    m.add("sapo_dropped_zero_advantage_total", "counter",
+          "Rollout groups dropped because all advantages were zero.", num(totals.get("dropped_zero_adv")))
+
+    peers = snap.get("peers")
+    if isinstance(peers, dict):
+        m.add("sapo_known_peers", "gauge", "Number of peers this node has heard from.", len(peers))
+        for key, p in peers.items():
+            p = as_dict(p)
+            if isinstance(p.get("name"), str):
+                m.add("sapo_peer_info", "gauge", "Peer public key to self-reported name (constant 1).", 1,
+                      {"peer": key, "name": p["name"]})
+            m.add("sapo_peer_last_round", "gauge", "Last round announced by a peer.",
+                  num(p.get("last_round")), {"peer": key})
+            m.add("sapo_peer_last_seen_timestamp_seconds", "gauge", "Unix time a peer was last seen.",
+                  num(p.get("last_seen")), {"peer": key})
+
+    groups = as_dict(snap.get("groups"))
+    for key, count in as_dict(groups.get("accepted")).items():
+        m.add("sapo_groups_accepted_total", "counter", "External rollout groups accepted, by peer.",
+              num(count), {"peer": key})
+    for key, reasons in as_dict(groups.get("rejected")).items():
+        for reason, count in as_dict(reasons).items():
+            m.add("sapo_groups_rejected_total", "counter", "External rollout groups rejected, by peer and reason.",
+                  num(count), {"peer": key, "reason": reason})
+
+    if "healthy" in snap:
+        m.add("sapo_healthy", "gauge", "1 if the node reports itself healthy.", bool(snap.get("healthy")))
+    return m.render()
+
+
+# --------------------------------------------------------------------------------------------------
+# Health
+# --------------------------------------------------------------------------------------------------

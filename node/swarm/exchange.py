@@ -1,0 +1,80 @@
+"""The seam between the round loop and the swarm: publish our groups, collect verified external ones.
+
+The loop only sees this interface. `Silo` is J = 0 with no network; `node.swarm.dht_exchange.DhtExchange` is the
+real Hivemind transport; `node.swarm.memory_exchange.MemoryExchange` runs several nodes in one process with the same
+signing and verification code (only the transport differs).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from node.learn.groups import Group
+
+
+@dataclass
+class ExchangeStats:
+    """Per-peer accepted groups and rejected groups by reason, since start and for the last round."""
+
+    accepted: Counter = field(default_factory=Counter)  # peer hex -> groups
+    rejected: defaultdict = field(default_factory=lambda: defaultdict(Counter))  # peer -> reason -> n
+    round_accepted: int = 0
+    round_rejected: Counter = field(default_factory=Counter)  # reason -> n, last round
+    peers: dict = field(default_factory=dict)  # peer hex -> {"last_round": int, "last_seen": float}
+
+    def reject(self, peer: str, reason: str, n: int = 1) -> None:
+        self.rejected[peer][reason] += n
+        self.round_rejected[reason] += n
+
+    def accept(self, peer: str, n: int = 1) -> None:
+        self.accepted[peer] += n
+        self.round_accepted += n
+
+    def new_round(self) -> None:
+        self.round_accepted = 0
+        self.round_rejected = Counter()
+
+    def to_dict(self) -> dict:
+        return {
+            "accepted": dict(self.accepted),
+            "rejected": {peer: dict(reasons) for peer, reasons in self.rejected.items()},
+        }
+
+
+class Exchange(Protocol):
+    stats: ExchangeStats
+
+    async def start(self) -> None: ...
+
+    def identity_info(self) -> dict: ...
+
+    async def publish(self, round_: int, groups: list[Group]) -> None: ...
+
+    async def collect(self, round_: int) -> list[Group]: ...
+
+    async def close(self) -> None: ...
+
+
+class Silo:
+    """No swarm: nothing published, nothing received (the paper's I/0 baseline)."""
+
+    def __init__(self) -> None:
+        self.stats = ExchangeStats()
+
+    async def start(self) -> None:
+        return None
+
+    def identity_info(self) -> dict:
+        return {"peer_id": "silo", "public_key": "", "maddrs": []}
+
+    async def publish(self, round_: int, groups: list[Group]) -> None:
+        return None
+
+    async def collect(self, round_: int) -> list[Group]:
+        self.stats.new_round()
+        return []
+
+    async def close(self) -> None:
+        return None

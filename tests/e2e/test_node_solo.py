@@ -1,0 +1,120 @@
+"""End to end: the real `sapo-node` CLI on a tiny random model with real reasoning-gym tasks."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import orjson
+import pytest
+
+from conftest import REPO, run_node
+from node.ops.checkpoint import CheckpointStore
+
+REQUIRED_FIELDS = {
+    "round", "t_start", "t_end", "round_s", "phase_s", "swarm_io_s", "reward_mean", "reward_max",
+    "num_local", "num_external", "dropped_zero_adv_local", "dropped_zero_adv_external", "loss", "clip_frac",
+    "tokens_generated", "peak_mem_mb",
+}
+
+
+def read_rounds(run_dir):
+    return [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
+
+
+def test_three_rounds_then_resume_to_five(tmp_path, tiny_args):
+    run_dir = tmp_path / "run"
+    first = run_node(*tiny_args, "--rounds", "3", "--run-dir", str(run_dir))
+    assert first.returncode == 0, first.stderr[-2000:]
+    records = read_rounds(run_dir)
+    assert [r["round"] for r in records] == [0, 1, 2]
+    for r in records:
+        assert REQUIRED_FIELDS <= set(r), REQUIRED_FIELDS - set(r)
+        assert {"generate", "score", "train", "publish", "fetch"} <= set(r["phase_s"])
+        assert r["tokens_generated"] > 0
+    assert (run_dir / "node.log").read_text().count("round 2 |") == 1
+
+    again = run_node(*tiny_args, "--rounds", "5", "--run-dir", str(run_dir))
+    assert again.returncode == 2 and "--resume" in again.stderr  # never clobbers an existing run
+
+    resumed = run_node(*tiny_args, "--rounds", "5", "--run-dir", str(run_dir), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [r["round"] for r in read_rounds(run_dir)] == [0, 1, 2, 3, 4]
+    assert "resumed from round-000002: next round 3" in resumed.stderr
+
+
+def test_resume_reproduces_an_uninterrupted_run(tmp_path, tiny_args):
+    """Same seed: 2 rounds + resume for 2 more == 4 rounds straight (RNG, sampler, optimizer restored)."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    common = [*tiny_args, "--checkpoint-every", "1"]
+    assert run_node(*common, "--rounds", "4", "--run-dir", str(straight)).returncode == 0
+    assert run_node(*common, "--rounds", "2", "--run-dir", str(split)).returncode == 0
+    assert run_node(*common, "--rounds", "4", "--run-dir", str(split), "--resume").returncode == 0
+    keys = ("reward_mean", "tokens_generated", "loss", "num_local")
+    a = [{k: r[k] for k in keys} for r in read_rounds(straight)]
+    b = [{k: r[k] for k in keys} for r in read_rounds(split)]
+    assert a == b
+
+
+def test_sigkill_never_leaves_an_unloadable_latest_checkpoint(tmp_path):
+    """A child saves checkpoints in a tight loop; we SIGKILL it at several moments mid-write."""
+    script = f"""
+import sys, torch
+sys.path.insert(0, {str(REPO)!r})
+from node.ops.checkpoint import CheckpointStore
+model = torch.nn.Linear(512, 512)
+opt = torch.optim.Adam(model.parameters())
+model(torch.randn(2, 512)).sum().backward(); opt.step()
+store = CheckpointStore({str(tmp_path)!r}, keep=2)
+r = 0
+print("ready", flush=True)
+while True:
+    store.save(r, model, opt, {{"next_round": r + 1, "blob": "x" * 200000}})
+    r += 1
+"""
+    for delay in (0.3, 0.45, 0.6, 0.75, 0.9):
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        ckpt = CheckpointStore(tmp_path, keep=2).load_latest()
+        assert ckpt is not None and ckpt.state["next_round"] == ckpt.round + 1
+
+
+def test_corrupt_latest_checkpoint_falls_back(tmp_path, tiny_args):
+    run_dir = tmp_path / "run"
+    assert run_node(*tiny_args, "--rounds", "4", "--checkpoint-every", "2", "--run-dir", str(run_dir)).returncode == 0
+    latest = run_dir / "checkpoints" / "round-000003"
+    with open(latest / "model.pt", "r+b") as f:  # flip bytes in the middle: size unchanged, hash differs
+        f.seek(200)
+        f.write(b"\x00garbage\x00")
+    resumed = run_node(*tiny_args, "--rounds", "5", "--run-dir", str(run_dir), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "skipping checkpoint round-000003" in resumed.stderr
+    assert "resumed from round-000001: next round 2" in resumed.stderr
+    rounds = [r["round"] for r in read_rounds(run_dir)]
+    assert rounds == [0, 1, 2, 3, 4]
+    orphaned = (run_dir / "metrics.orphaned.jsonl").read_text().splitlines()
+    assert [json.loads(x)["round"] for x in orphaned] == [2, 3]  # nothing lost
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--lr", "0"], "--lr"),
+    (["--generations", "1"], "--generations"),
+    (["--tasks", "no_such_dataset"], "--tasks"),
+    (["--loss-type", "ppo"], "--loss-type"),
+    (["--peers", "localhost:1234"], "--peers"),
+])
+def test_invalid_flags_exit_2_naming_the_flag(tmp_path, args, flag):
+    result = run_node(*args, "--run-dir", str(tmp_path / "r"))
+    assert result.returncode == 2
+    assert flag in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_model_that_cannot_load_gives_clear_error(tmp_path):
+    result = run_node("--model", str(tmp_path / "missing.gguf"), "--rounds", "1", "--run-dir", str(tmp_path / "r"))
+    assert result.returncode == 1
+    assert "GGUF file not found" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,88 @@
+"""End to end: `sapo-experiment` runs a preset over the real DHT, stops on Ctrl-C, resumes, and reports."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import REPO, live_metrics, node_env
+
+TINY = ["--model", "tiny-random", "--tasks", "smoke", "--generations", "4", "--max-new-tokens", "8",
+        "--seeds", "0", "--peers", "2", "--threads", "1"]
+
+
+def experiment(*args: str) -> list[str]:
+    return [sys.executable, "-m", "node.lab.experiment", *args]
+
+
+def rounds_of(peer_dir) -> list[int]:
+    return [r["round"] for r in live_metrics(peer_dir)]
+
+
+def external_used(peer_dirs) -> int:
+    return sum(r["num_external"] for d in peer_dirs for r in live_metrics(d))
+
+
+def test_preset_over_dht_resumes_after_ctrl_c(tmp_path):
+    exp = tmp_path / "exp"
+    cmd = experiment("2/2", "--rounds", "12", "--out", str(exp), *TINY)
+    run = exp / "2-2" / "seed0"
+    peers = [run / "peer0", run / "peer1"]
+
+    first = subprocess.Popen(cmd, cwd=REPO, env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not all(rounds_of(p) for p in peers):  # both peers are in the swarm and training
+            assert first.poll() is None, first.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "no peer finished a round"
+            time.sleep(0.2)
+        first.send_signal(signal.SIGINT)  # what Ctrl-C does
+        out, _ = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 130, out[-3000:]
+    assert "resume with the same command" in out
+    assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
+    done_before = [rounds_of(p) for p in peers]
+    assert any(len(r) < 12 for r in done_before), done_before  # it really stopped early
+    assert all((p / "checkpoints").is_dir() for p in peers)  # each peer checkpointed on the way out
+
+    second = subprocess.run(cmd, cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["status"] == "complete"
+    assert meta["num_local"] == 2 and meta["num_external"] == 2 and meta["peers"] == 2
+    assert meta["versions"]["torch"] and meta["versions"]["hivemind"] and meta["git_commit"]
+    for p, before in zip(peers, done_before):
+        got = rounds_of(p)
+        assert got == list(range(12)), got  # continued where it stopped: no round lost, none repeated
+        assert got[: len(before)] == before
+    assert external_used(peers) > 0, "the two peers never trained on each other's groups"
+
+    assert not list(run.glob("peer*/checkpoints")), "a finished run keeps no checkpoints by default"
+
+    third = subprocess.run(cmd, cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=120)
+    assert third.returncode == 0 and "complete, skipped" in third.stderr, third.stderr[-2000:]
+
+
+def test_memory_mode_comparison_then_report(tmp_path):
+    """Silo vs swarm in the in-process round-robin mode, then `sapo-report` on the result."""
+    exp = tmp_path / "exp"
+    done = subprocess.run(experiment("4/0", "2/2", "--mode", "memory", "--rounds", "3", "--out", str(exp), *TINY),
+                          cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    silo = [rounds_of(exp / "4-0" / "seed0" / f"peer{p}") for p in range(2)]
+    assert silo == [[0, 1, 2], [0, 1, 2]]
+    assert external_used([exp / "2-2" / "seed0" / f"peer{p}" for p in range(2)]) > 0
+    assert json.loads((exp / "2-2" / "seed0" / "run.json").read_text())["mode"] == "memory"
+
+    report = subprocess.run([sys.executable, "-m", "node.lab.report", str(exp), "--out", str(tmp_path / "report")],
+                            cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-2000:]
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "4/0" in text and "2/2" in text
+    assert {p.name for p in (tmp_path / "report").glob("*.png")} >= {
+        "per_agent_rewards.png", "moving_average_band.png", "cumulative_reward.png"}

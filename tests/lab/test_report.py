@@ -1,0 +1,181 @@
+import json
+import math
+
+import numpy as np
+import pytest
+
+from node.lab.report import main
+from node.lab.runs import load_runs
+from node.lab.stats import bootstrap_improvement, moving_average, paired_sign_test, summarize
+
+# reward(config, seed, peer, round t) = BASE[config] + 0.02 * t + 0.01 * seed  (same for both peers)
+BASE = {"4/0": 0.10, "2/2": 0.25}
+SEEDS = (0, 1, 2)
+PEERS = (0, 1)
+ROUNDS = 10
+
+
+def reward(cfg, s, t):
+    return BASE[cfg] + 0.02 * t + 0.01 * s
+
+
+def write_exp(root, *, corrupt=True):
+    for cfg in BASE:
+        i, j = map(int, cfg.split("/"))
+        for s in SEEDS:
+            rd = root / cfg.replace("/", "-") / f"seed{s}"
+            rd.mkdir(parents=True)
+            (rd / "run.json").write_text(
+                json.dumps(
+                    {"config_name": cfg, "num_local": i, "num_external": j, "ij_policy": "fixed",
+                     "seed": s, "peers": len(PEERS), "rounds": ROUNDS}
+                )
+            )
+            for p in PEERS:
+                pd = rd / f"peer{p}"
+                pd.mkdir()
+                lines = []
+                for t in range(ROUNDS):
+                    rec = {"round": t, "reward_mean": reward(cfg, s, t), "num_local": i, "num_external": j,
+                           "target_external": j, "round_s": 1.5}
+                    if j:
+                        rec.update(external_accepted=3, external_rejected=1)
+                    lines.append(json.dumps(rec))
+                if corrupt and cfg == "2/2" and s == 1 and p == 0:
+                    lines.insert(3, "this is not json")
+                    lines.insert(5, "")  # blank: ignored, not counted
+                    lines.append('{"round": 10, "reward_me')  # truncated last line
+                (pd / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_report_end_to_end(tmp_path, capsys):
+    exp = write_exp(tmp_path / "exp")
+    out = tmp_path / "out"
+    assert main([str(exp), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+
+    # cumulative per seed = 2 peers * sum_t (base + 0.02 t + 0.01 s) = 20*base + 1.8 + 0.2*s
+    #   4/0: 3.8, 4.0, 4.2 -> mean 4.00, std 0.20 ;  2/2: 6.8, 7.0, 7.2 -> mean 7.00, std 0.20
+    assert "| 4/0 | 4.00 ± 0.20 | s0: 3.80, s1: 4.00, s2: 4.20 |" in md
+    assert "| 2/2 | 7.00 ± 0.20 | s0: 6.80, s1: 7.00, s2: 7.20 |" in md
+    # improvement = 100 * (7.0 / 4.0 - 1) = +75.00 %
+    assert "+75.00%" in md
+    assert "| 3/3 (p = 0.125) |" in md  # 2/2 beats 4/0 in every paired seed; 0.5^3
+    assert "Baseline: **4/0**" in md
+    # acceptance 3 / (3 + 1)
+    assert "75.0%" in md
+    # corrupt lines: 2 (garbage + truncated); blank line not counted
+    assert "Corrupt metrics lines skipped: **2**" in md
+    assert "No adaptive runs" in md
+    for name in ("per_agent_rewards.png", "moving_average_band.png", "cumulative_reward.png", "j_trajectory.png"):
+        f = out / name
+        assert f.exists() and f.stat().st_size > 1000, name
+        assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"({name})" in md
+    s = json.loads((out / "summary.json").read_text())
+    assert s["skipped_lines"] == 2
+    assert s["per_config"]["2/2"]["improvement_pct"] == pytest.approx(75.0)
+    lo, hi = s["per_config"]["2/2"]["improvement_ci"]
+    assert lo <= 75.0 <= hi
+    printed = capsys.readouterr().out
+    assert "+75.00%" in printed and "skipped 2 corrupt" in printed
+
+
+def test_summarize_numbers(tmp_path):
+    runs = load_runs([write_exp(tmp_path / "exp")])
+    assert len(runs) == 6 and all(len(r.peers) == 2 for r in runs)
+    s = summarize(runs, threshold=0.345, window=5)
+    assert s["configs"] == ["4/0", "2/2"] and s["baseline"] == "4/0"
+    b, c = s["per_config"]["4/0"], s["per_config"]["2/2"]
+    assert b["cumulative_by_seed"] == pytest.approx({"0": 3.8, "1": 4.0, "2": 4.2})
+    assert c["cumulative_mean"] == pytest.approx(7.0)
+    assert c["cumulative_std"] == pytest.approx(0.2)
+    assert c["improvement_pct"] == pytest.approx(75.0)
+    assert c["reward_per_agent_round"] == pytest.approx(0.35)
+    # MA(window 5) at round t = base + 0.02 (t - 2) + 0.01 s ; 2/2 reaches 0.345 at t = 7, 7, 6
+    assert c["rounds_to_threshold_by_seed"] == {"0": 7, "1": 7, "2": 6}
+    assert c["rounds_to_threshold_mean"] == pytest.approx(20 / 3)
+    assert b["rounds_to_threshold_by_seed"] == {"0": None, "1": None, "2": None}
+    # per-round swarm mean is linear: std over rounds = 0.02 * std(0..9) ; no drops on a rising curve
+    assert c["reward_std_mean"] == pytest.approx(0.02 * np.std(np.arange(10)))
+    assert c["steep_drops_mean"] == 0 and c["max_drawdown_mean"] == pytest.approx(0.0)
+    assert c["acceptance_rate"] == pytest.approx(0.75)
+    assert math.isnan(b["acceptance_rate"])
+    assert s["skipped_lines"] == 2
+    # default threshold: 0.5 x max MA(window 10) = 0.5 * (0.25 + 0.09 + 0.02)
+    assert summarize(runs)["threshold"] == pytest.approx(0.18)
+    # bootstrap is deterministic
+    assert summarize(runs)["per_config"]["2/2"]["improvement_ci"] == s["per_config"]["2/2"]["improvement_ci"]
+
+
+def test_fallback_names_adaptive_drops_and_single_seed(tmp_path, capsys):
+    exp = tmp_path / "exp2"
+    # no run.json: config / seed from directory names
+    for cfg, js, rewards in [
+        ("silo", [0] * 20, [0.5] * 20),
+        # reward drops from 0.6 to 0.2 between the first and second block of 10 rounds
+        ("adaptive", [4, 5, 6, 5, 4, 3, 4, 4, 5, 5] * 2, [0.6] * 10 + [0.2] * 10),
+    ]:
+        d = exp / cfg / "seed7" / "peerA"
+        d.mkdir(parents=True)
+        d.joinpath("metrics.jsonl").write_text(
+            "\n".join(
+                json.dumps({"round": t + 1, "reward_mean": r, "num_local": 8 - j, "num_external": j if cfg != "silo" else 0,
+                            "target_external": j})
+                for t, (j, r) in enumerate(zip(js, rewards))
+            )
+        )
+    out = tmp_path / "o"
+    assert main([str(exp), "--out", str(out), "--baseline", "silo", "--drop", "0.3"]) == 0
+    md = (out / "report.md").read_text()
+    assert "degenerate CI: 1 seed each" in md
+    # cumulative: silo 20*0.5 = 10 ; adaptive 10*0.6 + 10*0.2 = 8 -> -20 %
+    assert "-20.00%" in md
+    assert "![J trajectory](j_trajectory.png)" in md
+    runs = load_runs([exp])
+    assert {(r.config, r.seed) for r in runs} == {("silo", "7"), ("adaptive", "7")}
+    s = summarize(runs, baseline="silo", drop=0.3)
+    a = s["per_config"]["adaptive"]
+    assert a["adaptive"] and not s["per_config"]["silo"]["adaptive"]
+    assert a["steep_drops_mean"] == 1
+    assert a["max_drawdown_mean"] == pytest.approx(0.4)
+    assert a["mean_target_j"] == pytest.approx(4.5)
+    assert a["final_target_j_mean"] == 5
+    with pytest.raises(ValueError, match="baseline"):
+        summarize(runs, baseline="nope")
+    assert main([str(exp), "--out", str(out), "--baseline", "nope"]) == 2
+
+
+def test_no_metrics_and_all_corrupt(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty"), "--out", str(tmp_path / "o")]) == 2
+    d = tmp_path / "bad" / "c" / "seed0" / "peer0"
+    d.mkdir(parents=True)
+    d.joinpath("metrics.jsonl").write_text('[1, 2]\n{"round": "x", "reward_mean": 1}\n{"round": true, "reward_mean": 1}\n')
+    assert main([str(tmp_path / "bad")]) == 2
+    assert "3 corrupt" in capsys.readouterr().err
+
+
+def test_paired_sign_test():
+    assert paired_sign_test({"0": 2.0, "1": 3.0, "2": 1.0}, {"0": 1.0, "1": 1.0, "2": 1.5}) == (2, 3, 0.5)
+    assert paired_sign_test({"0": 2.0, "1": 3.0}, {"0": 1.0, "1": 1.0, "7": 9.0}) == (2, 2, 0.25)
+    wins, n, p = paired_sign_test({str(k): 1.0 for k in range(5)}, {str(k): 0.0 for k in range(5)})
+    assert (wins, n, p) == (5, 5, 1 / 32)
+    # a tie carries no sign: 1 win out of 1 informative pair
+    assert paired_sign_test({"0": 1.0, "1": 2.0}, {"0": 1.0, "1": 1.0}) == (1, 2, 0.5)
+    wins, n, p = paired_sign_test({}, {"0": 1.0})
+    assert (wins, n) == (0, 0) and math.isnan(p)
+
+
+def test_moving_average_and_bootstrap_helpers():
+    ma = moving_average(np.array([1.0, 2.0, np.nan, 4.0, 5.0]), 2)
+    assert np.isnan(ma[0])
+    assert ma[1:].tolist() == [1.5, 2.0, 4.0, 4.5]
+    assert moving_average(np.array([1.0, 3.0]), 10).tolist()[-1] == 2.0
+    pt, lo, hi, note = bootstrap_improvement([2.0], [1.0])
+    assert pt == lo == hi == 100.0 and "degenerate" in note
+    pt, lo, hi, note = bootstrap_improvement([2.0, 2.0, 2.0], [1.0, 1.0])
+    assert pt == lo == hi == pytest.approx(100.0)
+    pt, lo, hi, note = bootstrap_improvement([1.0, 3.0], [1.0, 1.0], n_boot=500)
+    assert pt == pytest.approx(100.0) and lo == pytest.approx(0.0) and hi == pytest.approx(200.0)

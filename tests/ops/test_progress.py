@@ -1,0 +1,154 @@
+"""Console progress: one-line formatting, live/plain printer, and the metrics.jsonl tail CLI."""
+
+from __future__ import annotations
+
+import io
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import orjson
+import pytest
+
+from node.ops.progress import MetricsTail, ProgressPrinter, RunView, format_progress_line, format_table, main
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_format_round_record():
+    rec = {"round": 12, "reward_mean": 0.41234, "num_local": 6, "num_external": 2, "round_s": 31.25,
+           "phase_s": {"generate": 20}, "peer": "alice"}
+    line = format_progress_line(rec)
+    assert line == "[alice] | round 12 | reward 0.412 | ext 2/8 | 31.2s"
+    assert "\n" not in line
+
+
+def test_format_snapshot():
+    snap = {"peer_id": "12D3KooWAbcdefghijklmnop", "round": 3, "phase": "train", "last_reward": 0.5,
+            "reward_ma": 0.25, "history": [{"round": 2, "num_local": 4, "num_external": 4}],
+            "phase_s": {"generate": 1.5, "train": 2.0}}
+    line = format_progress_line(snap)
+    assert "round 3" in line and "reward 0.500" in line and "ma 0.250" in line
+    assert "ext 4/8" in line and "phase train" in line and "3.5s" in line
+    assert line.startswith("[12D3Ko…")
+
+
+def test_format_is_robust():
+    assert "round -" in format_progress_line({})
+    hostile = format_progress_line({"peer": "evil\x1b[2J\rname" * 5, "round": 1, "reward_mean": None})
+    assert "\x1b" not in hostile and "\r" not in hostile and "reward -" in hostile
+
+
+def test_printer_plain_stream():
+    out = io.StringIO()
+    p = ProgressPrinter(out)
+    p.update({"round": 1, "reward_mean": 0.1, "peer": "a"})
+    p.update({"round": 1, "reward_mean": 0.1, "peer": "a"})  # unchanged: not repeated
+    p.update({"round": 2, "reward_mean": 0.2, "peer": "a"})
+    p.message("hello")
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert lines == ["[a] | round 1 | reward 0.100", "[a] | round 2 | reward 0.200", "hello"]
+    assert "\r" not in out.getvalue()
+
+
+def test_printer_tty_rewrites_one_line():
+    out = FakeTTY()
+    with ProgressPrinter(out, width=40) as p:
+        p.update({"round": 1, "reward_mean": 0.1, "peer": "a"})
+        p.update({"round": 2, "reward_mean": 0.2, "peer": "a", "num_external": 3, "num_local": 5,
+                  "phase": "generate", "round_s": 100.0})
+        p.message("checkpoint saved")
+    text = out.getvalue()
+    assert text.count("\r") >= 3
+    assert text.endswith("\n")
+    assert "checkpoint saved\n" in text
+    # every live line is clipped to the terminal width
+    for chunk in text.split("\r"):
+        visible = chunk.replace("\x1b[K", "").split("\n")[0]
+        assert len(visible) <= 40
+
+
+def test_metrics_tail(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    tail = MetricsTail(path)
+    assert tail.read_new() == []  # missing file is fine
+    path.write_bytes(b'{"round": 1}\nnot json\n{"round": 2')
+    assert [r["round"] for r in tail.read_new()] == [1]
+    assert tail.bad_lines == 1
+    with open(path, "ab") as f:
+        f.write(b', "reward_mean": 0.5}\n')
+    assert tail.read_new() == [{"round": 2, "reward_mean": 0.5}]
+    assert tail.read_new() == []
+    path.write_bytes(b'{"round": 9}\n')  # truncated / rewritten
+    assert tail.read_new() == [{"round": 9}]
+
+
+def _write(run, recs):
+    run.mkdir(parents=True, exist_ok=True)
+    with open(run / "metrics.jsonl", "ab") as f:
+        for r in recs:
+            f.write(orjson.dumps(r) + b"\n")
+
+
+def test_table_and_once(tmp_path, capsys):
+    _write(tmp_path / "n0", [{"round": r, "reward_mean": r / 10, "num_local": 4, "num_external": 1,
+                              "round_s": 2.0, "peer": "alice"} for r in range(1, 4)])
+    view = RunView(tmp_path / "n0", MetricsTail(tmp_path / "n0" / "metrics.jsonl"))
+    view.poll()
+    table = format_table([view, RunView(tmp_path / "n1", MetricsTail(tmp_path / "n1" / "metrics.jsonl"))])
+    assert "alice" in table and "waiting" in table and "0.200" in table  # ma of 0.1, 0.2, 0.3
+
+    assert main([str(tmp_path / "n0"), str(tmp_path / "n1"), "--once"]) == 0
+    out = capsys.readouterr().out
+    assert "alice" in out and "n1" in out
+
+
+def _read_until(proc: subprocess.Popen, needle: bytes, timeout: float) -> bytes:
+    """Read the child's stdout until `needle` shows up (or time out), without blocking forever."""
+    got, deadline = b"", time.monotonic() + timeout
+    while needle not in got and time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            if not chunk:
+                break
+            got += chunk
+    return got
+
+
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["terminal", "started-with-&"])
+def test_cli_follows_and_exits_on_ctrl_c(tmp_path, sigint_ignored):
+    """Ctrl-C ends the view quietly, also when a script started it with `&` (SIGINT inherited as ignored)."""
+    run = tmp_path / "node-a"
+    _write(run, [{"round": 1, "reward_mean": 0.1, "num_local": 4, "num_external": 0, "peer": "alice"}])
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "node.ops.progress", str(run), "--interval", "0.2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=ignore,
+    )
+    try:
+        first = _read_until(proc, b"alice", 60)  # it is up and watching
+        assert b"alice" in first, first
+        _write(run, [{"round": 2, "reward_mean": 0.7, "num_local": 4, "num_external": 3, "peer": "alice"}])
+        first += _read_until(proc, b"round 2", 30)
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out, err = (first + rest).decode(), err.decode()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert "peer" in out.splitlines()[0]  # initial table
+    assert "[alice] | round 2 | reward 0.700 | ma 0.400 | ext 3/7" in out

@@ -1,0 +1,168 @@
+"""Receiver-side verification (independent of the DHT) and three real nodes over the in-memory exchange."""
+
+import time
+
+import pytest
+import torch
+
+from node.ops.config import load_config
+from node.swarm.exchange import ExchangeStats
+from node.learn.groups import Group, score_responses
+from node.loop import SapoNode
+from node.learn.policy import load_model
+from node.swarm.memory_exchange import MemoryBoard, MemoryExchange
+from node.swarm.verify import Verifier, VerifyConfig, make_batch
+from node.learn.tasks import PRESETS, TaskSampler, TaskSpec, regenerate
+from p2p.identity import Identity
+from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireGroup, encode_signed
+
+MIX = PRESETS["cpu-easy"]
+
+
+def honest_groups(seed=1, n=2):
+    groups = []
+    for task in TaskSampler(MIX, seed).sample(n):
+        responses = [f"<answer>{task.answer}</answer>", "<answer>nope</answer>", "<answer>0</answer>"]
+        groups.append(Group(task=task, responses=responses, rewards=score_responses(task, responses)))
+    return groups
+
+
+def verifier():
+    stats = ExchangeStats()
+    me = Identity.generate()
+    return Verifier(me.public_key_bytes, MIX, VerifyConfig(swarm="s", window=2), stats), stats, me
+
+
+def test_honest_batch_is_accepted_and_rescored():
+    v, stats, _ = verifier()
+    peer = Identity.generate()
+    groups = v.verify(make_batch(peer, "s", 3, "m", honest_groups()))
+    assert len(groups) == 2 and all(g.source == peer.public_key_hex for g in groups)
+    assert groups[0].rewards[0] == 1.0 and groups[0].rewards[1] < 1.0
+    assert stats.accepted[peer.public_key_hex] == 2 and not stats.rejected
+    # the same batch fetched again next round: not used twice, not an offence
+    assert v.verify(make_batch(peer, "s", 3, "m", honest_groups())) == []
+    assert stats.rejected[peer.public_key_hex]["equivocation"] == 1  # a *different* batch for round 3
+
+
+def _forged(peer: Identity, *, rewards=None, dataset=None, config=None, created_at=None, swarm="s", round_=5):
+    task = TaskSampler(MIX, 9).sample(1)[0]
+    spec = task.spec.to_wire()
+    if dataset:
+        spec["dataset"], spec["config"] = dataset, config or {}
+    completions = [f"<answer>{task.answer}</answer>", "<answer>x</answer>"]
+    honest = score_responses(task, completions)
+    batch = RolloutBatch(version=WIRE_VERSION, swarm=swarm, round=round_, publisher=peer.public_key_bytes,
+                         created_at=created_at or time.time(), model="evil",
+                         groups=[WireGroup(TaskSpecWire(**spec), completions, rewards or honest)])
+    return encode_signed(batch, peer)
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda p: _forged(p, rewards=[1.0, 1.0]), "reward_mismatch"),
+    (lambda p: _forged(p, dataset="bf"), "task_not_allowed"),
+    (lambda p: _forged(p, dataset="count_bits", config={"min_n": 1, "max_n": 10**6}), "task_not_allowed"),
+    (lambda p: _forged(p, created_at=time.time() - 3600), "stale"),
+    (lambda p: _forged(p, created_at=time.time() + 3600), "from_future"),
+    (lambda p: _forged(p, swarm="other"), "wrong_swarm"),
+    (lambda p: b"\x00garbage" * 10, "malformed"),
+    (lambda p: b"x" * (3 * 1024 * 1024), "oversize"),
+])
+def test_hostile_batches_are_rejected_by_reason(make, reason):
+    v, stats, _ = verifier()
+    peer = Identity.generate()
+    data = make(peer)
+    assert v.verify(data, hint=peer.public_key_bytes) == []
+    assert v.verify(data, hint=peer.public_key_bytes) == []  # fetched again next round: counted once
+    assert stats.rejected[peer.public_key_hex][reason] == 1
+    assert sum(stats.accepted.values()) == 0
+
+
+def test_tampered_completion_fails_signature():
+    v, stats, _ = verifier()
+    peer = Identity.generate()
+    data = bytearray(make_batch(peer, "s", 1, "m", honest_groups()))
+    at = data.find(b"nope")
+    data[at:at + 4] = b"yes!"
+    assert v.verify(bytes(data), hint=peer.public_key_bytes) == []
+    assert stats.rejected[peer.public_key_hex]["bad_signature"] == 1
+
+
+def test_replay_of_an_old_round_is_stale():
+    v, stats, _ = verifier()
+    peer = Identity.generate()
+    old = make_batch(peer, "s", 1, "m", honest_groups())
+    assert v.verify(make_batch(peer, "s", 6, "m", honest_groups()))
+    assert v.verify(old) == []
+    assert stats.rejected[peer.public_key_hex]["stale_round"] == 1
+
+
+def test_own_batches_are_ignored():
+    v, stats, me = verifier()
+    assert v.verify(make_batch(me, "s", 1, "m", honest_groups())) == []
+    assert not stats.rejected and not stats.accepted
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return load_model("tiny-random", torch.device("cpu"))
+
+
+async def test_three_nodes_exchange_over_memory_board(tmp_path, tiny_model):
+    """Same sampling, verification and training code as the DHT swarm; only the transport differs."""
+    import copy
+
+    board = MemoryBoard()
+    nodes = []
+    for i in range(3):
+        cfg = load_config(["--model", "tiny-random", "--tasks", "smoke", "--num-local", "2", "--num-external", "2",
+                           "--generations", "4", "--seed", str(i), "--run-dir", str(tmp_path / f"p{i}"),
+                           "--swarm", "mem"], env={})
+        model, tok = copy.deepcopy(tiny_model[0]), tiny_model[1]
+        mix = PRESETS["smoke"]
+        exchange = MemoryExchange(board, Identity.generate(), mix, VerifyConfig(swarm="mem"), "tiny")
+        nodes.append(SapoNode(cfg, mix, model, tok, exchange, torch.device("cpu")))
+    sources = [set() for _ in nodes]
+    for r in range(3):
+        for i, node in enumerate(nodes):
+            rec = (await node.run_round(r)).record
+            sources[i] |= set(rec["external_sources"])
+    for i, node in enumerate(nodes):
+        others = {n.exchange.identity.public_key_hex[:16] for j, n in enumerate(nodes) if j != i}
+        assert sources[i] == others, f"node {i} trained on groups from {sources[i]}, expected {others}"
+        assert not node.exchange.stats.rejected
+        node.worker.shutdown()
+
+
+def test_regenerated_spec_from_wire_matches():
+    task = TaskSampler(MIX, 4).sample(1)[0]
+    w = task.spec.to_wire()
+    assert regenerate(TaskSpec.make(**w)).answer == task.answer
+
+
+async def test_a_three_times_slower_peer_gets_and_gives_groups(tmp_path, tiny_model):
+    """No coordinator: the slow peer runs one round while the others run three; both directions flow."""
+    import copy
+
+    board = MemoryBoard()
+    nodes = []
+    for i in range(3):
+        cfg = load_config(["--model", "tiny-random", "--tasks", "smoke", "--num-local", "2", "--num-external", "4",
+                           "--generations", "4", "--seed", str(10 + i), "--run-dir", str(tmp_path / f"p{i}"),
+                           "--swarm", "mem"], env={})
+        mix = PRESETS["smoke"]
+        exchange = MemoryExchange(board, Identity.generate(), mix, VerifyConfig(swarm="mem"), "tiny")
+        nodes.append(SapoNode(cfg, mix, copy.deepcopy(tiny_model[0]), tiny_model[1], exchange, torch.device("cpu")))
+    slow = nodes[2]
+    used = [set() for _ in nodes]
+    for _ in range(3):
+        for _ in range(3):
+            for i in (0, 1):
+                used[i] |= set((await nodes[i].step())["external_sources"])
+        used[2] |= set((await slow.step())["external_sources"])
+    key = [n.exchange.identity.public_key_hex[:16] for n in nodes]
+    assert slow.next_round == 3 and nodes[0].next_round == 9
+    assert {key[0], key[1]} <= used[2], "the slow peer trains on the fast peers' groups"
+    assert key[2] in used[0] and key[2] in used[1], "the fast peers train on the slow peer's groups"
+    for node in nodes:
+        node.worker.shutdown()
