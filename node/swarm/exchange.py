@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from node.learn.groups import Group
+from node.swarm.reputation import Reputation
 
 
 @dataclass
@@ -23,6 +24,9 @@ class ExchangeStats:
     round_accepted: int = 0
     round_rejected: Counter = field(default_factory=Counter)  # reason -> n, last round
     peers: dict = field(default_factory=dict)  # peer hex -> {"last_round": int, "last_seen": float}
+    round_verified: int = 0  # batches judged in the last round (within its verify budget)
+    round_verify_bytes: int = 0
+    round_verify_s: float = 0.0
 
     def reject(self, peer: str, reason: str, n: int = 1) -> None:
         self.rejected[peer][reason] += n
@@ -35,6 +39,8 @@ class ExchangeStats:
     def new_round(self) -> None:
         self.round_accepted = 0
         self.round_rejected = Counter()
+        self.round_verified = self.round_verify_bytes = 0
+        self.round_verify_s = 0.0
 
     def to_dict(self) -> dict:
         return {
@@ -45,6 +51,7 @@ class ExchangeStats:
 
 class Exchange(Protocol):
     stats: ExchangeStats
+    reputation: Reputation  # scores and bans of publishers; the loop persists it in the run dir
 
     async def start(self) -> None: ...
 
@@ -62,6 +69,7 @@ class Silo:
 
     def __init__(self) -> None:
         self.stats = ExchangeStats()
+        self.reputation = Reputation()  # stays empty
 
     async def start(self) -> None:
         return None
