@@ -159,6 +159,27 @@ def render_metrics(snap: Mapping[str, Any], kind: str = "node") -> str:
             m.add("sapo_groups_rejected_total", "counter", "External rollout groups rejected, by peer and reason.",
                   num(count), {"peer": key, "reason": reason})
 
+    # reputation: aggregate gauges, and per peer only the bounded table /status lists (label cardinality)
+    rep = as_dict(snap.get("reputation"))
+    m.add("sapo_publishers_tracked", "gauge", "Publishers in this node's reputation table (bounded).",
+          num(rep.get("tracked")))
+    m.add("sapo_publishers_banned", "gauge", "Publishers banned now: neither fetched nor verified.",
+          num(rep.get("banned")))
+    for key, p in as_dict(rep.get("peers")).items():
+        p = as_dict(p)
+        m.add("sapo_publisher_score", "gauge",
+              "Reputation score of the publishers listed in /status (bans, the worst and the best few).",
+              num(p.get("score")), {"peer": key})
+        m.add("sapo_publisher_banned_until_timestamp_seconds", "gauge",
+              "Unix time at which a listed publisher's ban ends.", num(p.get("banned_until")), {"peer": key})
+    verify = as_dict(snap.get("verify"))
+    m.add("sapo_verify_seconds_last_round", "gauge", "Seconds spent verifying received batches in the last round.",
+          num(verify.get("last_round_s")))
+    m.add("sapo_verify_bytes_last_round", "gauge", "Bytes of received batches verified in the last round.",
+          num(verify.get("last_round_bytes")))
+    m.add("sapo_verify_batches_last_round", "gauge", "Received batches verified in the last round.",
+          num(verify.get("last_round_batches")))
+
     if "healthy" in snap:
         m.add("sapo_healthy", "gauge", "1 if the node reports itself healthy.", bool(snap.get("healthy")))
     return m.render()
