@@ -229,7 +229,8 @@ async def test_dashboard_renders_in_chromium(tmp_path):
             banned_rows = await evaluate(cdp, session, "document.querySelectorAll('#peer-table tr.banned').length")
             assert banned_rows == 1
             scores = await evaluate(
-                cdp, session, "[...document.querySelectorAll('#peer-table tbody tr')].map(tr => tr.cells[5].textContent)")
+                cdp, session,
+                "[...document.querySelectorAll('#peer-table tbody tr')].map(tr => tr.cells[5].textContent)")
             assert sorted(scores) == ["-10.00", "1.50"]
 
             # the page keeps polling: a new round appears without a reload
