@@ -159,7 +159,7 @@ class Reputation:
             if s.score <= cfg.ban_threshold:
                 s.banned_until = now + min(cfg.max_ban_s, cfg.ban_s * 2 ** min(s.strikes, 30))
                 s.strikes += 1
-                log.warning("publisher %s… banned for %.0fs (score %.2f, ban #%d)", key[:16],
+                log.info("publisher %s… banned for %.0fs (score %.2f, ban #%d)", key[:16],
                             s.banned_until - now, s.score, s.strikes)
 
     def _banned(self, s: Standing, now: float) -> bool:
