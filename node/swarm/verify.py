@@ -212,6 +212,15 @@ class SignedExchange:
         self.model_name = model_name
         self.order_rng = random.Random(verify_cfg.seed)
         self.clock = time.monotonic  # the time budget's clock (tests replace it)
+        self._skipped: set[bytes] = set()  # banned publishers the transport did not fetch this round
+
+    def trusted(self, publisher: bytes) -> bool:
+        """The transport's fetch hook: may we fetch this publisher? A banned one is skipped, and counted as
+        `banned` (once per round) with the round's verification."""
+        if self.reputation.allowed(publisher):
+            return True
+        self._skipped.add(publisher)
+        return False
 
     def identity_info(self) -> dict:
         return {"peer_id": self.identity.peer_name, "public_key": self.identity.public_key_hex, "maddrs": []}
@@ -245,4 +254,7 @@ class SignedExchange:
 
     async def _verify_off_loop(self, records: list[tuple[bytes | None, bytes]]) -> list[Group]:
         self.stats.new_round()
+        skipped, self._skipped = self._skipped, set()
+        for publisher in skipped:
+            self.stats.reject(publisher.hex(), "banned")
         return await asyncio.get_running_loop().run_in_executor(None, self._verify_all, records)
