@@ -15,9 +15,18 @@ from node.learn.groups import Group
 from node.swarm.reputation import Reputation
 
 
+MAX_PEERS = 512  # per-peer rows kept; later peers are counted together under OTHERS
+OTHERS = "others"
+
+
 @dataclass
 class ExchangeStats:
-    """Per-peer accepted groups and rejected groups by reason, since start and for the last round."""
+    """Per-peer accepted groups and rejected groups by reason, since start and for the last round.
+
+    Per-peer rows are bounded (`MAX_PEERS`, first come first kept; the pseudo-peers `dht` and `unknown`
+    always have theirs): past it, counts go to the row `others`, so a Sybil flood of new keys cannot grow
+    memory, /status, the dashboard or Prometheus' label sets without bound. Totals stay exact.
+    """
 
     accepted: Counter = field(default_factory=Counter)  # peer hex -> groups
     rejected: defaultdict = field(default_factory=lambda: defaultdict(Counter))  # peer -> reason -> n
@@ -28,13 +37,28 @@ class ExchangeStats:
     round_verify_bytes: int = 0
     round_verify_s: float = 0.0
 
+    def row(self, peer: str) -> str:
+        """The row that counts this peer: its own, or OTHERS once MAX_PEERS rows are taken."""
+        known = peer in self.accepted or peer in self.rejected or peer in self.peers
+        if known or len(peer) < 16 or len(self._rows()) < MAX_PEERS:
+            return peer
+        return OTHERS
+
+    def _rows(self) -> set[str]:
+        return set(self.accepted) | set(self.rejected) | set(self.peers)
+
     def reject(self, peer: str, reason: str, n: int = 1) -> None:
-        self.rejected[peer][reason] += n
+        self.rejected[self.row(peer)][reason] += n
         self.round_rejected[reason] += n
 
     def accept(self, peer: str, n: int = 1) -> None:
-        self.accepted[peer] += n
+        self.accepted[self.row(peer)] += n
         self.round_accepted += n
+
+    def saw(self, peer: str, info: dict) -> None:
+        """Last round and time seen of a peer whose batch was taken (bounded like the counters)."""
+        if self.row(peer) == peer:
+            self.peers[peer] = info
 
     def new_round(self) -> None:
         self.round_accepted = 0

@@ -158,8 +158,8 @@ class Verifier:
             return []
         self.seen.add(key)
         self.newest[batch.publisher] = max(newest, batch.round)
-        self.stats.peers[peer] = {"name": peer_name_of(batch.publisher), "last_round": self.newest[batch.publisher],
-                                  "last_seen": now}
+        self.stats.saw(peer, {"name": peer_name_of(batch.publisher), "last_round": self.newest[batch.publisher],
+                              "last_seen": now})
         return [g for g in (self._group(batch.publisher, wg) for wg in batch.groups) if g is not None]
 
     def _group(self, publisher: bytes, wg: WireGroup) -> Group | None:

@@ -347,3 +347,21 @@ def test_flood_of_useless_batches_gets_its_publishers_banned():
             break
     assert not ex.reputation.allowed(sybil.public_key_bytes)
     assert r > 5, "useless is a mild offence: it takes many batches"
+
+
+def test_per_peer_counters_stay_bounded_under_a_flood_of_new_keys():
+    from node.swarm.exchange import MAX_PEERS, OTHERS
+
+    stats = ExchangeStats()
+    for i in range(3 * MAX_PEERS):
+        stats.reject(key(i).hex(), "over_budget")
+        stats.accept(key(i).hex())
+        stats.saw(key(i).hex(), {"last_round": 1})
+    stats.reject("dht", "dht_envelope_bad_signature")
+    assert len(stats.rejected) == MAX_PEERS + 2 and len(stats.accepted) == MAX_PEERS + 1
+    assert len(stats.peers) == MAX_PEERS
+    assert stats.rejected[OTHERS]["over_budget"] == 2 * MAX_PEERS and stats.accepted[OTHERS] == 2 * MAX_PEERS
+    assert stats.rejected["dht"]["dht_envelope_bad_signature"] == 1
+    assert stats.round_accepted == 3 * MAX_PEERS  # totals stay exact
+    stats.accept(key(0).hex())
+    assert stats.accepted[key(0).hex()] == 2  # an early peer keeps its own row
