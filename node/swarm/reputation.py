@@ -74,7 +74,7 @@ class ReputationConfig:
     ban_s: float = 3600.0  # first ban; each further ban doubles it
     max_ban_s: float = 7 * 86400.0
     max_tracked: int = 4096
-    neutral_band: float = 1.0  # |score| below this, never banned: evicted first
+    neutral_band: float = 1.0  # |score| below this and never banned: "neutral", evicted first
 
     @property
     def probation_score(self) -> float:
@@ -151,7 +151,7 @@ class Reputation:
             s = self._table.get(key)
             if s is None:
                 s = self._table[key] = Standing(last_seen=now)
-                self._evict_if_full()
+                self._evict_if_full(keep=key)
             s.last_seen = now
             if self._banned(s, now):
                 return  # already paying; a ban does not grow from what it lets through before it starts
@@ -160,7 +160,7 @@ class Reputation:
                 s.banned_until = now + min(cfg.max_ban_s, cfg.ban_s * 2 ** min(s.strikes, 30))
                 s.strikes += 1
                 log.info("publisher %s… banned for %.0fs (score %.2f, ban #%d)", key[:16],
-                            s.banned_until - now, s.score, s.strikes)
+                         s.banned_until - now, s.score, s.strikes)
 
     def _banned(self, s: Standing, now: float) -> bool:
         """Ends an expired ban on the way (probation score); caller holds the lock."""
@@ -172,8 +172,10 @@ class Reputation:
         s.score = max(s.score, self.cfg.probation_score)
         return False
 
-    def _evict_if_full(self) -> None:
-        """Past max_tracked, drop to 90% of it in one go: neutral oldest first, then unbanned, bans last."""
+    def _evict_if_full(self, keep: str = "") -> None:
+        """Past max_tracked, drop to 90% of it in one go: neutral oldest first, then unbanned, bans last
+        (soonest to end first). `keep` (the entry being added) stays: a full table of bans must not stop
+        a new offender from being tracked."""
         cfg = self.cfg
         if len(self._table) <= cfg.max_tracked:
             return
@@ -188,7 +190,8 @@ class Reputation:
             return 1, s.last_seen
 
         excess = len(self._table) - int(cfg.max_tracked * 0.9)
-        for key, _ in heapq.nsmallest(excess, self._table.items(), key=keep_value):
+        candidates = ((k, s) for k, s in self._table.items() if k != keep)
+        for key, _ in heapq.nsmallest(excess, candidates, key=keep_value):
             del self._table[key]
 
     # --- views -------------------------------------------------------------------------------------------

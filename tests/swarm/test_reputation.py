@@ -128,6 +128,21 @@ def test_table_is_bounded_and_evicts_oldest_neutral_entries_first():
     assert rep.score(key(2)) == 0, "the oldest neutral entries went first"
 
 
+def test_a_table_full_of_bans_still_tracks_and_bans_a_new_offender():
+    clock = Clock()
+    rep = Reputation(ReputationConfig(max_tracked=50, ban_s=1e6), clock=clock)
+    for i in range(50):
+        clock.t += 1
+        rep.penalize(key(i), "reward_mismatch")
+        rep.penalize(key(i), "reward_mismatch")
+    assert rep.banned_count() == 50
+    clock.t += 1
+    rep.penalize(key(999), "reward_mismatch")
+    rep.penalize(key(999), "reward_mismatch")
+    assert not rep.allowed(key(999)) and len(rep) <= 50
+    assert rep.allowed(key(0)), "the ban that ends soonest made room"
+
+
 def test_snapshot_is_bounded_and_lists_bans_and_the_best():
     rep = Reputation(clock=Clock())
     for i in range(50):
