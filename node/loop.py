@@ -106,7 +106,7 @@ class SapoNode:
         return self.rounds_this_run
 
     async def open(self) -> None:
-        self._load_reputation()
+        await self._in_worker(self._load_reputation)
         await self.exchange.start()
         if self.cfg.resume:
             await self._in_worker(self.resume)
