@@ -25,6 +25,7 @@ from node import __version__
 from node.ops.checkpoint import CheckpointStore
 from node.ops.config import NodeConfig
 from node.swarm.exchange import Exchange
+from node.swarm.reputation import REPUTATION_FILE
 from node.learn.groups import Group, Prompter, local_group, select_groups, to_sequences
 from node.swarm.ij_policy import RoundObservation, make_ij_policy
 from node.ops.metrics import MetricsWriter, peak_memory_mb
@@ -105,6 +106,7 @@ class SapoNode:
         return self.rounds_this_run
 
     async def open(self) -> None:
+        await self._in_worker(self._load_reputation)
         await self.exchange.start()
         if self.cfg.resume:
             await self._in_worker(self.resume)
@@ -127,6 +129,8 @@ class SapoNode:
         try:
             if self.rounds_this_run:
                 await self._checkpoint()
+            else:
+                await self._in_worker(self._save_reputation)
         finally:
             await self.exchange.close()
             self.worker.shutdown(wait=True)
@@ -215,6 +219,9 @@ class SapoNode:
             "external_accepted": ex_stats.round_accepted,
             "external_rejected": sum(ex_stats.round_rejected.values()),
             "rejected_by_reason": dict(ex_stats.round_rejected),
+            "verified_batches": ex_stats.round_verified,
+            "verify_bytes": ex_stats.round_verify_bytes,
+            "verify_s": round(ex_stats.round_verify_s, 4),
             "external_sources": _count_sources(selection.external),
             "loss": stats.loss,
             "clip_frac": stats.clip_frac,
@@ -277,7 +284,16 @@ class SapoNode:
         t0 = time.time()
         path = await self._in_worker(lambda: self.store.save(
             self.next_round - 1, self.model, self.trainer.optimizer, self.state_dict()))
+        await self._in_worker(self._save_reputation)
         log.info("checkpoint %s written in %.1fs", path.name, time.time() - t0)
+
+    def _load_reputation(self) -> None:
+        """Scores and bans outlive restarts (a banned publisher stays banned); --reset-reputation forgets them."""
+        if not self.cfg.reset_reputation:
+            self.exchange.reputation.load(self.run_dir / REPUTATION_FILE)
+
+    def _save_reputation(self) -> None:
+        self.exchange.reputation.save(self.run_dir / REPUTATION_FILE)
 
     def resume(self) -> None:
         ckpt = self.store.load_latest(map_location=self.device)
@@ -324,6 +340,9 @@ class SapoNode:
             "history": list(self.live.history),
             "peers": dict(stats.peers),
             "groups": stats.to_dict(),
+            "reputation": self.exchange.reputation.snapshot(),
+            "verify": {"last_round_s": stats.round_verify_s, "last_round_bytes": stats.round_verify_bytes,
+                       "last_round_batches": stats.round_verified},
             "totals": vars(self.totals).copy(),
             "last_round_at": self.live.last_round_at,
         }

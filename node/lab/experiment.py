@@ -156,7 +156,7 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
     from node.ops.config import load_config
     from node.ops.metrics import setup_logging
     from node.swarm.memory_exchange import MemoryBoard, MemoryExchange
-    from node.swarm.verify import VerifyConfig
+    from node.swarm.verify import verify_config
     from p2p.identity import KEY_FILENAME, Identity
 
     torch.set_num_threads(max(1, spec.threads))
@@ -172,7 +172,7 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
         cfg = load_config(spec.node_args(p, peer_dir) + ["--swarm", f"exp-{slug(spec.config_name)}"]
                           + (["--resume"] if resume else []), env={})
         identity = Identity.load_or_create(peer_dir / KEY_FILENAME, create=True)
-        exchange = MemoryExchange(board, identity, mix, VerifyConfig(swarm=cfg.swarm, window=cfg.window), spec.model)
+        exchange = MemoryExchange(board, identity, mix, verify_config(cfg), spec.model)
         node = SapoNode(cfg, mix, copy.deepcopy(base_model), tokenizer, exchange, device)
         await node.open()
         nodes.append(node)

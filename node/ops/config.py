@@ -67,6 +67,11 @@ class NodeConfig:
     swarm_start: bool = opt(False, "start a new swarm with no --peers (first peer) instead of running in silo")
     window: int = opt(2, "W: rounds of each peer's history fetched")
     net_timeout: float = opt(10.0, "upper bound in seconds on swarm I/O per round")
+    verify_budget_s: float = opt(0.0, "seconds of verification per round; the rest waits a round "
+                                      "(0 = --net-timeout / 3)")
+    verify_budget_mb: float = opt(32.0, "MiB of received batches verified per round; the rest waits a round")
+    ban_s: float = opt(3600.0, "first ban of a misbehaving publisher in seconds; each repeat doubles it")
+    reset_reputation: bool = opt(False, "forget every publisher score and ban at start (unban everyone)")
     # status
     status_port: int = opt(0, "serve /status, /metrics, / on this port (0 = off)")
     status_host: str = opt("127.0.0.1", "status server bind address")
@@ -124,6 +129,12 @@ def validate(cfg: NodeConfig) -> None:
         raise ConfigError(f"--eps-low must be in [0, 1) and --eps-high >= 0 (got {cfg.eps_low}, {cfg.eps_high})")
     if cfg.net_timeout <= 0:
         raise bad("net_timeout", "must be > 0")
+    if not 0 <= cfg.verify_budget_s < cfg.net_timeout:
+        raise bad("verify_budget_s", "must be >= 0 and below --net-timeout (0 = automatic)")
+    if not 0 < cfg.verify_budget_mb <= 1 << 20:
+        raise bad("verify_budget_mb", "must be > 0 and at most 1 TiB")
+    if not 0 < cfg.ban_s < float("inf"):
+        raise bad("ban_s", "must be > 0 and finite")
     if cfg.status_port > 65535:
         raise bad("status_port", "must be a TCP port")
     if cfg.device != "auto" and not (cfg.device == "cpu" or cfg.device.startswith("cuda")):

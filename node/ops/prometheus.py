@@ -11,6 +11,24 @@ from typing import Any, Mapping
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PHASES = ("generate", "score", "publish", "fetch", "train", "checkpoint", "idle")
+# (metric, snapshot key, help) of the flat sections of a snapshot
+TOTALS = (
+    ("sapo_rounds_total", "rounds", "Rounds completed since start."),
+    ("sapo_tokens_generated_total", "tokens_generated", "Completion tokens generated locally."),
+    ("sapo_groups_local_total", "groups_local", "Rollout groups generated locally and used for training."),
+    ("sapo_groups_external_total", "groups_external", "Rollout groups from other peers used for training."),
+    ("sapo_dropped_zero_advantage_total", "dropped_zero_adv",
+     "Rollout groups dropped because all advantages were zero."),
+)
+REPUTATION = (
+    ("sapo_publishers_tracked", "tracked", "Publishers in this node's reputation table (bounded)."),
+    ("sapo_publishers_banned", "banned", "Publishers banned now: neither fetched nor verified."),
+)
+VERIFY = (
+    ("sapo_verify_seconds_last_round", "last_round_s", "Seconds spent verifying received batches in the last round."),
+    ("sapo_verify_bytes_last_round", "last_round_bytes", "Bytes of received batches verified in the last round."),
+    ("sapo_verify_batches_last_round", "last_round_batches", "Received batches verified in the last round."),
+)
 
 
 
@@ -58,6 +76,11 @@ class _MetricsWriter:
             family[2].append(f"{name}{{{label_str}}} {formatted}")
         else:
             family[2].append(f"{name} {formatted}")
+
+    def add_fields(self, mtype: str, source: Any, rows: tuple[tuple[str, str, str], ...]) -> None:
+        """One unlabelled sample per (metric, key of `source`, help) row."""
+        for name, key, help_text in rows:
+            self.add(name, mtype, help_text, num(as_dict(source).get(key)))
 
     def render(self) -> str:
         out: list[str] = []
@@ -126,16 +149,7 @@ def render_metrics(snap: Mapping[str, Any], kind: str = "node") -> str:
     m.add("sapo_last_round_timestamp_seconds", "gauge",
           "Unix time at which the last round finished.", num(snap.get("last_round_at")))
 
-    totals = as_dict(snap.get("totals"))
-    m.add("sapo_rounds_total", "counter", "Rounds completed since start.", num(totals.get("rounds")))
-    m.add("sapo_tokens_generated_total", "counter", "Completion tokens generated locally.",
-          num(totals.get("tokens_generated")))
-    m.add("sapo_groups_local_total", "counter", "Rollout groups generated locally and used for training.",
-          num(totals.get("groups_local")))
-    m.add("sapo_groups_external_total", "counter", "Rollout groups from other peers used for training.",
-          num(totals.get("groups_external")))
-    m.add("sapo_dropped_zero_advantage_total", "counter",
-          "Rollout groups dropped because all advantages were zero.", num(totals.get("dropped_zero_adv")))
+    m.add_fields("counter", snap.get("totals"), TOTALS)
 
     peers = snap.get("peers")
     if isinstance(peers, dict):
@@ -158,6 +172,18 @@ def render_metrics(snap: Mapping[str, Any], kind: str = "node") -> str:
         for reason, count in as_dict(reasons).items():
             m.add("sapo_groups_rejected_total", "counter", "External rollout groups rejected, by peer and reason.",
                   num(count), {"peer": key, "reason": reason})
+
+    # reputation: aggregate gauges, and per peer only the bounded table /status lists (label cardinality)
+    rep = as_dict(snap.get("reputation"))
+    m.add_fields("gauge", rep, REPUTATION)
+    for key, p in as_dict(rep.get("peers")).items():
+        p = as_dict(p)
+        m.add("sapo_publisher_score", "gauge",
+              "Reputation score of the publishers listed in /status (bans, the worst and the best few).",
+              num(p.get("score")), {"peer": key})
+        m.add("sapo_publisher_banned_until_timestamp_seconds", "gauge",
+              "Unix time at which a listed publisher's ban ends.", num(p.get("banned_until")), {"peer": key})
+    m.add_fields("gauge", snap.get("verify"), VERIFY)
 
     if "healthy" in snap:
         m.add("sapo_healthy", "gauge", "1 if the node reports itself healthy.", bool(snap.get("healthy")))

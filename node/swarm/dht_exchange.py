@@ -7,7 +7,7 @@ from pathlib import Path
 
 from node.learn.groups import Group
 from node.learn.tasks import TaskMix
-from node.swarm.verify import SignedExchange, VerifyConfig, make_batch
+from node.swarm.verify import SignedExchange, VerifyConfig, make_batch, verify_config
 from p2p.identity import KEY_FILENAME, Identity
 from p2p.transport import FetchedRecord, SwarmTransport, TransportConfig
 
@@ -33,7 +33,7 @@ class DhtExchange(SignedExchange):
                                host_maddrs=list(cfg.host_maddrs), announce_maddrs=list(cfg.announce_maddrs),
                                client_mode=cfg.client_mode, window=cfg.window, fetch_timeout_s=budget,
                                publish_timeout_s=budget)
-        vcfg = VerifyConfig(swarm=cfg.swarm, window=cfg.window, max_age_s=tcfg.record_ttl_s)
+        vcfg = verify_config(cfg, max_age_s=tcfg.record_ttl_s)
         return cls(SwarmTransport(tcfg, identity), mix, vcfg, cfg.model)
 
     async def start(self) -> None:

@@ -12,29 +12,59 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from node.learn.groups import Group
+from node.swarm.reputation import Reputation
+
+
+MAX_PEERS = 512  # per-peer rows kept; later peers are counted together under OTHERS
+OTHERS = "others"
 
 
 @dataclass
 class ExchangeStats:
-    """Per-peer accepted groups and rejected groups by reason, since start and for the last round."""
+    """Per-peer accepted groups and rejected groups by reason, since start and for the last round.
+
+    Per-peer rows are bounded (`MAX_PEERS`, first come first kept; the pseudo-peers `dht` and `unknown`
+    always have theirs): past it, counts go to the row `others`, so a Sybil flood of new keys cannot grow
+    memory, /status, the dashboard or Prometheus' label sets without bound. Totals stay exact.
+    """
 
     accepted: Counter = field(default_factory=Counter)  # peer hex -> groups
     rejected: defaultdict = field(default_factory=lambda: defaultdict(Counter))  # peer -> reason -> n
     round_accepted: int = 0
     round_rejected: Counter = field(default_factory=Counter)  # reason -> n, last round
     peers: dict = field(default_factory=dict)  # peer hex -> {"last_round": int, "last_seen": float}
+    round_verified: int = 0  # batches judged in the last round (within its verify budget)
+    round_verify_bytes: int = 0
+    round_verify_s: float = 0.0
+
+    def row(self, peer: str) -> str:
+        """The row that counts this peer: its own, or OTHERS once MAX_PEERS rows are taken."""
+        known = peer in self.accepted or peer in self.rejected or peer in self.peers
+        if known or len(peer) < 16 or len(self._rows()) < MAX_PEERS:
+            return peer
+        return OTHERS
+
+    def _rows(self) -> set[str]:
+        return set(self.accepted) | set(self.rejected) | set(self.peers)
 
     def reject(self, peer: str, reason: str, n: int = 1) -> None:
-        self.rejected[peer][reason] += n
+        self.rejected[self.row(peer)][reason] += n
         self.round_rejected[reason] += n
 
     def accept(self, peer: str, n: int = 1) -> None:
-        self.accepted[peer] += n
+        self.accepted[self.row(peer)] += n
         self.round_accepted += n
+
+    def saw(self, peer: str, info: dict) -> None:
+        """Last round and time seen of a peer whose batch was taken (bounded like the counters)."""
+        if self.row(peer) == peer:
+            self.peers[peer] = info
 
     def new_round(self) -> None:
         self.round_accepted = 0
         self.round_rejected = Counter()
+        self.round_verified = self.round_verify_bytes = 0
+        self.round_verify_s = 0.0
 
     def to_dict(self) -> dict:
         return {
@@ -45,6 +75,7 @@ class ExchangeStats:
 
 class Exchange(Protocol):
     stats: ExchangeStats
+    reputation: Reputation  # scores and bans of publishers; the loop persists it in the run dir
 
     async def start(self) -> None: ...
 
@@ -62,6 +93,7 @@ class Silo:
 
     def __init__(self) -> None:
         self.stats = ExchangeStats()
+        self.reputation = Reputation()  # stays empty
 
     async def start(self) -> None:
         return None

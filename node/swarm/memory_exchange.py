@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from node.learn.groups import Group
 from node.learn.tasks import TaskMix
 from node.swarm.verify import SignedExchange, VerifyConfig, make_batch
@@ -19,10 +21,12 @@ class MemoryBoard:
         self.records[(publisher, round_)] = data
         self.newest[publisher] = max(self.newest.get(publisher, -1), round_)
 
-    def window(self, exclude: bytes, window: int) -> list[tuple[bytes, bytes]]:
+    def window(self, exclude: bytes, window: int,
+               trusted: Callable[[bytes], bool] = lambda pub: True) -> list[tuple[bytes, bytes]]:
+        """Every other publisher's last `window` rounds, skipping those `trusted` refuses (not fetched)."""
         out = []
         for (pub, r), data in sorted(self.records.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            if pub != exclude and r > self.newest[pub] - window:
+            if pub != exclude and r > self.newest[pub] - window and trusted(pub):
                 out.append((pub, data))
         return out
 
@@ -43,7 +47,8 @@ class MemoryExchange(SignedExchange):
                        make_batch(self.identity, self.swarm, round_, self.model_name, groups))
 
     async def collect(self, round_: int) -> list[Group]:
-        return await self._verify_off_loop(self.board.window(self.identity.public_key_bytes, self.verifier.cfg.window))
+        records = self.board.window(self.identity.public_key_bytes, self.verifier.cfg.window, self.trusted)
+        return await self._verify_off_loop(records)
 
     async def close(self) -> None:
         return None

@@ -5,6 +5,12 @@ Nothing received is trusted: the DHT validator already refused unsigned or mispl
 regenerates every task from its spec with our task mix, and re-scores every completion with our reward
 function. Two transports share this code through `SignedExchange`: `DhtExchange` (Hivemind DHT,
 `node.swarm.dht_exchange`) and `MemoryExchange` (several nodes in one process, `node.swarm.memory_exchange`).
+
+What the verifier learns feeds the publisher's `Reputation` (`node.swarm.reputation`): banned publishers
+are skipped before any check, counted as `banned`. Each round's verification has a time and a byte budget;
+records past it wait for the next round (counted `over_budget`), and the order is fair: trusted publishers
+first, then unknown ones, then those in the red, each tier shuffled with the node's seeded rng, so a flood
+of new identities cannot crowd out peers that have already been useful.
 """
 
 from __future__ import annotations
@@ -12,15 +18,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from node.learn.groups import Group, score_responses
 from node.learn.tasks import TaskError, TaskMix, TaskSpec, regenerate
 from node.swarm.exchange import ExchangeStats
+from node.swarm.reputation import PENALTIES, Reputation, ReputationConfig
 from p2p.identity import Identity, peer_name_of
 from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireError, WireGroup, decode_signed, \
-    encode_signed
+    encode_signed, open_envelope
 
 log = logging.getLogger("sapo.swarm")
 
@@ -36,16 +45,32 @@ class VerifyConfig:
     max_age_s: float = 600.0  # batches older than this (sender clock) are stale
     max_clock_skew_s: float = 120.0
     caps: WireCaps = WireCaps()
+    budget_s: float = 3.0  # verification time per round; the rest waits for the next round
+    budget_bytes: int = 32 * 1024 * 1024  # bytes verified per round
+    seed: int = 0  # the verification order's shuffle
+    reputation: ReputationConfig = field(default_factory=ReputationConfig)
+
+
+def verify_config(cfg: Any, **overrides: Any) -> VerifyConfig:
+    """A node's flags (a `NodeConfig`; swarm does not import ops) as the verifier's settings."""
+    values = dict(swarm=cfg.swarm, window=cfg.window, seed=cfg.seed,
+                  budget_s=cfg.verify_budget_s or cfg.net_timeout / 3,
+                  budget_bytes=int(cfg.verify_budget_mb * 1024 * 1024),
+                  reputation=ReputationConfig(ban_s=cfg.ban_s))
+    return VerifyConfig(**{**values, **overrides})
 
 
 class Verifier:
-    """Receiver-side verification of untrusted batches; counts every rejection by peer and reason."""
+    """Receiver-side verification of untrusted batches; counts every rejection by peer and reason, and
+    tells the publisher's reputation what it provably did."""
 
-    def __init__(self, own_key: bytes, mix: TaskMix, cfg: VerifyConfig, stats: ExchangeStats):
+    def __init__(self, own_key: bytes, mix: TaskMix, cfg: VerifyConfig, stats: ExchangeStats,
+                 reputation: Reputation | None = None):
         self.own_key = own_key
         self.mix = mix
         self.cfg = cfg
         self.stats = stats
+        self.reputation = reputation if reputation is not None else Reputation(cfg.reputation)
         self.seen: set[tuple[bytes, int]] = set()  # (publisher, round) already taken
         self.newest: dict[bytes, int] = {}  # publisher -> newest round accepted
         self.judged: dict[str, None] = {}  # digests of every batch already judged (insertion-ordered)
@@ -56,20 +81,51 @@ class Verifier:
         Each distinct byte string is judged once: a batch stays in the fetch window for several rounds,
         and neither its groups nor its offences may count twice.
         """
+        digest = self.pending(data, hint)
+        return [] if digest is None else self.judge(digest, data, now, hint)
+
+    def pending(self, data: bytes, hint: bytes | None) -> str | None:
+        """The digest of a batch still to be judged; None for one judged before or from a banned publisher
+        (counted as `banned` once, and never opened: no signature check, no parsing)."""
         digest = hashlib.sha256(data).hexdigest()
         if digest in self.judged:
-            return []
+            return None
+        if hint is not None and not self.reputation.allowed(hint):
+            self._mark(digest)
+            self.stats.reject(hint.hex(), "banned")
+            return None
+        return digest
+
+    def judge(self, digest: str, data: bytes, now: float | None = None, hint: bytes | None = None) -> list[Group]:
+        self._mark(digest)
+        return self._verify(data, time.time() if now is None else now, hint)
+
+    def _mark(self, digest: str) -> None:
         self.judged[digest] = None
         while len(self.judged) > MAX_JUDGED:
             del self.judged[next(iter(self.judged))]
-        return self._verify(data, time.time() if now is None else now, hint)
+
+    def _signer(self, data: bytes) -> bytes | None:
+        try:
+            return open_envelope(data, self.cfg.caps.max_batch_bytes).publisher
+        except WireError:
+            return None
+
+    def _offence(self, publisher: bytes, reason: str) -> None:
+        """A rejection the publisher provably caused (its signature holds): counted, and it costs reputation."""
+        self.stats.reject(publisher.hex(), reason)
+        self.reputation.penalize(publisher, reason)
 
     def _verify(self, data: bytes, now: float, hint: bytes | None) -> list[Group]:
         claimed = hint.hex() if hint else UNKNOWN_PEER
         try:
             batch = decode_signed(data, self.cfg.caps)  # caps (bytes first), envelope, signature, schema
         except WireError as exc:
-            self.stats.reject(claimed, exc.reason)
+            signer = self._signer(data) if exc.reason in PENALTIES else None  # raised after the signature held
+            if signer is None:
+                self.stats.reject(claimed, exc.reason)
+            else:
+                self._offence(signer, exc.reason)
             return []
         except Exception:  # a decoder bug must not become a node crash
             self.stats.reject(claimed, "malformed")
@@ -78,7 +134,10 @@ class Verifier:
         if batch.publisher == self.own_key:
             return []
         if hint is not None and hint != batch.publisher:
-            self.stats.reject(peer, "publisher_mismatch")
+            self.stats.reject(peer, "publisher_mismatch")  # the transport's hint is not signed: no penalty
+            return []
+        if not self.reputation.allowed(batch.publisher):  # no hint, or banned since the hint was checked
+            self.stats.reject(peer, "banned")
             return []
         if batch.swarm != self.cfg.swarm:
             self.stats.reject(peer, "wrong_swarm")
@@ -87,11 +146,11 @@ class Verifier:
             self.stats.reject(peer, "stale")
             return []
         if batch.created_at - now > self.cfg.max_clock_skew_s:
-            self.stats.reject(peer, "from_future")
+            self._offence(batch.publisher, "from_future")
             return []
         key = (batch.publisher, batch.round)
         if key in self.seen:  # a different batch for a round we already took from this publisher
-            self.stats.reject(peer, "equivocation")
+            self._offence(batch.publisher, "equivocation")
             return []
         newest = self.newest.get(batch.publisher, -1)
         if batch.round <= newest - self.cfg.window:
@@ -99,30 +158,36 @@ class Verifier:
             return []
         self.seen.add(key)
         self.newest[batch.publisher] = max(newest, batch.round)
-        self.stats.peers[peer] = {"name": peer_name_of(batch.publisher), "last_round": self.newest[batch.publisher],
-                                  "last_seen": now}
-        return [g for g in (self._group(peer, wg) for wg in batch.groups) if g is not None]
+        self.stats.saw(peer, {"name": peer_name_of(batch.publisher), "last_round": self.newest[batch.publisher],
+                              "last_seen": now})
+        return [g for g in (self._group(batch.publisher, wg) for wg in batch.groups) if g is not None]
 
-    def _group(self, peer: str, wg: WireGroup) -> Group | None:
+    def _group(self, publisher: bytes, wg: WireGroup) -> Group | None:
         spec = TaskSpec.make(wg.task.dataset, wg.task.config, wg.task.seed, wg.task.index)
         if not self.mix.allows(spec):
-            self.stats.reject(peer, "task_not_allowed")
+            self._offence(publisher, "task_not_allowed")
             return None
         if len(wg.completions) < 2:
-            self.stats.reject(peer, "too_few_completions")
+            self._offence(publisher, "too_few_completions")
             return None
         try:
             task = regenerate(spec)
         except TaskError:
-            self.stats.reject(peer, "bad_task")
+            self._offence(publisher, "bad_task")
             return None
         rewards = score_responses(task, wg.completions)  # our reward function, our ground truth
         if len(wg.rewards) != len(rewards) or any(abs(a - b) > REWARD_TOLERANCE for a, b in zip(wg.rewards, rewards)):
-            self.stats.reject(peer, "reward_mismatch")  # the sender lies, or scores differently: not trusted
+            self._offence(publisher, "reward_mismatch")  # the sender lies, or scores differently: not trusted
             return None
+        peer = publisher.hex()
         self.stats.accept(peer)
-        return Group(task=task, responses=list(wg.completions), rewards=rewards, source=peer,
-                     sender_rewards=list(wg.rewards))
+        group = Group(task=task, responses=list(wg.completions), rewards=rewards, source=peer,
+                      sender_rewards=list(wg.rewards))
+        if group.signal():
+            self.reputation.credit(publisher)
+        else:
+            self.reputation.penalize(publisher, "useless")
+        return group
 
 
 def make_batch(identity: Identity, swarm: str, round_: int, model: str, groups: list[Group]) -> bytes:
@@ -141,19 +206,55 @@ class SignedExchange:
     def __init__(self, identity: Identity, mix: TaskMix, verify_cfg: VerifyConfig, model_name: str):
         self.identity = identity
         self.stats = ExchangeStats()
-        self.verifier = Verifier(identity.public_key_bytes, mix, verify_cfg, self.stats)
+        self.reputation = Reputation(verify_cfg.reputation)
+        self.verifier = Verifier(identity.public_key_bytes, mix, verify_cfg, self.stats, self.reputation)
         self.swarm = verify_cfg.swarm
         self.model_name = model_name
+        self.order_rng = random.Random(verify_cfg.seed)
+        self.clock = time.monotonic  # the time budget's clock (tests replace it)
+        self._skipped: set[bytes] = set()  # banned publishers the transport did not fetch this round
+
+    def trusted(self, publisher: bytes) -> bool:
+        """The transport's fetch hook: may we fetch this publisher? A banned one is skipped, and counted as
+        `banned` (once per round) with the round's verification."""
+        if self.reputation.allowed(publisher):
+            return True
+        self._skipped.add(publisher)
+        return False
 
     def identity_info(self) -> dict:
         return {"peer_id": self.identity.peer_name, "public_key": self.identity.public_key_hex, "maddrs": []}
 
     def _verify_all(self, records: list[tuple[bytes | None, bytes]]) -> list[Group]:
-        groups: list[Group] = []
-        for hint, data in records:
-            groups.extend(self.verifier.verify(data, hint=hint))
-        return groups
+        """Verify within this round's budgets, in a fair order; groups come back in the records' order.
+
+        The budget is checked before each record, so it is overrun by at most one record (whose size the
+        wire caps bound). Records left over are not judged: they count `over_budget` and get another chance
+        next round while they stay in the fetch window.
+        """
+        cfg, stats = self.verifier.cfg, self.stats
+        order = list(range(len(records)))
+        self.order_rng.shuffle(order)
+        order.sort(key=lambda i: self.reputation.tier(records[i][0]) if records[i][0] else 1)  # stable
+        start = self.clock()
+        by_record: dict[int, list[Group]] = {}
+        for i in order:
+            hint, data = records[i]
+            digest = self.verifier.pending(data, hint)
+            if digest is None:
+                continue
+            if self.clock() - start >= cfg.budget_s or stats.round_verify_bytes >= cfg.budget_bytes:
+                stats.reject(hint.hex() if hint else UNKNOWN_PEER, "over_budget")
+                continue
+            stats.round_verify_bytes += len(data)
+            stats.round_verified += 1
+            by_record[i] = self.verifier.judge(digest, data, hint=hint)
+        stats.round_verify_s = self.clock() - start
+        return [g for i in sorted(by_record) for g in by_record[i]]
 
     async def _verify_off_loop(self, records: list[tuple[bytes | None, bytes]]) -> list[Group]:
         self.stats.new_round()
+        skipped, self._skipped = self._skipped, set()
+        for publisher in skipped:
+            self.stats.reject(publisher.hex(), "banned")
         return await asyncio.get_running_loop().run_in_executor(None, self._verify_all, records)

@@ -224,6 +224,14 @@ async def test_dashboard_renders_in_chromium(tmp_path):
                 cdp, session, "[...document.querySelectorAll('#peer-table tbody tr td:first-child')]"
                               ".map(td => td.textContent)")
             assert snaps[-1]["peers"]["cd" * 32]["name"] in names
+            # reputation: the banned count, a score per listed peer, the banned row marked
+            assert await evaluate(cdp, session, "document.getElementById('v-banned').textContent") == "1"
+            banned_rows = await evaluate(cdp, session, "document.querySelectorAll('#peer-table tr.banned').length")
+            assert banned_rows == 1
+            scores = await evaluate(
+                cdp, session,
+                "[...document.querySelectorAll('#peer-table tbody tr')].map(tr => tr.cells[5].textContent)")
+            assert sorted(scores) == ["-10.00", "1.50"]
 
             # the page keeps polling: a new round appears without a reload
             hist = snaps[-1]["history"] + [{"round": 7, "reward_mean": 0.9, "num_local": 4, "num_external": 2,

@@ -48,6 +48,14 @@ def fake_snapshot(**over) -> dict:
         },
         "totals": {"rounds": 6, "tokens_generated": 98765, "groups_local": 24, "groups_external": 6,
                    "dropped_zero_adv": 3},
+        "reputation": {
+            "tracked": 40, "banned": 1, "ban_threshold": -10.0, "max_score": 5.0,
+            "peers": {
+                "ef" * 32: {"score": -10.0, "banned_until": now + 3600, "strikes": 1, "last_seen": now - 30},
+                "cd" * 32: {"score": 1.5, "banned_until": None, "strikes": 0, "last_seen": now - 1},
+            },
+        },
+        "verify": {"last_round_s": 0.75, "last_round_bytes": 123456, "last_round_batches": 9},
     }
     snap.update(over)
     return snap
@@ -147,6 +155,16 @@ async def test_metrics_exposition(client):
     assert value_of(samples, "sapo_peer_info", peer="cd" * 32, name=EVIL_NAME) == 1
     assert value_of(samples, "sapo_build_info", version="0.1.0", model="SmolLM2-135M-Instruct") == 1
     assert "sapo_bootstrap_peers_seen" not in types
+    # reputation: aggregates, and per-peer rows only for the bounded table of the snapshot
+    assert types["sapo_publishers_banned"] == "gauge" and value_of(samples, "sapo_publishers_banned") == 1
+    assert value_of(samples, "sapo_publishers_tracked") == 40
+    assert value_of(samples, "sapo_publisher_score", peer="ef" * 32) == -10
+    assert value_of(samples, "sapo_publisher_score", peer="cd" * 32) == 1.5
+    assert value_of(samples, "sapo_publisher_banned_until_timestamp_seconds", peer="ef" * 32) > time.time()
+    assert not [s for s in samples if s[0] == "sapo_publisher_banned_until_timestamp_seconds"
+                and s[1].get("peer") == "cd" * 32], "no ban, no sample"
+    assert value_of(samples, "sapo_verify_seconds_last_round") == 0.75
+    assert value_of(samples, "sapo_verify_bytes_last_round") == 123456
 
 
 def test_render_metrics_tolerates_junk():

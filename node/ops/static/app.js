@@ -228,8 +228,11 @@
   function renderPeers(s) {
     var peers = (s.peers && typeof s.peers === "object") ? s.peers : {};
     var groups = s.groups || {}, acc = groups.accepted || {}, rej = groups.rejected || {};
+    var rep = (s.reputation && typeof s.reputation === "object" && s.reputation.peers) || {};
     var keys = Object.keys(peers);
-    Object.keys(acc).concat(Object.keys(rej)).forEach(function (k) { if (keys.indexOf(k) < 0) keys.push(k); });
+    Object.keys(acc).concat(Object.keys(rej), Object.keys(rep)).forEach(function (k) {
+      if (keys.indexOf(k) < 0) keys.push(k);
+    });
     keys.sort(function (a, b) { return ((peers[b] || {}).last_seen || 0) - ((peers[a] || {}).last_seen || 0); });
     var tbody = $("peer-table").tBodies[0];
     tbody.textContent = "";
@@ -241,6 +244,11 @@
       c = tr.insertCell(); c.className = "num"; c.textContent = isNum(p.last_round) ? String(p.last_round) : "–";
       c = tr.insertCell(); c.className = "num"; c.textContent = fmtAgo(p.last_seen);
       c = tr.insertCell(); c.className = "num"; c.textContent = fmtInt(acc[k] || 0);
+      var r = rep[k] || {};
+      c = tr.insertCell(); c.className = "num"; c.textContent = isNum(r.score) ? r.score.toFixed(2) : "–";
+      c = tr.insertCell();
+      c.textContent = isNum(r.banned_until) ? new Date(r.banned_until * 1000).toLocaleString() : "–";
+      if (isNum(r.banned_until)) tr.className = "banned";
       c = tr.insertCell();
       var reasons = rej[k] || {};
       Object.keys(reasons).sort().forEach(function (r) {
@@ -277,6 +285,7 @@
     setText("v-reward", fmt(s.last_reward));
     setText("v-ma", fmt(s.reward_ma));
     setText("v-peers", s.peers ? String(Object.keys(s.peers).length) : "–");
+    setText("v-banned", s.reputation && isNum(s.reputation.banned) ? String(s.reputation.banned) : "–");
     setText("v-tokens", fmtInt(totals.tokens_generated));
     setText("v-groups", fmtInt(totals.groups_local) + " / " + fmtInt(totals.groups_external));
     setText("v-uptime", fmtDuration(s.uptime_s));

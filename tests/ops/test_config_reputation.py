@@ -1,0 +1,34 @@
+"""The reputation and verify-budget flags: defaults, env/flag sources, one-line errors, and their use."""
+
+import pytest
+
+from node.ops.config import ConfigError, load_config
+from node.swarm.verify import verify_config
+
+
+def test_defaults_give_a_budget_inside_the_net_timeout():
+    cfg = load_config([], env={})
+    v = verify_config(cfg)
+    assert v.budget_s == pytest.approx(cfg.net_timeout / 3) and v.budget_bytes == 32 * 1024 * 1024
+    assert v.reputation.ban_s == 3600 and not cfg.reset_reputation and v.seed == cfg.seed
+
+
+def test_flags_and_env_reach_the_verifier():
+    cfg = load_config(["--verify-budget-s", "2.5", "--ban-s", "60", "--reset-reputation"],
+                      env={"SAPO_VERIFY_BUDGET_MB": "4"})
+    v = verify_config(cfg, max_age_s=30)
+    assert (v.budget_s, v.budget_bytes, v.reputation.ban_s, v.max_age_s) == (2.5, 4 * 1024 * 1024, 60, 30)
+    assert cfg.reset_reputation
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--verify-budget-s", "10"], "--verify-budget-s"),  # not below --net-timeout (10)
+    (["--verify-budget-s", "-1"], "--verify-budget-s"),
+    (["--verify-budget-mb", "0"], "--verify-budget-mb"),
+    (["--verify-budget-mb", "nan"], "--verify-budget-mb"),
+    (["--ban-s", "0"], "--ban-s"),
+    (["--ban-s", "inf"], "--ban-s"),
+])
+def test_bad_values_name_the_flag(args, flag):
+    with pytest.raises(ConfigError, match=f"^{flag} "):
+        load_config(args, env={})
