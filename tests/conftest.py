@@ -11,6 +11,9 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Nodes and bootstrap peers started by tests mint their keys at a low proof-of-work difficulty (seconds
+# at the default on a shared CI core); tests that check the proof of work set their own.
+os.environ.setdefault("SAPO_POW_DIFFICULTY", "8")
 
 REPO = Path(__file__).resolve().parents[1]
 

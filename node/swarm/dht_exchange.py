@@ -27,13 +27,16 @@ class DhtExchange(SignedExchange):
         run_dir = Path(cfg.run_dir)
         has_state = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
         # An existing run dir keeps its identity: a missing key there is an error, never a new identity.
-        identity = Identity.load_or_create(run_dir / KEY_FILENAME, create=not has_state)
+        identity = Identity.load_or_create(run_dir / KEY_FILENAME, create=not has_state,
+                                           pow_difficulty=cfg.pow_difficulty)
         budget = max(1.0, cfg.net_timeout / 2)
         tcfg = TransportConfig(identity_dir=run_dir, swarm=cfg.swarm, initial_peers=list(cfg.peers),
                                host_maddrs=list(cfg.host_maddrs), announce_maddrs=list(cfg.announce_maddrs),
                                client_mode=cfg.client_mode, window=cfg.window, fetch_timeout_s=budget,
-                               publish_timeout_s=budget)
-        vcfg = VerifyConfig(swarm=cfg.swarm, window=cfg.window, max_age_s=tcfg.record_ttl_s)
+                               publish_timeout_s=budget, pow_difficulty=cfg.pow_difficulty,
+                               fetch_max=cfg.fetch_max)
+        vcfg = VerifyConfig(swarm=cfg.swarm, window=cfg.window, max_age_s=tcfg.record_ttl_s,
+                            pow_difficulty=cfg.pow_difficulty)
         return cls(SwarmTransport(tcfg, identity), mix, vcfg, cfg.model)
 
     async def start(self) -> None:

@@ -36,6 +36,7 @@ class VerifyConfig:
     max_age_s: float = 600.0  # batches older than this (sender clock) are stale
     max_clock_skew_s: float = 120.0
     caps: WireCaps = WireCaps()
+    pow_difficulty: int = 0  # proof-of-work bits a publisher key must carry (the swarm's setting)
 
 
 class Verifier:
@@ -67,7 +68,7 @@ class Verifier:
     def _verify(self, data: bytes, now: float, hint: bytes | None) -> list[Group]:
         claimed = hint.hex() if hint else UNKNOWN_PEER
         try:
-            batch = decode_signed(data, self.cfg.caps)  # caps (bytes first), envelope, signature, schema
+            batch = decode_signed(data, self.cfg.caps, self.cfg.pow_difficulty)  # bytes, envelope, PoW, sig, schema
         except WireError as exc:
             self.stats.reject(claimed, exc.reason)
             return []
