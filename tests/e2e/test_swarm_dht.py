@@ -10,10 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -21,10 +17,9 @@ from pathlib import Path
 import pytest
 from hivemind.utils import get_dht_time
 
-from conftest import REPO, node_env
+from conftest import LOOPBACK, Proc, await_for, free_port, prefix_of, reasons, smoke_group, sources, start_bootstrap, \
+    start_node, stop_all, stored_eventually, wait_for
 from conftest import live_metrics as rounds
-from node.learn.groups import score_responses
-from node.learn.tasks import PRESETS, TaskSampler
 from p2p.identity import KEY_FILENAME, Identity
 from p2p.transport import SwarmTransport, TransportConfig, _store_from_file
 from p2p.validators import DEFAULT_PRESENCE_SHARDS, batch_key, owner_subkey, presence_key, presence_shard
@@ -33,137 +28,9 @@ from p2p.wire import HEADER_LEN, WIRE_VERSION, PresenceRecord, RolloutBatch, Tas
 
 pytestmark = pytest.mark.timeout(600)
 
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-MANY_ROUNDS = "100000"  # never reached: the test stops peers with SIGTERM
-TINY = ["--tasks", "smoke", "--num-local", "2", "--num-external", "4", "--generations", "4",
-        "--max-new-tokens", "8", "--rounds", MANY_ROUNDS]
 UP_RE = re.compile(r"DHT peer (\S+) up at \[(.*?)\]")
 
-
 # ------------------------------------------------------------------------------------------------ helpers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A subprocess in its own session (so its DHT process and p2pd can be killed with it); output to a file."""
-
-    def __init__(self, args: list[str], out: Path):
-        self.out = out
-        self._fh = open(out, "ab")
-        self.p = subprocess.Popen([sys.executable, *args], cwd=REPO, env=node_env(), stdout=self._fh,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.p.poll() is None
-
-    def text(self) -> str:
-        return self.out.read_text(errors="replace")
-
-    def stop(self, timeout: float = 60) -> int:
-        """SIGTERM, wait; returns the exit code."""
-        if self.alive():
-            self.p.send_signal(signal.SIGTERM)
-        try:
-            return self.p.wait(timeout)
-        finally:
-            self.cleanup()
-
-    def session_alive(self) -> bool:
-        """Is any process of this session (the node, its DHT process, p2pd) still there?"""
-        try:
-            os.killpg(self.p.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-
-    def cleanup(self) -> None:
-        if self.alive():
-            self.p.kill()
-            self.p.wait(30)
-        try:  # whatever is left of the session (an orphaned DHT process or p2pd)
-            os.killpg(self.p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self._fh.close()
-
-
-def start_bootstrap(tmp: Path, swarm: str) -> tuple[Proc, list[str]]:
-    maddrs_file = tmp / "boot-maddrs.txt"
-    proc = Proc(["-m", "bootstrap.main", "--host-maddrs", LOOPBACK, "--identity-dir", str(tmp / "boot"),
-                 "--swarm", swarm, "--maddrs-file", str(maddrs_file), "--log-interval", "5"], tmp / "boot.out")
-    deadline = time.monotonic() + 60
-    while not maddrs_file.exists():
-        if not proc.alive():
-            raise AssertionError(f"bootstrap exited early:\n{proc.text()}")
-        if time.monotonic() > deadline:
-            proc.cleanup()
-            raise AssertionError("bootstrap maddrs file never appeared")
-        time.sleep(0.1)
-    return proc, maddrs_file.read_text().split()
-
-
-def start_node(run_dir: Path, peers: list[str], swarm: str, *extra: str, model: str = "tiny-random",
-               seed: int = 0, host: str = LOOPBACK) -> Proc:
-    args = ["-m", "node.cli", "--model", model, *TINY, "--seed", str(seed), "--swarm", swarm,
-            "--run-dir", str(run_dir), "--host-maddrs", host, "--peers", *peers, *extra]
-    return Proc(args, run_dir.parent / f"{run_dir.name}.out")
-
-
-def prefix_of(run_dir: Path, timeout: float = 60) -> str:
-    """The 16-hex-char key prefix metrics use in external_sources (identity file appears at startup)."""
-    path = run_dir / KEY_FILENAME
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.1)
-    time.sleep(0.2)  # written atomically? be safe against a half-written file
-    return Identity.load_or_create(path, create=False).public_key_hex[:16]
-
-
-def sources(records: list[dict]) -> set[str]:
-    return {src for r in records for src in r.get("external_sources", {})}
-
-
-def reasons(records: list[dict]) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for r in records:
-        for reason, n in r.get("rejected_by_reason", {}).items():
-            total[reason] = total.get(reason, 0) + n
-    return total
-
-
-def wait_for(pred, procs: list[Proc], timeout: float, what: str, poll: float = 0.5) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        for p in procs:
-            if not p.alive():
-                raise AssertionError(f"{p.out.name} exited (rc {p.p.returncode}) while waiting for {what}:\n"
-                                     f"{p.text()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(poll)
-
-
-async def await_for(pred, timeout: float, what: str, poll: float = 0.5) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        await asyncio.sleep(poll)
-
-
-async def stored_eventually(store, what: str, attempts: int = 5) -> None:
-    """A valid store came back False once on a loaded CI machine (hivemind reports the verdict of the last
-    replica to answer); what is under test is what the honest node does with the record, so retry."""
-    for _ in range(attempts):
-        if await store():
-            return
-        await asyncio.sleep(1.0)
-    raise AssertionError(f"{what}: valid record not stored after {attempts} attempts")
 
 
 def up_line(run_dir: Path) -> list[tuple[str, list[str]]]:
@@ -190,19 +57,6 @@ async def raw_store(t: SwarmTransport, key: str, value: bytes, ttl: float = 300)
 async def entries(t: SwarmTransport, key: str) -> dict[bytes, bytes]:
     """publisher -> envelope bytes that a fresh DHT get of `key` returns (validated by `t`'s validator)."""
     return await t._get(key)
-
-
-def stop_all(procs: list[Proc]) -> list[int]:
-    codes = []
-    for p in procs:
-        if p.alive():
-            p.p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            codes.append(p.p.wait(60))
-        finally:
-            p.cleanup()
-    return codes
 
 
 # ------------------------------------------------------------------------------------------------ tests
@@ -290,16 +144,6 @@ def test_peers_with_different_tokenizers_train_on_each_others_groups(tmp_path):
     assert codes == [0, 0], [n.text()[-2000:] for n in nodes]
 
 
-def _smoke_group(seed: int, index_shift: int = 0, claimed=None) -> WireGroup:
-    """A correct group for a task of the smoke mix (or with `claimed` rewards instead of the true ones)."""
-    task = TaskSampler(PRESETS["smoke"], seed).sample(1 + index_shift)[-1]
-    completions = [f"<answer>{task.answer}</answer>", "<answer>certainly not this</answer>"]
-    true = score_responses(task, completions)
-    assert true[0] != true[1], "the test group needs a learning signal"
-    rewards = true if claimed is None else claimed(true)
-    return WireGroup(TaskSpecWire(**task.spec.to_wire()), completions, rewards)
-
-
 async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
     swarm = "e2e-hostile"
     boot, maddrs = start_bootstrap(tmp_path, swarm)
@@ -319,10 +163,10 @@ async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
             return encode_signed(RolloutBatch(WIRE_VERSION, swarm, r, ev, created_at or time.time(), "evil", groups), me)
 
         # --- refused at the DHT layer: never stored by any honest peer, never reach a node ----------------
-        good = batch(1, [_smoke_group(11)])
+        good = batch(1, [smoke_group(11)])
         bad_sig = good[:HEADER_LEN - 64] + bytes(64) + good[HEADER_LEN:]  # signature zeroed
         assert good.count(b"certainly not this") == 1
-        tampered = batch(2, [_smoke_group(12)]).replace(b"certainly not this", b"certainly not that")
+        tampered = batch(2, [smoke_group(12)]).replace(b"certainly not this", b"certainly not that")
         huge = batch(3, [WireGroup(TaskSpecWire("propositional_logic", {}, 1, i), ["x" * 7000] * 32, [0.0] * 32)
                          for i in range(10)])
         assert len(huge) > 2 * 1024 * 1024
@@ -341,9 +185,9 @@ async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
 
         # --- validly signed, so the DHT stores them; the node's Verifier must refuse them ------------------
         n0 = len(rounds(honest_dir))
-        wrong_reward = _smoke_group(13, claimed=lambda true: [(x + 0.5) % 1.0 for x in true])
+        wrong_reward = smoke_group(13, claimed=lambda true: [(x + 0.5) % 1.0 for x in true])
         outside_mix = WireGroup(TaskSpecWire("basic_arithmetic", {}, 1, 0), ["<answer>1</answer>", "2"], [1.0, 0.0])
-        valid = _smoke_group(14)
+        valid = smoke_group(14)
         round10 = batch(10, [valid, wrong_reward, outside_mix])
         await stored_eventually(lambda: evil.publish(10, round10), "round 10")
         assert (await entries(witness, batch_key(swarm, ev, 10)))[ev] == round10
@@ -357,12 +201,12 @@ async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
         assert ev.hex()[:16] in sources(recs)  # ... which it then trained on, with its own rewards
 
         # replay: an older round after a newer one (window 4: round 5 <= 10 - 4) -> stale_round
-        stale = batch(5, [_smoke_group(15)])
+        stale = batch(5, [smoke_group(15)])
         await stored_eventually(lambda: evil.publish(5, stale), "round 5")
         await await_for(lambda: seen("stale_round"), 90, "stale_round")
         # a second batch for round 10 (equivocation): a node fetches each (publisher, round) key once,
         # so it never even reads it (the Verifier's equivocation check stays for other transports)
-        second = batch(10, [_smoke_group(16)], created_at=time.time() + 1)
+        second = batch(10, [smoke_group(16)], created_at=time.time() + 1)
         await stored_eventually(lambda: evil.publish(10, second), "second round 10")
 
         # the honest node keeps going after all of it
