@@ -14,7 +14,7 @@ from pathlib import Path
 
 POW_DOMAIN = b"sapo-pow-v1\x00"
 NONCE_LEN = 8
-DEFAULT_POW_DIFFICULTY = 22  # ~4 s to mint on one core of the development machine (docs/BENCHMARKS.md)
+DEFAULT_POW_DIFFICULTY = 20  # ~1 s to mint on one core of the development machine (docs/BENCHMARKS.md)
 MAX_POW_DIFFICULTY = 40
 POW_FILENAME = "identity.pow"
 

@@ -67,7 +67,7 @@ class NodeConfig:
     swarm_start: bool = opt(False, "start a new swarm with no --peers (first peer) instead of running in silo")
     window: int = opt(2, "W: rounds behind a peer's newest batch still accepted from it")
     fetch_max: int = opt(16, "K: batches fetched per round at most, sampled uniformly among live peers")
-    pow_difficulty: int = opt(22, "swarm-wide proof-of-work bits on every peer key (all peers must agree)")
+    pow_difficulty: int = opt(20, "swarm-wide proof-of-work bits on every peer key (all peers must agree)")
     net_timeout: float = opt(10.0, "upper bound in seconds on swarm I/O per round")
     # status
     status_port: int = opt(0, "serve /status, /metrics, / on this port (0 = off)")

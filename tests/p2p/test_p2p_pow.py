@@ -48,7 +48,7 @@ def test_corrupt_nonce_file_is_a_clear_error(tmp_path):
 
 
 def test_mint_time_at_16_bits_is_seconds_not_minutes():
-    """Prints the figure; the budgeted default (22 bits) is measured in docs/BENCHMARKS.md."""
+    """Prints the figure; the default (20 bits) is measured in docs/BENCHMARKS.md."""
     start = time.perf_counter()
     ident = Identity.generate(16)
     assert check_pow(ident.public_key_bytes, ident.pow_nonce, 16)
