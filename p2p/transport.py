@@ -55,7 +55,6 @@ class TransportConfig:
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     announce_maddrs: list[str] = field(default_factory=list)
     client_mode: bool = False
-    window: int = 2
     fetch_timeout_s: float = 5.0
     publish_timeout_s: float = 5.0
     record_ttl_s: float = 600.0
@@ -70,8 +69,6 @@ class TransportConfig:
     def __post_init__(self) -> None:
         if not 0 < self.record_ttl_s <= MAX_RECORD_TTL_S:
             raise ValueError(f"record_ttl_s must be in (0, {MAX_RECORD_TTL_S}]: peers reject longer-lived records")
-        if self.window < 1:
-            raise ValueError("window must be >= 1")
         if not 0 <= self.pow_difficulty <= MAX_POW_DIFFICULTY:
             raise ValueError(f"pow_difficulty must be in [0, {MAX_POW_DIFFICULTY}]")
         if not 1 <= self.presence_shards <= MAX_PRESENCE_SHARDS:

@@ -177,9 +177,10 @@ class Protocol:
         return MultiSigner(identities[0], swarm)
 
     def transport_config(self, **kw: Any) -> Any:
-        if self.version < 2:
+        if self.version < 2:  # v1 reads the last `window` rounds of every peer; v2 has K and a proof of work
             for name in ("pow_difficulty", "fetch_max"):
                 kw.pop(name, None)
+            kw["window"] = 1
         return self.transport.TransportConfig(**kw)
 
 
@@ -220,7 +221,7 @@ async def run_one(proto: Protocol, n: int, args: argparse.Namespace, tmp: Path) 
             await loop.run_in_executor(None, p.wait_until_ready, 60)
         fcfg = proto.transport_config(identity_dir=tmp / f"fetcher-{n}", swarm=swarm, initial_peers=peers,
                                       host_maddrs=LOOPBACK, client_mode=True, fetch_timeout_s=args.fetch_timeout,
-                                      pow_difficulty=args.pow, fetch_max=args.fetch_max, window=1)
+                                      pow_difficulty=args.pow, fetch_max=args.fetch_max)
         fetcher = proto.transport.SwarmTransport(fcfg)
         await fetcher.start()
         fetcher_id = str(fetcher.dht.peer_id)

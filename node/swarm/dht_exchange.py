@@ -32,7 +32,7 @@ class DhtExchange(SignedExchange):
         budget = max(1.0, cfg.net_timeout / 2)
         tcfg = TransportConfig(identity_dir=run_dir, swarm=cfg.swarm, initial_peers=list(cfg.peers),
                                host_maddrs=list(cfg.host_maddrs), announce_maddrs=list(cfg.announce_maddrs),
-                               client_mode=cfg.client_mode, window=cfg.window, fetch_timeout_s=budget,
+                               client_mode=cfg.client_mode, fetch_timeout_s=budget,
                                publish_timeout_s=budget, pow_difficulty=cfg.pow_difficulty,
                                fetch_max=cfg.fetch_max)
         vcfg = VerifyConfig(swarm=cfg.swarm, window=cfg.window, max_age_s=tcfg.record_ttl_s,
