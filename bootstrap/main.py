@@ -21,9 +21,18 @@ from typing import Any, Callable, Optional
 from node import __version__
 from node.ops.status import ThreadedStatusServer, start_status_server_in_thread
 from p2p.identity import KEY_FILENAME, Identity, IdentityError
-from p2p.transport import die_with_parent, routing_peers, start_dht
+from p2p.pow import DEFAULT_POW_DIFFICULTY, MAX_POW_DIFFICULTY
+from p2p.transport import die_with_parent, keep_valid_subkeys_in, routing_peers, start_dht
 
 logger = logging.getLogger("sapo.bootstrap")
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        raise SystemExit(f"sapo-bootstrap: ${name} must be an integer (got {raw!r})") from None
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -32,6 +41,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--announce-maddrs", nargs="*", default=[], help="public multiaddrs to announce (explicit ports)")
     p.add_argument("--identity-dir", type=Path, default=Path("./bootstrap-identity"))
     p.add_argument("--swarm", default="sapo-default")
+    p.add_argument("--pow-difficulty", type=int, default=_env_int("SAPO_POW_DIFFICULTY", DEFAULT_POW_DIFFICULTY),
+                   help="the swarm's proof-of-work bits: records of weaker keys are refused "
+                        "(default: $SAPO_POW_DIFFICULTY, as for nodes, else %(default)s)")
     p.add_argument("--maddrs-file", type=Path, default=None, help="write full visible multiaddrs here, one per line")
     p.add_argument("--status-port", type=int, default=None,
                    help="serve /status, /metrics, /healthz on this port (0 = any free port)")
@@ -78,10 +90,16 @@ def serve_status(host: str, port: int, snapshot: Callable[[], dict[str, Any]]) -
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    if not 0 <= args.pow_difficulty <= MAX_POW_DIFFICULTY:
+        print(f"sapo-bootstrap: --pow-difficulty must be in [0, {MAX_POW_DIFFICULTY}] (got {args.pow_difficulty})",
+              file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         identity = Identity.load_or_create(args.identity_dir / KEY_FILENAME, create=True)
-        dht = start_dht(identity, args.identity_dir, args.swarm, [], args.host_maddrs, args.announce_maddrs)
+        # its own key never publishes, so it needs no proof of work; its validator checks everyone else's
+        dht = start_dht(identity, args.identity_dir, args.swarm, [], args.host_maddrs, args.announce_maddrs,
+                        pow_difficulty=args.pow_difficulty)
     except IdentityError as e:
         logger.error("%s", e)
         return 2
@@ -91,6 +109,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         dht.wait_until_ready(args.start_timeout)
         die_with_parent(dht)  # a SIGKILLed bootstrap must not leave its DHT process holding the port
+        keep_valid_subkeys_in(dht)
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
     except Exception as e:
         logger.error("bootstrap DHT failed to start: %s: %s", type(e).__name__, e)

@@ -15,6 +15,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from p2p.pow import NONCE_LEN, POW_FILENAME, PowError, load_or_mint_pow, mint_pow
+
 KEY_FILENAME = "identity.ed25519"
 LIBP2P_IDENTITY_FILENAME = "p2p.identity"
 PUBLIC_KEY_LEN = 32
@@ -34,23 +36,39 @@ def libp2p_identity_path(identity_dir: Path) -> Path:
 
 
 class Identity:
-    """An Ed25519 signing key with a stable short name."""
+    """An Ed25519 signing key with a stable short name and its proof-of-work nonce (`p2p.pow`)."""
 
-    def __init__(self, private_key: Ed25519PrivateKey) -> None:
+    def __init__(self, private_key: Ed25519PrivateKey, pow_nonce: bytes = bytes(NONCE_LEN)) -> None:
         self._key = private_key
         self._public = private_key.public_key().public_bytes(
             serialization.Encoding.Raw, serialization.PublicFormat.Raw
         )
+        self.pow_nonce = pow_nonce
 
     @classmethod
-    def generate(cls) -> Identity:
-        """A fresh in-memory identity (tests, benchmarks)."""
-        return cls(Ed25519PrivateKey.generate())
+    def generate(cls, pow_difficulty: int = 0) -> Identity:
+        """A fresh in-memory identity with a nonce minted for `pow_difficulty` (tests, benchmarks)."""
+        key = Ed25519PrivateKey.generate()
+        public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        return cls(key, mint_pow(public, pow_difficulty))
 
     @classmethod
-    def load_or_create(cls, path: Path, create: bool) -> Identity:
-        """Load the key at `path`; create it (mode 0600) only if missing and `create` is True."""
-        path = Path(path)
+    def load_or_create(cls, path: Path, create: bool, pow_difficulty: int = 0) -> Identity:
+        """Load the key at `path`; create it (mode 0600) only if missing and `create` is True.
+
+        Its proof-of-work nonce lives beside it (`identity.pow`); minted once, or again only when the
+        stored one is too weak for `pow_difficulty` (the swarm raised its difficulty).
+        """
+        identity = cls._load_or_create_key(Path(path), create)
+        try:
+            identity.pow_nonce = load_or_mint_pow(Path(path).parent / POW_FILENAME, identity.public_key_bytes,
+                                                  pow_difficulty)
+        except PowError as e:
+            raise IdentityError(str(e)) from e
+        return identity
+
+    @classmethod
+    def _load_or_create_key(cls, path: Path, create: bool) -> Identity:
         if not path.exists():
             if not create:
                 raise IdentityError(f"identity key file {path} does not exist and creation was not allowed")
@@ -74,7 +92,7 @@ class Identity:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
-            return cls.load_or_create(path, create=False)
+            return cls._load_or_create_key(path, create=False)
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
             f.flush()

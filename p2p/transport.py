@@ -1,32 +1,46 @@
 """Publish and fetch signed rollout batches over a hivemind DHT, without blocking the event loop.
 
-Rounds are not synchronized across peers (no coordinator, heterogeneous speeds), so a peer cannot
-guess which round key others wrote. Each peer therefore also keeps a presence record (its latest
-round) under one swarm-wide key; fetch() reads it, then reads the last `window` rounds of each
-other peer. Network trouble never raises out of publish/fetch: it returns what it has and logs.
+Protocol v2 (docs/PROTOCOL.md): a batch lives alone under its (publisher, round) key, and a presence
+record ("I am alive, my latest round is R") under one of `presence_shards` keys chosen by a hash of
+the publisher. Rounds are not synchronized across peers, so a reader learns rounds from presence.
+One fetch reads presence shards in random order until it holds a bounded sample of candidates,
+then fetches at most `fetch_max` batches chosen uniformly among the candidates it trusts: its cost
+is bounded by constants, not by the swarm size. Network trouble never raises out of publish/fetch:
+it returns what it has and logs.
+
+Why this module is long: it is the one place that knows the DHT layout (start, publish, sampled
+fetch) plus the small coroutines that must run inside hivemind's DHT process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
+import random
 import tempfile
 import time
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import hivemind
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from p2p.identity import KEY_FILENAME, Identity, IdentityError, libp2p_identity_path
-from p2p.validators import MAX_RECORD_TTL_S, SapoRecordValidator, owner_subkey, presence_key, round_key
-from p2p.wire import PresenceRecord, WireCaps, WireError, decode_presence, encode_presence, open_envelope, WIRE_VERSION
+from p2p.pow import DEFAULT_POW_DIFFICULTY, MAX_POW_DIFFICULTY
+from p2p.validators import DEFAULT_PRESENCE_SHARDS, MAX_PRESENCE_SHARDS, MAX_RECORD_TTL_S, SapoRecordValidator, \
+    batch_key, keep_valid_subkeys, owner_subkey, presence_key, presence_shard
+from p2p.wire import MAX_PRESENCE_BYTES, WIRE_VERSION, PresenceRecord, WireCaps, WireError, decode_presence, \
+    encode_presence, open_envelope
 
 logger = logging.getLogger(__name__)
+
+MAX_KNOWN = 10_000  # publishers remembered for known_peers() and the fetched-round memory
+FIRST_WAVE_SHARDS = 1  # then as many as the density seen says are needed: each answer stays small
 
 
 class TransportError(RuntimeError):
@@ -41,28 +55,55 @@ class TransportConfig:
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     announce_maddrs: list[str] = field(default_factory=list)
     client_mode: bool = False
-    window: int = 2
     fetch_timeout_s: float = 5.0
     publish_timeout_s: float = 5.0
     record_ttl_s: float = 600.0
     start_timeout_s: float = 60.0
     create_identity: bool = True  # False: a missing key is an error (a run dir that already has state)
     caps: WireCaps = field(default_factory=WireCaps)
+    pow_difficulty: int = DEFAULT_POW_DIFFICULTY  # swarm-wide: keys with less work are refused
+    presence_shards: int = DEFAULT_PRESENCE_SHARDS  # swarm-wide: part of the key layout
+    fetch_max: int = 16  # K: batches fetched per round at most
+    presence_sample: int = 0  # candidates to gather before choosing K (0 = 2 * fetch_max)
 
     def __post_init__(self) -> None:
         if not 0 < self.record_ttl_s <= MAX_RECORD_TTL_S:
             raise ValueError(f"record_ttl_s must be in (0, {MAX_RECORD_TTL_S}]: peers reject longer-lived records")
-        if self.window < 1:
-            raise ValueError("window must be >= 1")
+        if not 0 <= self.pow_difficulty <= MAX_POW_DIFFICULTY:
+            raise ValueError(f"pow_difficulty must be in [0, {MAX_POW_DIFFICULTY}]")
+        if not 1 <= self.presence_shards <= MAX_PRESENCE_SHARDS:
+            raise ValueError(f"presence_shards must be in [1, {MAX_PRESENCE_SHARDS}]")
+        if self.fetch_max < 1:
+            raise ValueError("fetch_max must be >= 1")
+        if self.presence_sample <= 0:
+            self.presence_sample = 2 * self.fetch_max
 
 
 @dataclass(frozen=True)
 class FetchedRecord:
-    """A verified-envelope value as stored by `publisher` under its round key (not yet schema-checked)."""
+    """A verified-envelope value as stored by `publisher` under its batch key (not yet schema-checked)."""
 
     publisher: bytes
     round: int
     data: bytes
+
+
+@dataclass
+class FetchStats:
+    """What the last fetch cost (for benchmarks and logs)."""
+
+    shards_read: int = 0
+    candidates: int = 0
+    batches_requested: int = 0
+    batches_received: int = 0
+    bytes_received: int = 0  # values received (presence + batches), before any budget is applied
+    largest_answer_bytes: int = 0
+    over_budget: int = 0  # batches received but dropped by max_bytes
+    seconds: float = 0.0
+
+
+def always_trusted(_publisher: bytes) -> bool:
+    return True
 
 
 def start_dht(
@@ -74,6 +115,9 @@ def start_dht(
     announce_maddrs: list[str],
     client_mode: bool = False,
     caps: WireCaps = WireCaps(),
+    pow_difficulty: int = DEFAULT_POW_DIFFICULTY,
+    presence_shards: int = DEFAULT_PRESENCE_SHARDS,
+    also_sign_for: tuple[Identity, ...] = (),
 ) -> hivemind.DHT:
     """Fork a DHT process with our validator and persistent libp2p identity (not yet awaited)."""
     p2p_path = libp2p_identity_path(identity_dir)
@@ -94,23 +138,27 @@ def start_dht(
         initial_peers=initial_peers or None,
         start=True,
         await_ready=False,
-        record_validators=[SapoRecordValidator(identity, swarm, caps)],
+        record_validators=[SapoRecordValidator(identity, swarm, caps, pow_difficulty=pow_difficulty,
+                                               presence_shards=presence_shards, also_sign_for=also_sign_for)],
         **kwargs,
     )
 
 
 class SwarmTransport:
-    """One peer's view of the swarm: publish own batches, fetch others' recent batches."""
+    """One peer's view of the swarm: publish own batches, fetch a bounded sample of others' batches."""
 
     def __init__(self, config: TransportConfig, identity: Optional[Identity] = None) -> None:
         self.config = config
         self.identity = identity or Identity.load_or_create(
-            Path(config.identity_dir) / KEY_FILENAME, create=config.create_identity
+            Path(config.identity_dir) / KEY_FILENAME, create=config.create_identity,
+            pow_difficulty=config.pow_difficulty,
         )
         self._dht: Optional[hivemind.DHT] = None
         self._maddrs: list[str] = []
         self._known: dict[str, int] = {}
+        self._fetched: dict[tuple[bytes, int], None] = {}  # (publisher, round) already fetched: never twice
         self._subkey = owner_subkey(self.identity.public_key_bytes)
+        self.last_fetch = FetchStats()
 
     @property
     def dht(self) -> hivemind.DHT:
@@ -123,13 +171,14 @@ class SwarmTransport:
         Path(cfg.identity_dir).mkdir(parents=True, exist_ok=True)
         dht = start_dht(
             self.identity, Path(cfg.identity_dir), cfg.swarm, cfg.initial_peers, cfg.host_maddrs,
-            cfg.announce_maddrs, cfg.client_mode, cfg.caps,
+            cfg.announce_maddrs, cfg.client_mode, cfg.caps, cfg.pow_difficulty, cfg.presence_shards,
         )  # fmt: skip
         self._dht = dht
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(None, dht.wait_until_ready, cfg.start_timeout_s)
             await loop.run_in_executor(None, die_with_parent, dht)
+            await loop.run_in_executor(None, keep_valid_subkeys_in, dht)
             maddrs = await loop.run_in_executor(None, dht.get_visible_maddrs)
         except Exception as e:
             await self.shutdown()
@@ -142,7 +191,7 @@ class SwarmTransport:
         return list(self._maddrs)
 
     def known_peers(self) -> dict[str, int]:
-        """pubkey hex -> latest round seen in that peer's presence record (other peers only)."""
+        """pubkey hex -> latest round seen in that peer's presence record (other peers; a bounded memory)."""
         return dict(self._known)
 
     async def publish(self, round: int, signed_batch: bytes) -> bool:
@@ -152,10 +201,8 @@ class SwarmTransport:
             raise ValueError("signed_batch was not signed by this transport's identity")
         cfg = self.config
         expiration = get_dht_time() + cfg.record_ttl_s
-        presence = encode_presence(
-            PresenceRecord(WIRE_VERSION, cfg.swarm, self.identity.public_key_bytes, round, time.time()),
-            self.identity,
-        )
+        me = self.identity.public_key_bytes
+        presence = encode_presence(PresenceRecord(WIRE_VERSION, cfg.swarm, me, round, time.time()), self.identity)
         if not self.dht.is_alive():
             logger.error("publish of round %d skipped: the DHT process is dead", round)
             return False
@@ -163,11 +210,12 @@ class SwarmTransport:
         try:
             stores = [
                 self.dht.run_coroutine(
-                    partial(_store_from_file, key=round_key(cfg.swarm, round), subkey=self._subkey, path=spill,
+                    partial(_store_from_file, key=batch_key(cfg.swarm, me, round), subkey=self._subkey, path=spill,
                             expiration=expiration),  # fmt: skip
                     return_future=True,
                 ),
-                self.dht.store(presence_key(cfg.swarm), presence, expiration, subkey=self._subkey, return_future=True),
+                self.dht.store(presence_key(cfg.swarm, presence_shard(me, cfg.presence_shards)), presence,
+                               expiration, subkey=self._subkey, return_future=True),
             ]
             ok_batch, ok_presence = await asyncio.wait_for(asyncio.gather(*stores), cfg.publish_timeout_s)
         except asyncio.TimeoutError:
@@ -195,75 +243,138 @@ class SwarmTransport:
             f.write(value)
         return path
 
-    async def fetch(self) -> list[FetchedRecord]:
-        """Other peers' batches from their last `window` rounds; partial results on timeout."""
+    async def fetch(
+        self, trusted: Callable[[bytes], bool] = always_trusted, max_bytes: Optional[int] = None
+    ) -> list[FetchedRecord]:
+        """At most `fetch_max` new batches, chosen uniformly among a bounded sample of live publishers.
+
+        `trusted(publisher key)` filters candidates before any batch is fetched (reputation); records
+        beyond `max_bytes` in total are dropped. Partial results on timeout; never raises on network trouble.
+        """
+        stats = self.last_fetch = FetchStats()
         if not self.dht.is_alive():
             logger.error("fetch skipped: the DHT process is dead")
             return []
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.fetch_timeout_s
-        latest = await self._read_presence(deadline)
-        if not latest:
-            return []
-        wanted: dict[int, set[bytes]] = {}
-        for pub, last in latest.items():
-            for r in range(max(0, last - self.config.window + 1), last + 1):
-                wanted.setdefault(r, set()).add(pub)
-        futures = {
-            r: asyncio.ensure_future(self._get(round_key(self.config.swarm, r))) for r in sorted(wanted)
-        }
-        done, pending = await asyncio.wait(futures.values(), timeout=max(0.0, deadline - loop.time()))
-        for fut in pending:
-            fut.cancel()
-        if pending:
-            logger.warning("fetch: %d of %d round keys timed out", len(pending), len(futures))
+        started = loop.time()
+        deadline = started + self.config.fetch_timeout_s
+        candidates = await self._sample_candidates(deadline, trusted, stats)
+        chosen = random.sample(candidates, min(self.config.fetch_max, len(candidates)))
+        stats.batches_requested = len(chosen)
+        gets = [asyncio.ensure_future(self._get(batch_key(self.config.swarm, pub, r), deadline)) for pub, r in chosen]
         out: list[FetchedRecord] = []
-        for r, fut in futures.items():
-            if fut not in done or fut.cancelled() or fut.exception() is not None:
+        total = 0
+        for (pub, r), fut in zip(chosen, gets):
+            entries = await fut
+            value = entries.get(pub)
+            if value is None:
                 continue
-            for pub, data in fut.result().items():
-                if pub in wanted[r]:
-                    out.append(FetchedRecord(publisher=pub, round=r, data=data))
+            stats.batches_received += 1
+            stats.bytes_received += len(value)
+            stats.largest_answer_bytes = max(stats.largest_answer_bytes, len(value))
+            if max_bytes is not None and total + len(value) > max_bytes:
+                stats.over_budget += 1
+                continue
+            total += len(value)
+            self._fetched[(pub, r)] = None
+            while len(self._fetched) > MAX_KNOWN:
+                del self._fetched[next(iter(self._fetched))]
+            out.append(FetchedRecord(publisher=pub, round=r, data=value))
+        stats.seconds = loop.time() - started
         return out
 
-    async def _read_presence(self, deadline: float) -> dict[bytes, int]:
-        entries = await self._get(presence_key(self.config.swarm), deadline)
-        latest: dict[bytes, int] = {}
+    async def _sample_candidates(
+        self, deadline: float, trusted: Callable[[bytes], bool], stats: FetchStats
+    ) -> list[tuple[bytes, int]]:
+        """Read presence shards in random order until `presence_sample` new trusted candidates are known.
+
+        The first wave reads FIRST_WAVE_SHARDS shards; later waves read as many as the density seen so
+        far says are still needed (all of them in a small swarm). Bounded by the shard count and the deadline.
+        """
+        cfg = self.config
+        order = random.sample(range(cfg.presence_shards), cfg.presence_shards)
+        candidates: dict[bytes, int] = {}
+        loop = asyncio.get_running_loop()
+        wave = min(FIRST_WAVE_SHARDS, len(order))
+        while order and loop.time() < deadline:
+            shards, order = order[:wave], order[wave:]
+            answers = await self._get_many([presence_key(cfg.swarm, s) for s in shards], deadline)
+            stats.shards_read += len(shards)
+            for entries in answers.values():
+                self._take_presence(entries, trusted, candidates, stats)
+            missing = cfg.presence_sample - len(candidates)
+            if missing <= 0:
+                break
+            density = len(candidates) / stats.shards_read  # candidates per shard so far
+            wave = len(order) if density == 0 else min(len(order), max(1, math.ceil(missing / density)))
+        stats.candidates = len(candidates)
+        return list(candidates.items())
+
+    def _take_presence(
+        self, entries: dict[bytes, bytes], trusted: Callable[[bytes], bool], candidates: dict[bytes, int],
+        stats: FetchStats,
+    ) -> None:
+        now = time.time()
         for pub, data in entries.items():
+            stats.bytes_received += len(data)
+            stats.largest_answer_bytes = max(stats.largest_answer_bytes, len(data))
             if pub == self.identity.public_key_bytes:
                 continue
             try:
-                rec = decode_presence(data)
+                rec = decode_presence(data, MAX_PRESENCE_BYTES, self.config.pow_difficulty)
             except WireError as e:
                 logger.debug("bad presence record from %s: %s", pub.hex()[:16], e)
                 continue
             if rec.swarm != self.config.swarm or rec.publisher != pub:
                 continue
-            latest[pub] = rec.round
-            self._known[pub.hex()] = max(rec.round, self._known.get(pub.hex(), -1))
-        return latest
+            if abs(now - rec.updated_at) > self.config.record_ttl_s:
+                continue  # a stale record (or a clock far off): its batches are gone or not yet valid
+            self._remember(self._known, pub.hex(), rec.round)
+            if (pub, rec.round) in self._fetched or not trusted(pub):
+                continue
+            candidates[pub] = rec.round
+
+    @staticmethod
+    def _remember(memory: dict, key: Any, round_: int) -> None:
+        """Keep the newest round per key, forgetting the oldest-inserted keys beyond MAX_KNOWN."""
+        memory[key] = max(round_, memory.pop(key, -1))
+        while len(memory) > MAX_KNOWN:
+            del memory[next(iter(memory))]
+
+    def forget_fetched(self) -> None:
+        """Fetch already-fetched batches again (benchmarks measure every sample as a fresh round)."""
+        self._fetched.clear()
 
     async def _get(self, key: str, deadline: Optional[float] = None) -> dict[bytes, bytes]:
         """publisher key -> stored envelope bytes; {} when missing, malformed, failed or timed out."""
+        return (await self._get_many([key], deadline)).get(key, {})
+
+    async def _get_many(self, keys: list[str], deadline: Optional[float] = None) -> dict[str, dict[bytes, bytes]]:
+        """key -> {publisher key -> envelope bytes} for the keys found, in one DHT search.
+
+        hivemind asks a peer for all the keys it may hold in one message, so this is used for small
+        values only (presence shards); one batch per call. The first replica that answers is enough
+        (one worker, latest=False): a batch key is written once, and a presence shard is re-read next
+        round anyway, while asking every replica multiplies the bytes received.
+        """
         loop = asyncio.get_running_loop()
         timeout = self.config.fetch_timeout_s if deadline is None else max(0.0, deadline - loop.time())
-        future = self.dht.get(key, latest=True, return_future=True)
+        future = self.dht.run_coroutine(partial(_get_many_in_dht, keys=keys), return_future=True)
         try:
-            result = await asyncio.wait_for(future, timeout)
+            found = await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
             future.cancel()
-            logger.warning("DHT get %s timed out after %.1fs", key, timeout)
+            logger.warning("DHT get of %d key(s) (%s...) timed out after %.1fs", len(keys), keys[0], timeout)
             return {}
         except Exception as e:
-            logger.warning("DHT get %s failed: %s: %s", key, type(e).__name__, e)
+            logger.warning("DHT get %s... failed: %s: %s", keys[0], type(e).__name__, e)
             return {}
-        if result is None or not isinstance(result.value, dict):
-            return {}  # nothing stored yet: normal
-        out: dict[bytes, bytes] = {}
-        for subkey, item in result.value.items():
-            pub = owner_of_subkey(subkey)
-            if pub is not None and isinstance(item.value, bytes):
-                out[pub] = item.value
+        out: dict[str, dict[bytes, bytes]] = {}
+        for key, entries in found.items():
+            for subkey, value in entries.items():
+                pub = owner_of_subkey(subkey)
+                if pub is not None and isinstance(value, bytes):
+                    out.setdefault(key, {})[pub] = value
         return out
 
     async def validator_rejections(self, timeout: float = 5.0) -> dict[str, int]:
@@ -292,6 +403,16 @@ def owner_of_subkey(subkey: Any) -> Optional[bytes]:
     except ValueError:
         return None
     return pub if len(pub) == 32 else None
+
+
+async def _get_many_in_dht(_dht: hivemind.DHT, node: Any, keys: list[str]) -> dict[str, dict[Any, Any]]:
+    """Runs inside the DHT process: {key: {subkey: value}} of the dictionary values found (validated)."""
+    found = await node.get_many(keys, sufficient_expiration_time=get_dht_time(), num_workers=1)
+    out: dict[str, dict[Any, Any]] = {}
+    for key, result in found.items():
+        if result is not None and isinstance(result.value, dict):  # hivemind unpacks a dictionary value to a dict
+            out[key] = {subkey: item.value for subkey, item in result.value.items()}
+    return out
 
 
 async def _store_from_file(
@@ -356,6 +477,16 @@ def die_with_parent(dht: hivemind.DHT, timeout: float = 10.0) -> bool:
     except Exception as e:
         logger.warning("could not tie the DHT process to this one: %s: %s", type(e).__name__, e)
         return False
+
+
+async def _keep_valid_subkeys(_dht: hivemind.DHT, node: Any) -> bool:
+    keep_valid_subkeys(node.protocol)
+    return True
+
+
+def keep_valid_subkeys_in(dht: hivemind.DHT, timeout: float = 10.0) -> bool:
+    """Blocking: make `dht` drop only the invalid subkeys of a dictionary answer (see validators.keep_valid_subkeys)."""
+    return bool(dht.run_coroutine(_keep_valid_subkeys, return_future=True).result(timeout))
 
 
 async def _routing_peers(_dht: hivemind.DHT, node: Any) -> list[str]:

@@ -1,30 +1,36 @@
-"""Owner-protected DHT records for one swarm.
+"""Owner-protected DHT records for one swarm, and the key layout of protocol v2.
 
 hivemind lets any peer write any (key, subkey). We only accept records whose subkey names an
-Ed25519 key (b"[ed25519:<64 hex>]") and whose value carries that key's signature over
-(DHT key id, subkey, value, expiration time): a third party can neither overwrite a peer's
-entry, nor move it to another round key, nor extend its expiration. The value itself must be a
-signed SAPO envelope by the same key, for this swarm, under the key it belongs to. Every other
-record is rejected: a SAPO DHT stores nothing else.
+Ed25519 key (b"[ed25519:<64 hex>]") with enough proof of work, whose expiration is a finite time
+at most MAX_RECORD_TTL_S ahead, and whose value carries that key's signature over (DHT key id,
+subkey, value, expiration time): a third party can neither overwrite a peer's entry, nor move it
+to another key, nor extend its expiration. The value itself must be a signed SAPO envelope by the
+same key, for this swarm, under the one key it belongs to. Every other record is rejected: a SAPO
+DHT stores nothing else.
+
+Keys (no key that every publisher writes): a batch lives alone under its (publisher, round) key;
+a presence record lives under one of `shards` presence keys chosen by a hash of the publisher.
 
 hivemind only shows validators the DHTID (hash) of a key, so keys are compared by hash.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import re
 import struct
 from collections import Counter
 from typing import Any
 
-import orjson
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time, get_logger
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from p2p.identity import SIGNATURE_LEN, Identity
-from p2p.wire import KIND_BATCH, KIND_PRESENCE, WireCaps, WireError, open_envelope
+from p2p.wire import KIND_BATCH, KIND_PRESENCE, MAX_PRESENCE_BYTES, MAX_ROUND, WIRE_VERSION, WireCaps, WireError, \
+    envelope_version, open_envelope, parse_payload_json, ENVELOPE_VERSION
 
 logger = get_logger(__name__)
 
@@ -32,7 +38,11 @@ SUBKEY_RE = re.compile(rb"^\[ed25519:([0-9a-f]{64})\]$")
 RECORD_SIG_MAGIC = b"SAPOSIG1"
 TRAILER_LEN = len(RECORD_SIG_MAGIC) + SIGNATURE_LEN
 RECORD_SIG_DOMAIN = b"sapo-dht-record-v1\x00"
+OLD_VERSION_REASON = "older protocol version"
 MAX_RECORD_TTL_S = 3600.0  # records expiring later than now + this are refused (bounds DHT garbage)
+DEFAULT_PRESENCE_SHARDS = 64
+MAX_PRESENCE_SHARDS = 4096
+KEY_PREFIX = f"sapo/v{WIRE_VERSION}"
 
 
 def owner_subkey(public_key: bytes) -> bytes:
@@ -40,12 +50,18 @@ def owner_subkey(public_key: bytes) -> bytes:
     return b"[ed25519:" + public_key.hex().encode() + b"]"
 
 
-def round_key(swarm: str, round_: int) -> str:
-    return f"sapo/{swarm}/round/{round_}"
+def batch_key(swarm: str, publisher: bytes, round_: int) -> str:
+    """The key of one publisher's batch for one round: nobody else writes there."""
+    return f"{KEY_PREFIX}/{swarm}/batch/{publisher.hex()}/{round_}"
 
 
-def presence_key(swarm: str) -> str:
-    return f"sapo/{swarm}/peers"
+def presence_shard(publisher: bytes, shards: int) -> int:
+    """The presence shard a publisher writes to: a hash of its key, so it cannot pick one for free."""
+    return int.from_bytes(hashlib.sha256(b"sapo-presence-shard\x00" + publisher).digest()[:8], "big") % shards
+
+
+def presence_key(swarm: str, shard: int) -> str:
+    return f"{KEY_PREFIX}/{swarm}/presence/{shard}"
 
 
 def key_id_bytes(key: str) -> bytes:
@@ -72,34 +88,43 @@ class SapoRecordValidator(RecordValidatorBase):
     """Signs this peer's records and rejects every record that is not a valid owned SAPO record."""
 
     def __init__(
-        self, identity: Identity, swarm: str, caps: WireCaps = WireCaps(), max_ttl_s: float = MAX_RECORD_TTL_S
+        self, identity: Identity, swarm: str, caps: WireCaps = WireCaps(), max_ttl_s: float = MAX_RECORD_TTL_S,
+        pow_difficulty: int = 0, presence_shards: int = DEFAULT_PRESENCE_SHARDS,
+        also_sign_for: tuple[Identity, ...] = (),
     ) -> None:
+        """`also_sign_for`: more identities hosted by this DHT process (benchmarks and Sybil tests only)."""
         self._identity = identity
         self._swarm = swarm
         self._caps = caps
         self._max_ttl_s = max_ttl_s
-        self._own_subkey = MSGPackSerializer.dumps(owner_subkey(identity.public_key_bytes))
-        self._presence_id = key_id_bytes(presence_key(swarm))
+        self._pow_difficulty = pow_difficulty
+        self._shards = presence_shards
+        self._also = tuple(also_sign_for)
+        self._signers = {MSGPackSerializer.dumps(owner_subkey(i.public_key_bytes)): i for i in (identity, *self._also)}
         self.rejections: Counter = Counter()  # reason_code -> records refused (stores and get answers)
+        self.old_version_logged = False
 
     # DHT is a forked process today, but keep the validator picklable (run_coroutine pickles).
     def __getstate__(self) -> dict[str, Any]:
-        seed = self._identity.private_bytes()
-        return {"seed": seed, "swarm": self._swarm, "caps": self._caps, "ttl": self._max_ttl_s}
+        seeds = [(i.private_bytes(), i.pow_nonce) for i in (self._identity, *self._also)]
+        return {"seeds": seeds, "swarm": self._swarm, "caps": self._caps, "ttl": self._max_ttl_s,
+                "pow": self._pow_difficulty, "shards": self._shards}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        ident = Identity(Ed25519PrivateKey.from_private_bytes(state["seed"]))
-        self.__init__(ident, state["swarm"], state["caps"], state["ttl"])  # type: ignore[misc]
+        ids = [Identity(Ed25519PrivateKey.from_private_bytes(seed), nonce) for seed, nonce in state["seeds"]]
+        self.__init__(ids[0], state["swarm"], state["caps"], state["ttl"], state["pow"],  # type: ignore[misc]
+                      state["shards"], tuple(ids[1:]))
 
     @property
     def priority(self) -> int:
         return 10  # validate before (and sign after) any deserializing validator
 
     def sign_value(self, record: DHTRecord) -> bytes:
-        if record.subkey != self._own_subkey:
+        signer = self._signers.get(record.subkey)
+        if signer is None:
             return record.value  # not ours to sign: validate() will reject it
         msg = record_message(record.key, record.subkey, record.value, record.expiration_time)
-        return record.value + RECORD_SIG_MAGIC + self._identity.sign(msg)
+        return record.value + RECORD_SIG_MAGIC + signer.sign(msg)
 
     def strip_value(self, record: DHTRecord) -> bytes:
         if len(record.value) >= TRAILER_LEN and record.value[-TRAILER_LEN:-SIGNATURE_LEN] == RECORD_SIG_MAGIC:
@@ -111,6 +136,10 @@ class SapoRecordValidator(RecordValidatorBase):
         if reason is not None:
             logger.debug(f"rejected DHT record: {reason}")
             self.rejections[reason_code(reason)] += 1
+            if reason == OLD_VERSION_REASON and not self.old_version_logged:
+                self.old_version_logged = True  # one line per process, however many old records arrive
+                logger.warning(f"refusing DHT records of an older SAPO protocol (this peer speaks v{WIRE_VERSION}); "
+                               "peers still on it must upgrade to exchange with this swarm")
         return reason is None
 
     def check(self, record: DHTRecord) -> str | None:
@@ -122,7 +151,10 @@ class SapoRecordValidator(RecordValidatorBase):
         if len(value) < TRAILER_LEN or value[-TRAILER_LEN:-SIGNATURE_LEN] != RECORD_SIG_MAGIC:
             return "no record signature"
         stripped, sig = value[:-TRAILER_LEN], value[-SIGNATURE_LEN:]
-        if record.expiration_time > get_dht_time() + self._max_ttl_s:
+        expiration = record.expiration_time
+        if not isinstance(expiration, (int, float)) or not math.isfinite(expiration) or expiration <= 0:
+            return "expiration is not a finite time"
+        if expiration > get_dht_time() + self._max_ttl_s:
             return "expiration too far in the future"
         if not Identity.verify(owner, record_message(record.key, record.subkey, stripped, record.expiration_time), sig):
             return "bad record signature"
@@ -132,30 +164,37 @@ class SapoRecordValidator(RecordValidatorBase):
             return "value is not msgpack"
         if not isinstance(envelope, bytes):
             return "value is not bytes"
+        if envelope_version(envelope) not in (None, ENVELOPE_VERSION):
+            return OLD_VERSION_REASON
         try:
-            env = open_envelope(envelope, self._caps.max_batch_bytes)
+            env = open_envelope(envelope, self._caps.max_batch_bytes, self._pow_difficulty)
         except WireError as e:
             return f"envelope: {e.reason}"
         if env.publisher != owner:
             return "envelope signer is not the subkey owner"
-        return self._check_placement(record.key, env.payload)
+        return self._check_placement(record.key, owner, env.payload, len(envelope))
 
-    def _check_placement(self, key_id: bytes, payload: bytes) -> str | None:
-        """The payload must belong to this swarm and sit under the key its contents name."""
+    def _check_placement(self, key_id: bytes, owner: bytes, payload: bytes, size: int) -> str | None:
+        """The payload must belong to this swarm and sit under the one key its contents name."""
         try:
-            obj = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            return "payload is not JSON"
+            obj = parse_payload_json(payload)
+        except WireError:
+            return "payload is not strict JSON"
         if not isinstance(obj, dict) or obj.get("swarm") != self._swarm:
             return "payload is for another swarm"
+        if obj.get("version") != WIRE_VERSION:
+            return OLD_VERSION_REASON
         kind = obj.get("kind")
         if kind == KIND_PRESENCE:
-            return None if key_id == self._presence_id else "presence record under a wrong key"
+            if size > MAX_PRESENCE_BYTES:
+                return "presence record too large"
+            shard_key = presence_key(self._swarm, presence_shard(owner, self._shards))
+            return None if key_id == key_id_bytes(shard_key) else "presence record under a wrong key"
         if kind == KIND_BATCH:
             rnd = obj.get("round")
-            if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 0:
+            if not isinstance(rnd, int) or isinstance(rnd, bool) or not 0 <= rnd <= MAX_ROUND:
                 return "batch without a valid round"
-            return None if key_id == key_id_bytes(round_key(self._swarm, rnd)) else "batch under a wrong key"
+            return None if key_id == key_id_bytes(batch_key(self._swarm, owner, rnd)) else "batch under a wrong key"
         return "unknown payload kind"
 
     @staticmethod
@@ -168,3 +207,26 @@ class SapoRecordValidator(RecordValidatorBase):
             return None
         m = SUBKEY_RE.match(subkey)
         return bytes.fromhex(m.group(1).decode()) if m else None
+
+
+def keep_valid_subkeys(protocol: Any) -> None:
+    """Make `protocol` (a hivemind DHTProtocol, inside the DHT process) drop only the invalid subkeys of a
+    dictionary value instead of the whole dictionary.
+
+    hivemind refuses a whole dictionary answer when one of its subkeys fails validation, so one bad
+    record from a replica would hide every honest record beside it (presence shards hold many).
+    """
+    validator = protocol.record_validator
+    serializer = protocol.serializer
+
+    def validate_dictionary(key_bytes: bytes, dictionary: Any) -> bool:
+        if validator is None:
+            return True
+        with dictionary.freeze():
+            bad = [subkey for subkey, (value, expiration) in dictionary.items()
+                   if not validator.validate(DHTRecord(key_bytes, serializer.dumps(subkey), value, expiration))]
+        for subkey in bad:
+            del dictionary[subkey]
+        return len(dictionary) > 0 or not bad
+
+    protocol._validate_dictionary = validate_dictionary

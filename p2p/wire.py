@@ -1,13 +1,16 @@
 """Wire format of what peers publish: signed rollout batches and signed presence records.
 
 Envelope (binary, see docs/PROTOCOL.md):  b"SAPO" | envelope version (1 byte) | publisher
-Ed25519 public key (32) | signature (64) | payload (UTF-8 JSON).  The signature covers the exact
-payload bytes, so receivers never re-serialize before verifying, and the key sits in the header
-so the signature is checked before any JSON from an unauthenticated sender is parsed.
+Ed25519 public key (32) | proof-of-work nonce (8) | signature (64) | payload (UTF-8 JSON).  The
+signature covers the exact payload bytes, so receivers never re-serialize before verifying, and the
+key and its proof of work sit in the header so both are checked before any JSON from an
+unauthenticated sender is parsed. A payload whose JSON repeats a member name is refused: two
+implementations could read it differently.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,11 +18,17 @@ from typing import Any
 import orjson
 
 from p2p.identity import PUBLIC_KEY_LEN, SIGNATURE_LEN, Identity
+from p2p.pow import NONCE_LEN, check_pow
 
 MAGIC = b"SAPO"
-ENVELOPE_VERSION = 1
-WIRE_VERSION = 1
-HEADER_LEN = len(MAGIC) + 1 + PUBLIC_KEY_LEN + SIGNATURE_LEN
+ENVELOPE_VERSION = 2  # 1: protocol v1 (no proof of work in the header)
+WIRE_VERSION = 2  # payload "version"; bumped together with the envelope and the DHT key layout
+HEADER_LEN = len(MAGIC) + 1 + PUBLIC_KEY_LEN + NONCE_LEN + SIGNATURE_LEN
+MAX_ROUND = 2**31 - 1
+MAX_TIMESTAMP = 2.0**40  # seconds since the epoch; anything later is not a clock reading
+MAX_ABS_REWARD = 1e6
+MAX_INT = 2**63 - 1  # seeds and task indices: signed 64-bit, as every JSON library can hold them
+MAX_PRESENCE_BYTES = 512
 KIND_BATCH = "rollout_batch"
 KIND_PRESENCE = "presence"
 
@@ -35,6 +44,7 @@ REASONS = frozenset(
         "too_many_completions",
         "completion_too_long",
         "config_too_large",
+        "weak_identity",
     }
 )
 
@@ -53,7 +63,7 @@ class WireError(ValueError):
 class WireCaps:
     """Receiver-side limits; everything above is rejected before it can cost memory or time."""
 
-    max_batch_bytes: int = 2 * 1024 * 1024
+    max_batch_bytes: int = 768 * 1024  # one DHT message carries one batch: stays under 1 MiB
     max_groups: int = 64
     max_completions: int = 32
     max_completion_chars: int = 8000
@@ -146,7 +156,8 @@ def presence_to_dict(rec: PresenceRecord) -> dict[str, Any]:
 
 def seal(payload: bytes, identity: Identity) -> bytes:
     """Wrap payload bytes in a signed envelope."""
-    return MAGIC + bytes([ENVELOPE_VERSION]) + identity.public_key_bytes + identity.sign(payload) + payload
+    return (MAGIC + bytes([ENVELOPE_VERSION]) + identity.public_key_bytes + identity.pow_nonce
+            + identity.sign(payload) + payload)
 
 
 def encode_signed(batch: RolloutBatch, identity: Identity) -> bytes:
@@ -154,10 +165,10 @@ def encode_signed(batch: RolloutBatch, identity: Identity) -> bytes:
     if batch.publisher != identity.public_key_bytes:
         raise ValueError("batch.publisher must be the signing identity's public key")
     for g in batch.groups:
-        if not all(math.isfinite(r) for r in g.rewards):
-            raise ValueError("rewards must be finite")
-    if not math.isfinite(batch.created_at):
-        raise ValueError("created_at must be finite")
+        if not all(math.isfinite(r) and abs(r) <= MAX_ABS_REWARD for r in g.rewards):
+            raise ValueError("rewards must be finite and within +-MAX_ABS_REWARD")
+    if not 0 <= batch.created_at <= MAX_TIMESTAMP or not 0 <= batch.round <= MAX_ROUND:
+        raise ValueError("created_at and round must be in range")
     return seal(canonical_json(batch_to_dict(batch)), identity)
 
 
@@ -177,8 +188,8 @@ class Envelope:
     payload: bytes
 
 
-def open_envelope(data: bytes, max_bytes: int) -> Envelope:
-    """Size cap, then shape, then signature. Parses no JSON."""
+def open_envelope(data: bytes, max_bytes: int, pow_difficulty: int = 0) -> Envelope:
+    """Size cap, then shape, then proof of work, then signature. Parses no JSON."""
     if not isinstance(data, (bytes, bytearray)):
         raise WireError("malformed", "not bytes")
     if len(data) > max_bytes:
@@ -189,18 +200,36 @@ def open_envelope(data: bytes, max_bytes: int) -> Envelope:
         raise WireError("version", f"envelope version {data[len(MAGIC)]}")
     start = len(MAGIC) + 1
     publisher = bytes(data[start : start + PUBLIC_KEY_LEN])
-    signature = bytes(data[start + PUBLIC_KEY_LEN : HEADER_LEN])
+    nonce = bytes(data[start + PUBLIC_KEY_LEN : start + PUBLIC_KEY_LEN + NONCE_LEN])
+    signature = bytes(data[start + PUBLIC_KEY_LEN + NONCE_LEN : HEADER_LEN])
     payload = bytes(data[HEADER_LEN:])
+    if not check_pow(publisher, nonce, pow_difficulty):
+        raise WireError("weak_identity", f"public key without {pow_difficulty} bits of proof of work")
     if not Identity.verify(publisher, payload, signature):
         raise WireError("bad_signature")
     return Envelope(publisher, signature, payload)
 
 
-def _parse_payload(env: Envelope, kind: str) -> dict[str, Any]:
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise WireError("schema", "duplicate member name in a JSON object")
+    return obj
+
+
+def parse_payload_json(payload: bytes) -> Any:
+    """Strict JSON: UTF-8, no NaN/Infinity, no duplicate member names at any depth (else WireError)."""
     try:
-        obj = orjson.loads(env.payload)
+        obj = orjson.loads(payload)  # refuses NaN, Infinity and invalid UTF-8
     except orjson.JSONDecodeError as e:
         raise WireError("schema", f"payload is not JSON: {e}") from None
+    if isinstance(obj, (dict, list)):
+        json.loads(payload, object_pairs_hook=_refuse_duplicates)  # orjson silently keeps the last duplicate
+    return obj
+
+
+def _parse_payload(env: Envelope, kind: str) -> dict[str, Any]:
+    obj = parse_payload_json(env.payload)
     if not isinstance(obj, dict):
         raise WireError("schema", "payload is not an object")
     if obj.get("kind") != kind:
@@ -223,6 +252,15 @@ def _is_num(x: Any) -> bool:
     return (isinstance(x, float) and math.isfinite(x)) or _is_int(x)
 
 
+def _in_range(x: Any, low: float, high: float) -> bool:
+    """A finite number (int or float) within [low, high]."""
+    return _is_num(x) and low <= x <= high
+
+
+def _is_round(x: Any) -> bool:
+    return _is_int(x) and 0 <= x <= MAX_ROUND
+
+
 def _require(cond: bool, what: str) -> None:
     if not cond:
         raise WireError("schema", what)
@@ -234,13 +272,13 @@ def _name(obj: dict[str, Any], key: str, caps: WireCaps) -> str:
     return v
 
 
-def decode_signed(data: bytes, caps: WireCaps = WireCaps()) -> RolloutBatch:
-    """Verify and parse a signed rollout batch: size, envelope, signature, schema, caps (in that order)."""
-    env = open_envelope(data, caps.max_batch_bytes)
+def decode_signed(data: bytes, caps: WireCaps = WireCaps(), pow_difficulty: int = 0) -> RolloutBatch:
+    """Verify and parse a signed rollout batch: size, envelope, proof of work, signature, schema, caps."""
+    env = open_envelope(data, caps.max_batch_bytes, pow_difficulty)
     obj = _parse_payload(env, KIND_BATCH)
     swarm, model = _name(obj, "swarm", caps), _name(obj, "model", caps)
-    _require(_is_int(obj.get("round")) and obj["round"] >= 0, "round must be an int >= 0")
-    _require(_is_num(obj.get("created_at")), "created_at must be a finite number")
+    _require(_is_round(obj.get("round")), f"round must be an int in [0, {MAX_ROUND}]")
+    _require(_in_range(obj.get("created_at"), 0, MAX_TIMESTAMP), "created_at must be a finite time in range")
     raw_groups = obj.get("groups")
     _require(isinstance(raw_groups, list), "groups must be a list")
     for g in raw_groups:
@@ -266,11 +304,12 @@ def _check_group_schema(g: Any, caps: WireCaps) -> None:
     _require(isinstance(task, dict), "task must be an object")
     _name(task, "dataset", caps)
     _require(isinstance(task.get("config"), dict), "task.config must be an object")
-    _require(_is_int(task.get("seed")), "task.seed must be an int")
-    _require(_is_int(task.get("index")) and task["index"] >= 0, "task.index must be an int >= 0")
+    _require(_is_int(task.get("seed")) and -MAX_INT - 1 <= task["seed"] <= MAX_INT, "task.seed must be an int64")
+    _require(_is_int(task.get("index")) and 0 <= task["index"] <= MAX_INT, "task.index must be an int in [0, 2^63)")
     comps, rewards = g.get("completions"), g.get("rewards")
     _require(isinstance(comps, list) and all(isinstance(c, str) for c in comps), "completions must be strings")
-    _require(isinstance(rewards, list) and all(_is_num(r) for r in rewards), "rewards must be finite numbers")
+    _require(isinstance(rewards, list) and all(_in_range(r, -MAX_ABS_REWARD, MAX_ABS_REWARD) for r in rewards),
+             "rewards must be finite numbers in range")
     _require(len(rewards) == len(comps), "one reward per completion")
 
 
@@ -292,20 +331,18 @@ def _group_with_caps(g: dict[str, Any], caps: WireCaps) -> WireGroup:
     )
 
 
-def decode_presence(data: bytes, max_bytes: int = 4096) -> PresenceRecord:
-    """Verify and parse a signed presence record."""
-    env = open_envelope(data, max_bytes)
+def decode_presence(data: bytes, max_bytes: int = MAX_PRESENCE_BYTES, pow_difficulty: int = 0) -> PresenceRecord:
+    """Verify and parse a signed presence record (small by construction: MAX_PRESENCE_BYTES)."""
+    env = open_envelope(data, max_bytes, pow_difficulty)
     obj = _parse_payload(env, KIND_PRESENCE)
     swarm = _name(obj, "swarm", WireCaps())
-    _require(_is_int(obj.get("round")) and obj["round"] >= 0, "round must be an int >= 0")
-    _require(_is_num(obj.get("updated_at")), "updated_at must be a finite number")
+    _require(_is_round(obj.get("round")), f"round must be an int in [0, {MAX_ROUND}]")
+    _require(_in_range(obj.get("updated_at"), 0, MAX_TIMESTAMP), "updated_at must be a finite time in range")
     return PresenceRecord(obj["version"], swarm, env.publisher, obj["round"], float(obj["updated_at"]))
 
 
-def payload_kind(data: bytes) -> str | None:
-    """Kind of an already-verified envelope's payload, or None if unparsable (validator helper)."""
-    try:
-        obj = orjson.loads(data[HEADER_LEN:])
-    except orjson.JSONDecodeError:
-        return None
-    return obj.get("kind") if isinstance(obj, dict) else None
+def envelope_version(data: bytes) -> int | None:
+    """The envelope version byte of something that starts like a SAPO envelope (for version diagnostics)."""
+    if isinstance(data, (bytes, bytearray)) and len(data) > len(MAGIC) and data[: len(MAGIC)] == MAGIC:
+        return data[len(MAGIC)]
+    return None

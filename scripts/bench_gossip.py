@@ -5,7 +5,8 @@
 
 Peers are real hivemind DHT processes on 127.0.0.1 (one forked DHT + one p2pd each), started
 from this process. "publish->visible" is the time from the start of publish() on one peer until
-another peer's DHT get of that round key returns the publisher's entry.
+another peer's DHT get of that batch key returns the publisher's entry. Keys are minted at 8 bits of
+proof of work. For swarm sizes beyond what one machine can run as real peers, see scripts/bench_scale.py.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from pathlib import Path
 
 from p2p.identity import SIGNATURE_LEN, Identity
 from p2p.transport import SwarmTransport, TransportConfig, owner_of_subkey
-from p2p.validators import round_key
-from p2p.wire import HEADER_LEN, RolloutBatch, TaskSpecWire, WireGroup, decode_signed, encode_signed
+from p2p.validators import batch_key
+from p2p.wire import HEADER_LEN, WIRE_VERSION, RolloutBatch, TaskSpecWire, WireGroup, decode_signed, encode_signed
 
 SWARM = "bench"
 
@@ -33,7 +34,7 @@ def realistic_batch(ident: Identity, rnd: int, groups: int, completions: int, ch
     rng = random.Random(rnd)
     alphabet = string.ascii_letters + string.digits + "   .,+-*/=()"
     return RolloutBatch(
-        version=1, swarm=SWARM, round=rnd, publisher=ident.public_key_bytes, created_at=time.time(),
+        version=WIRE_VERSION, swarm=SWARM, round=rnd, publisher=ident.public_key_bytes, created_at=time.time(),
         model="Qwen2.5-0.5B-Instruct",
         groups=[
             WireGroup(
@@ -88,7 +89,7 @@ async def network_bench(args: argparse.Namespace) -> None:
 
     def cfg(i: int, peers: list[str]) -> TransportConfig:
         return TransportConfig(identity_dir=tmp / f"p{i}", swarm=SWARM, host_maddrs=loop, initial_peers=peers,
-                               fetch_timeout_s=30, publish_timeout_s=30)  # fmt: skip
+                               fetch_timeout_s=30, publish_timeout_s=30, pow_difficulty=8)  # fmt: skip
 
     t0 = time.perf_counter()
     first = SwarmTransport(cfg(0, []))
@@ -111,7 +112,8 @@ async def network_bench(args: argparse.Namespace) -> None:
             t = time.perf_counter()
             ok = await pub.publish(rnd, data)
             publish_s.append(time.perf_counter() - t)
-            seen = await wait_visible(obs, round_key(SWARM, rnd), pub.identity.public_key_bytes, 10.0)
+            seen = await wait_visible(obs, batch_key(SWARM, pub.identity.public_key_bytes, rnd),
+                                      pub.identity.public_key_bytes, 10.0)
             if not ok or seen is None:
                 missed += 1
                 continue
@@ -121,7 +123,7 @@ async def network_bench(args: argparse.Namespace) -> None:
         if visible_s:
             p50, p99 = ms(visible_s, 50), ms(visible_s, 99)
             print(f"publish->visible p50 {p50:.0f} ms  p99 {p99:.0f} ms  (missed {missed})")
-        # a full fetch() from one peer: presence key + every other peer's window
+        # a full fetch() from one peer: sampled presence shards + at most fetch_max batch keys
         t = time.perf_counter()
         got = await peers[-1].fetch()
         dt = time.perf_counter() - t

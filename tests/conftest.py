@@ -1,16 +1,28 @@
 """Shared test setup: never touch a model hub; helpers to run the real CLI."""
 
+import asyncio
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import orjson
 import pytest
 
+from node.learn.groups import score_responses
+from node.learn.tasks import PRESETS, TaskSampler
+from p2p.identity import KEY_FILENAME, Identity
+from p2p.wire import TaskSpecWire, WireGroup
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Nodes and bootstrap peers started by tests mint their keys at a low proof-of-work difficulty (seconds
+# at the default on a shared CI core); tests that check the proof of work set their own.
+os.environ.setdefault("SAPO_POW_DIFFICULTY", "8")
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,3 +57,157 @@ def tiny_args():
     """A fast solo configuration on the tiny random model."""
     return ["--model", "tiny-random", "--tasks", "smoke", "--generations", "4", "--num-local", "2",
             "--max-new-tokens", "8", "--seed", "3"]
+
+
+# ---------------------------------------------------------------- real swarms: bootstrap and node subprocesses
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+MANY_ROUNDS = "100000"  # never reached: the test stops peers with SIGTERM
+TINY = ["--tasks", "smoke", "--num-local", "2", "--num-external", "4", "--generations", "4",
+        "--max-new-tokens", "8", "--rounds", MANY_ROUNDS]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A subprocess in its own session (so its DHT process and p2pd can be killed with it); output to a file."""
+
+    def __init__(self, args: list[str], out: Path):
+        self.out = out
+        self._fh = open(out, "ab")
+        self.p = subprocess.Popen([sys.executable, *args], cwd=REPO, env=node_env(), stdout=self._fh,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def text(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM, wait; returns the exit code."""
+        if self.alive():
+            self.p.send_signal(signal.SIGTERM)
+        try:
+            return self.p.wait(timeout)
+        finally:
+            self.cleanup()
+
+    def session_alive(self) -> bool:
+        """Is any process of this session (the node, its DHT process, p2pd) still there?"""
+        try:
+            os.killpg(self.p.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def cleanup(self) -> None:
+        if self.alive():
+            self.p.kill()
+            self.p.wait(30)
+        try:  # whatever is left of the session (an orphaned DHT process or p2pd)
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._fh.close()
+
+
+def start_bootstrap(tmp: Path, swarm: str) -> tuple[Proc, list[str]]:
+    maddrs_file = tmp / "boot-maddrs.txt"
+    proc = Proc(["-m", "bootstrap.main", "--host-maddrs", LOOPBACK, "--identity-dir", str(tmp / "boot"),
+                 "--swarm", swarm, "--maddrs-file", str(maddrs_file), "--log-interval", "5"], tmp / "boot.out")
+    deadline = time.monotonic() + 60
+    while not maddrs_file.exists():
+        if not proc.alive():
+            raise AssertionError(f"bootstrap exited early:\n{proc.text()}")
+        if time.monotonic() > deadline:
+            proc.cleanup()
+            raise AssertionError("bootstrap maddrs file never appeared")
+        time.sleep(0.1)
+    return proc, maddrs_file.read_text().split()
+
+
+def start_node(run_dir: Path, peers: list[str], swarm: str, *extra: str, model: str = "tiny-random",
+               seed: int = 0, host: str = LOOPBACK) -> Proc:
+    args = ["-m", "node.cli", "--model", model, *TINY, "--seed", str(seed), "--swarm", swarm,
+            "--run-dir", str(run_dir), "--host-maddrs", host, "--peers", *peers, *extra]
+    return Proc(args, run_dir.parent / f"{run_dir.name}.out")
+
+
+def prefix_of(run_dir: Path, timeout: float = 60) -> str:
+    """The 16-hex-char key prefix metrics use in external_sources (identity file appears at startup)."""
+    path = run_dir / KEY_FILENAME
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+    time.sleep(0.2)  # written atomically? be safe against a half-written file
+    return Identity.load_or_create(path, create=False).public_key_hex[:16]
+
+
+def sources(records: list[dict]) -> set[str]:
+    return {src for r in records for src in r.get("external_sources", {})}
+
+
+def reasons(records: list[dict]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for r in records:
+        for reason, n in r.get("rejected_by_reason", {}).items():
+            total[reason] = total.get(reason, 0) + n
+    return total
+
+
+def wait_for(pred, procs: list[Proc], timeout: float, what: str, poll: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        for p in procs:
+            if not p.alive():
+                raise AssertionError(f"{p.out.name} exited (rc {p.p.returncode}) while waiting for {what}:\n"
+                                     f"{p.text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(poll)
+
+
+async def await_for(pred, timeout: float, what: str, poll: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        await asyncio.sleep(poll)
+
+
+async def stored_eventually(store, what: str, attempts: int = 5) -> None:
+    """A valid store came back False once on a loaded CI machine (hivemind reports the verdict of the last
+    replica to answer); what is under test is what the honest node does with the record, so retry."""
+    for _ in range(attempts):
+        if await store():
+            return
+        await asyncio.sleep(1.0)
+    raise AssertionError(f"{what}: valid record not stored after {attempts} attempts")
+
+
+def stop_all(procs: list[Proc]) -> list[int]:
+    codes = []
+    for p in procs:
+        if p.alive():
+            p.p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            codes.append(p.p.wait(60))
+        finally:
+            p.cleanup()
+    return codes
+
+
+def smoke_group(seed: int, index_shift: int = 0, claimed=None) -> WireGroup:
+    """A correct group for a task of the smoke mix (or with `claimed` rewards instead of the true ones)."""
+    task = TaskSampler(PRESETS["smoke"], seed).sample(1 + index_shift)[-1]
+    completions = [f"<answer>{task.answer}</answer>", "<answer>certainly not this</answer>"]
+    true = score_responses(task, completions)
+    assert true[0] != true[1], "the test group needs a learning signal"
+    rewards = true if claimed is None else claimed(true)
+    return WireGroup(TaskSpecWire(**task.spec.to_wire()), completions, rewards)

@@ -65,7 +65,9 @@ class NodeConfig:
     announce_maddrs: list = opt([], "multiaddrs to announce (public IP)")
     client_mode: bool = opt(False, "DHT client mode (behind NAT: not dialable)")
     swarm_start: bool = opt(False, "start a new swarm with no --peers (first peer) instead of running in silo")
-    window: int = opt(2, "W: rounds of each peer's history fetched")
+    window: int = opt(2, "W: rounds behind a peer's newest batch still accepted from it")
+    fetch_max: int = opt(16, "K: batches fetched per round at most, sampled uniformly among live peers")
+    pow_difficulty: int = opt(20, "swarm-wide proof-of-work bits on every peer key (all peers must agree)")
     net_timeout: float = opt(10.0, "upper bound in seconds on swarm I/O per round")
     verify_budget_s: float = opt(0.0, "seconds of verification per round; the rest waits a round "
                                       "(0 = --net-timeout / 3)")
@@ -94,7 +96,7 @@ class ConfigError(ValueError):
 
 
 POSITIVE = {"num_local", "generations", "rounds", "epochs", "minibatches", "micro_batch_size",
-            "checkpoint_every", "keep_checkpoints", "window"}
+            "checkpoint_every", "keep_checkpoints", "window", "fetch_max"}
 NON_NEGATIVE = {"num_external", "max_new_tokens", "threads", "beta", "status_port", "seed"}
 CHOICES = {"loss_type": ("grpo", "dr_grpo", "dapo"), "ij_policy": ("fixed", "ema", "usefulness"),
            "log_level": ("DEBUG", "INFO", "WARNING", "ERROR")}
@@ -135,6 +137,8 @@ def validate(cfg: NodeConfig) -> None:
         raise bad("verify_budget_mb", "must be > 0 and at most 1 TiB")
     if not 0 < cfg.ban_s < float("inf"):
         raise bad("ban_s", "must be > 0 and finite")
+    if not 0 <= cfg.pow_difficulty <= 40:
+        raise bad("pow_difficulty", "must be in [0, 40] (each bit doubles the time to mint a key)")
     if cfg.status_port > 65535:
         raise bad("status_port", "must be a TCP port")
     if cfg.device != "auto" and not (cfg.device == "cpu" or cfg.device.startswith("cuda")):

@@ -27,12 +27,14 @@ class DhtExchange(SignedExchange):
         run_dir = Path(cfg.run_dir)
         has_state = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
         # An existing run dir keeps its identity: a missing key there is an error, never a new identity.
-        identity = Identity.load_or_create(run_dir / KEY_FILENAME, create=not has_state)
+        identity = Identity.load_or_create(run_dir / KEY_FILENAME, create=not has_state,
+                                           pow_difficulty=cfg.pow_difficulty)
         budget = max(1.0, cfg.net_timeout / 2)
         tcfg = TransportConfig(identity_dir=run_dir, swarm=cfg.swarm, initial_peers=list(cfg.peers),
                                host_maddrs=list(cfg.host_maddrs), announce_maddrs=list(cfg.announce_maddrs),
-                               client_mode=cfg.client_mode, window=cfg.window, fetch_timeout_s=budget,
-                               publish_timeout_s=budget)
+                               client_mode=cfg.client_mode, fetch_timeout_s=budget,
+                               publish_timeout_s=budget, pow_difficulty=cfg.pow_difficulty,
+                               fetch_max=cfg.fetch_max)
         vcfg = verify_config(cfg, max_age_s=tcfg.record_ttl_s)
         return cls(SwarmTransport(tcfg, identity), mix, vcfg, cfg.model)
 
@@ -49,8 +51,10 @@ class DhtExchange(SignedExchange):
     async def collect(self, round_: int) -> list[Group]:
         # DHT-level refusals (counted in the DHT process) are read alongside the fetch, within its budget
         records: list[FetchedRecord]
+        # banned publishers are never fetched; a flood cannot make us receive more than we would verify
+        fetch = self.transport.fetch(trusted=self.trusted, max_bytes=self.verifier.cfg.budget_bytes)
         records, totals = await asyncio.gather(
-            self.transport.fetch(), self.transport.validator_rejections(self.transport.config.fetch_timeout_s))
+            fetch, self.transport.validator_rejections(self.transport.config.fetch_timeout_s))
         groups = await self._verify_off_loop([(r.publisher, r.data) for r in records])  # starts a new round
         for reason, n in totals.items():
             new = n - self._dht_rejections.get(reason, 0)

@@ -48,6 +48,7 @@ class VerifyConfig:
     budget_s: float = 3.0  # verification time per round; the rest waits for the next round
     budget_bytes: int = 32 * 1024 * 1024  # bytes verified per round
     seed: int = 0  # the verification order's shuffle
+    pow_difficulty: int = 0  # proof-of-work bits a publisher key must carry (the swarm's setting)
     reputation: ReputationConfig = field(default_factory=ReputationConfig)
 
 
@@ -55,7 +56,7 @@ def verify_config(cfg: Any, **overrides: Any) -> VerifyConfig:
     """A node's flags (a `NodeConfig`; swarm does not import ops) as the verifier's settings."""
     values = dict(swarm=cfg.swarm, window=cfg.window, seed=cfg.seed,
                   budget_s=cfg.verify_budget_s or cfg.net_timeout / 3,
-                  budget_bytes=int(cfg.verify_budget_mb * 1024 * 1024),
+                  budget_bytes=int(cfg.verify_budget_mb * 1024 * 1024), pow_difficulty=cfg.pow_difficulty,
                   reputation=ReputationConfig(ban_s=cfg.ban_s))
     return VerifyConfig(**{**values, **overrides})
 
@@ -119,7 +120,7 @@ class Verifier:
     def _verify(self, data: bytes, now: float, hint: bytes | None) -> list[Group]:
         claimed = hint.hex() if hint else UNKNOWN_PEER
         try:
-            batch = decode_signed(data, self.cfg.caps)  # caps (bytes first), envelope, signature, schema
+            batch = decode_signed(data, self.cfg.caps, self.cfg.pow_difficulty)  # bytes, envelope, PoW, sig, schema
         except WireError as exc:
             signer = self._signer(data) if exc.reason in PENALTIES else None  # raised after the signature held
             if signer is None:

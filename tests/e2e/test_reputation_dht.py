@@ -11,10 +11,18 @@ from __future__ import annotations
 import json
 
 import pytest
-
+from conftest import (
+    TINY,
+    Proc,
+    reasons,
+    start_bootstrap,
+    start_node,
+    stop_all,
+    wait_for,
+)
 from conftest import live_metrics as rounds
+
 from p2p.identity import KEY_FILENAME, Identity
-from test_swarm_dht import Proc, TINY, reasons, start_bootstrap, start_node, stop_all, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -10,10 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -21,149 +17,20 @@ from pathlib import Path
 import pytest
 from hivemind.utils import get_dht_time
 
-from conftest import REPO, node_env
+from conftest import LOOPBACK, Proc, await_for, free_port, prefix_of, reasons, smoke_group, sources, start_bootstrap, \
+    start_node, stop_all, stored_eventually, wait_for
 from conftest import live_metrics as rounds
-from node.learn.groups import score_responses
-from node.learn.tasks import PRESETS, TaskSampler
 from p2p.identity import KEY_FILENAME, Identity
 from p2p.transport import SwarmTransport, TransportConfig, _store_from_file
-from p2p.validators import owner_subkey, presence_key, round_key
-from p2p.wire import HEADER_LEN, PresenceRecord, RolloutBatch, TaskSpecWire, WireGroup, encode_presence, \
+from p2p.validators import DEFAULT_PRESENCE_SHARDS, batch_key, owner_subkey, presence_key, presence_shard
+from p2p.wire import HEADER_LEN, WIRE_VERSION, PresenceRecord, RolloutBatch, TaskSpecWire, WireGroup, encode_presence, \
     encode_signed
 
 pytestmark = pytest.mark.timeout(600)
 
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-MANY_ROUNDS = "100000"  # never reached: the test stops peers with SIGTERM
-TINY = ["--tasks", "smoke", "--num-local", "2", "--num-external", "4", "--generations", "4",
-        "--max-new-tokens", "8", "--rounds", MANY_ROUNDS]
 UP_RE = re.compile(r"DHT peer (\S+) up at \[(.*?)\]")
 
-
 # ------------------------------------------------------------------------------------------------ helpers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A subprocess in its own session (so its DHT process and p2pd can be killed with it); output to a file."""
-
-    def __init__(self, args: list[str], out: Path):
-        self.out = out
-        self._fh = open(out, "ab")
-        self.p = subprocess.Popen([sys.executable, *args], cwd=REPO, env=node_env(), stdout=self._fh,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.p.poll() is None
-
-    def text(self) -> str:
-        return self.out.read_text(errors="replace")
-
-    def stop(self, timeout: float = 60) -> int:
-        """SIGTERM, wait; returns the exit code."""
-        if self.alive():
-            self.p.send_signal(signal.SIGTERM)
-        try:
-            return self.p.wait(timeout)
-        finally:
-            self.cleanup()
-
-    def session_alive(self) -> bool:
-        """Is any process of this session (the node, its DHT process, p2pd) still there?"""
-        try:
-            os.killpg(self.p.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-
-    def cleanup(self) -> None:
-        if self.alive():
-            self.p.kill()
-            self.p.wait(30)
-        try:  # whatever is left of the session (an orphaned DHT process or p2pd)
-            os.killpg(self.p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self._fh.close()
-
-
-def start_bootstrap(tmp: Path, swarm: str) -> tuple[Proc, list[str]]:
-    maddrs_file = tmp / "boot-maddrs.txt"
-    proc = Proc(["-m", "bootstrap.main", "--host-maddrs", LOOPBACK, "--identity-dir", str(tmp / "boot"),
-                 "--swarm", swarm, "--maddrs-file", str(maddrs_file), "--log-interval", "5"], tmp / "boot.out")
-    deadline = time.monotonic() + 60
-    while not maddrs_file.exists():
-        if not proc.alive():
-            raise AssertionError(f"bootstrap exited early:\n{proc.text()}")
-        if time.monotonic() > deadline:
-            proc.cleanup()
-            raise AssertionError("bootstrap maddrs file never appeared")
-        time.sleep(0.1)
-    return proc, maddrs_file.read_text().split()
-
-
-def start_node(run_dir: Path, peers: list[str], swarm: str, *extra: str, model: str = "tiny-random",
-               seed: int = 0, host: str = LOOPBACK) -> Proc:
-    args = ["-m", "node.cli", "--model", model, *TINY, "--seed", str(seed), "--swarm", swarm,
-            "--run-dir", str(run_dir), "--host-maddrs", host, "--peers", *peers, *extra]
-    return Proc(args, run_dir.parent / f"{run_dir.name}.out")
-
-
-def prefix_of(run_dir: Path, timeout: float = 60) -> str:
-    """The 16-hex-char key prefix metrics use in external_sources (identity file appears at startup)."""
-    path = run_dir / KEY_FILENAME
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.1)
-    time.sleep(0.2)  # written atomically? be safe against a half-written file
-    return Identity.load_or_create(path, create=False).public_key_hex[:16]
-
-
-def sources(records: list[dict]) -> set[str]:
-    return {src for r in records for src in r.get("external_sources", {})}
-
-
-def reasons(records: list[dict]) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for r in records:
-        for reason, n in r.get("rejected_by_reason", {}).items():
-            total[reason] = total.get(reason, 0) + n
-    return total
-
-
-def wait_for(pred, procs: list[Proc], timeout: float, what: str, poll: float = 0.5) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        for p in procs:
-            if not p.alive():
-                raise AssertionError(f"{p.out.name} exited (rc {p.p.returncode}) while waiting for {what}:\n"
-                                     f"{p.text()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(poll)
-
-
-async def await_for(pred, timeout: float, what: str, poll: float = 0.5) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        await asyncio.sleep(poll)
-
-
-async def stored_eventually(store, what: str, attempts: int = 5) -> None:
-    """A valid store came back False once on a loaded CI machine (hivemind reports the verdict of the last
-    replica to answer); what is under test is what the honest node does with the record, so retry."""
-    for _ in range(attempts):
-        if await store():
-            return
-        await asyncio.sleep(1.0)
-    raise AssertionError(f"{what}: valid record not stored after {attempts} attempts")
 
 
 def up_line(run_dir: Path) -> list[tuple[str, list[str]]]:
@@ -173,6 +40,7 @@ def up_line(run_dir: Path) -> list[tuple[str, list[str]]]:
 
 
 def transport(tmp: Path, name: str, swarm: str, peers: list[str], **kw) -> SwarmTransport:
+    kw.setdefault("pow_difficulty", int(os.environ["SAPO_POW_DIFFICULTY"]))  # the nodes' (tests/conftest.py)
     return SwarmTransport(TransportConfig(identity_dir=tmp / name, swarm=swarm, host_maddrs=[LOOPBACK],
                                           initial_peers=peers, **kw))
 
@@ -189,19 +57,6 @@ async def raw_store(t: SwarmTransport, key: str, value: bytes, ttl: float = 300)
 async def entries(t: SwarmTransport, key: str) -> dict[bytes, bytes]:
     """publisher -> envelope bytes that a fresh DHT get of `key` returns (validated by `t`'s validator)."""
     return await t._get(key)
-
-
-def stop_all(procs: list[Proc]) -> list[int]:
-    codes = []
-    for p in procs:
-        if p.alive():
-            p.p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            codes.append(p.p.wait(60))
-        finally:
-            p.cleanup()
-    return codes
 
 
 # ------------------------------------------------------------------------------------------------ tests
@@ -231,7 +86,7 @@ async def test_three_peers_share_rollouts_and_records_are_owner_protected(tmp_pa
         # bootstrap) overwrites peer0's record of one of its rounds under peer0's subkey.
         victim = Identity.load_or_create(run_dirs[0] / KEY_FILENAME, create=False)
         r = rounds(run_dirs[0])[-1]["round"]
-        key = round_key(swarm, r)
+        key = batch_key(swarm, victim.public_key_bytes, r)
         mallory = transport(tmp_path, "mallory", swarm, maddrs)
         witness = transport(tmp_path, "witness", swarm, maddrs)
         await asyncio.gather(mallory.start(), witness.start())
@@ -240,7 +95,7 @@ async def test_three_peers_share_rollouts_and_records_are_owner_protected(tmp_pa
         assert before[5:37] == victim.public_key_bytes
 
         group = WireGroup(TaskSpecWire("propositional_logic", {}, 1, 0), ["<answer>x</answer>", "y"], [1.0, 0.0])
-        forged = encode_signed(RolloutBatch(1, swarm, r, mallory.identity.public_key_bytes, time.time(), "m",
+        forged = encode_signed(RolloutBatch(WIRE_VERSION, swarm, r, mallory.identity.public_key_bytes, time.time(), "m",
                                             [group]), mallory.identity)
         victim_subkey = owner_subkey(victim.public_key_bytes)
         spill = mallory._spill(forged)
@@ -248,11 +103,11 @@ async def test_three_peers_share_rollouts_and_records_are_owner_protected(tmp_pa
             partial(_store_from_file, key=key, subkey=victim_subkey, path=spill, expiration=get_dht_time() + 500),
             return_future=True), 30)
         assert ok is False  # refused by every peer (and by her own validator: she cannot sign for peer0)
-        # her own record under her own subkey in the same round is accepted: the refusal is about ownership
+        # her own record under her own key for the same round is accepted: the refusal is about ownership
         assert await mallory.publish(r, forged)
-        after = await entries(witness, key)
-        assert after.get(victim.public_key_bytes) == before
-        assert after.get(mallory.identity.public_key_bytes) == forged
+        assert await entries(witness, key) == {victim.public_key_bytes: before}
+        mine = await entries(witness, batch_key(swarm, mallory.identity.public_key_bytes, r))
+        assert mine == {mallory.identity.public_key_bytes: forged}
         # the live nodes' own DHT validators refused her unsigned record (she cannot sign for peer0)
         await await_for(lambda: any(reasons(rounds(d)).get("dht_no_record_signature") for d in run_dirs), 60,
                         "a node counting the refused store")
@@ -289,16 +144,6 @@ def test_peers_with_different_tokenizers_train_on_each_others_groups(tmp_path):
     assert codes == [0, 0], [n.text()[-2000:] for n in nodes]
 
 
-def _smoke_group(seed: int, index_shift: int = 0, claimed=None) -> WireGroup:
-    """A correct group for a task of the smoke mix (or with `claimed` rewards instead of the true ones)."""
-    task = TaskSampler(PRESETS["smoke"], seed).sample(1 + index_shift)[-1]
-    completions = [f"<answer>{task.answer}</answer>", "<answer>certainly not this</answer>"]
-    true = score_responses(task, completions)
-    assert true[0] != true[1], "the test group needs a learning signal"
-    rewards = true if claimed is None else claimed(true)
-    return WireGroup(TaskSpecWire(**task.spec.to_wire()), completions, rewards)
-
-
 async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
     swarm = "e2e-hostile"
     boot, maddrs = start_bootstrap(tmp_path, swarm)
@@ -315,36 +160,37 @@ async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
         assert honest.alive()
 
         def batch(r: int, groups: list[WireGroup], created_at: float | None = None) -> bytes:
-            return encode_signed(RolloutBatch(1, swarm, r, ev, created_at or time.time(), "evil", groups), me)
+            return encode_signed(RolloutBatch(WIRE_VERSION, swarm, r, ev, created_at or time.time(), "evil", groups), me)
 
         # --- refused at the DHT layer: never stored by any honest peer, never reach a node ----------------
-        good = batch(1, [_smoke_group(11)])
+        good = batch(1, [smoke_group(11)])
         bad_sig = good[:HEADER_LEN - 64] + bytes(64) + good[HEADER_LEN:]  # signature zeroed
         assert good.count(b"certainly not this") == 1
-        tampered = batch(2, [_smoke_group(12)]).replace(b"certainly not this", b"certainly not that")
+        tampered = batch(2, [smoke_group(12)]).replace(b"certainly not this", b"certainly not that")
         huge = batch(3, [WireGroup(TaskSpecWire("propositional_logic", {}, 1, i), ["x" * 7000] * 32, [0.0] * 32)
                          for i in range(10)])
         assert len(huge) > 2 * 1024 * 1024
         garbage = os.urandom(3000)
         dht_level = {1: bad_sig, 2: tampered, 3: huge, 4: garbage}
         for r, value in dht_level.items():
-            assert await raw_store(evil, round_key(swarm, r), value) is False, f"round {r} was stored"
-        # the presence record points at them (window 4 covers rounds 1..4), so the node would fetch them
-        presence = encode_presence(PresenceRecord(1, swarm, ev, 4, time.time()), me)
-        await stored_eventually(lambda: evil.dht.store(presence_key(swarm), presence, get_dht_time() + 300,
+            assert await raw_store(evil, batch_key(swarm, ev, r), value) is False, f"round {r} was stored"
+        # the presence record points at round 4, so the node would fetch it
+        presence = encode_presence(PresenceRecord(WIRE_VERSION, swarm, ev, 4, time.time()), me)
+        shard = presence_key(swarm, presence_shard(ev, DEFAULT_PRESENCE_SHARDS))
+        await stored_eventually(lambda: evil.dht.store(shard, presence, get_dht_time() + 300,
                                                        subkey=owner_subkey(ev), return_future=True), "presence")
         for r in dht_level:
-            assert ev not in await entries(witness, round_key(swarm, r)), f"round {r} is visible"
+            assert ev not in await entries(witness, batch_key(swarm, ev, r)), f"round {r} is visible"
         assert not [rec for rec in await witness.fetch() if rec.publisher == ev]  # nothing of evil's
 
         # --- validly signed, so the DHT stores them; the node's Verifier must refuse them ------------------
         n0 = len(rounds(honest_dir))
-        wrong_reward = _smoke_group(13, claimed=lambda true: [(x + 0.5) % 1.0 for x in true])
+        wrong_reward = smoke_group(13, claimed=lambda true: [(x + 0.5) % 1.0 for x in true])
         outside_mix = WireGroup(TaskSpecWire("basic_arithmetic", {}, 1, 0), ["<answer>1</answer>", "2"], [1.0, 0.0])
-        valid = _smoke_group(14)
+        valid = smoke_group(14)
         round10 = batch(10, [valid, wrong_reward, outside_mix])
         await stored_eventually(lambda: evil.publish(10, round10), "round 10")
-        assert (await entries(witness, round_key(swarm, 10)))[ev] == round10
+        assert (await entries(witness, batch_key(swarm, ev, 10)))[ev] == round10
 
         def seen(reason: str) -> bool:
             return reasons(rounds(honest_dir)).get(reason, 0) > 0
@@ -355,13 +201,13 @@ async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
         assert ev.hex()[:16] in sources(recs)  # ... which it then trained on, with its own rewards
 
         # replay: an older round after a newer one (window 4: round 5 <= 10 - 4) -> stale_round
-        stale = batch(5, [_smoke_group(15)])
+        stale = batch(5, [smoke_group(15)])
         await stored_eventually(lambda: evil.publish(5, stale), "round 5")
         await await_for(lambda: seen("stale_round"), 90, "stale_round")
-        # two different batches for round 10 -> equivocation
-        second = batch(10, [_smoke_group(16)], created_at=time.time() + 1)
+        # a second batch for round 10 (equivocation): a node fetches each (publisher, round) key once,
+        # so it never even reads it (the Verifier's equivocation check stays for other transports)
+        second = batch(10, [smoke_group(16)], created_at=time.time() + 1)
         await stored_eventually(lambda: evil.publish(10, second), "second round 10")
-        await await_for(lambda: seen("equivocation"), 90, "equivocation")
 
         # the honest node keeps going after all of it
         n1 = len(rounds(honest_dir))
@@ -371,7 +217,8 @@ async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
         verifier = {k for k in total if not k.startswith("dht_")}
         # nothing of the DHT-level garbage ever reached the node's Verifier ...
         assert not {"bad_signature", "oversize", "malformed", "schema"} & verifier, total
-        assert verifier == {"reward_mismatch", "task_not_allowed", "stale_round", "equivocation"}, total
+        assert verifier == {"reward_mismatch", "task_not_allowed", "stale_round"}, total
+        assert sum(r["external_accepted"] for r in rounds(honest_dir)) == 1  # nothing of the second round 10
         # ... but its DHT validator refused it, and the node counted that (pseudo-peer "dht")
         assert {"dht_envelope_bad_signature", "dht_envelope_oversize", "dht_envelope_malformed"} <= set(total), total
         assert len(rounds(honest_dir)) > n0

@@ -36,14 +36,15 @@ SWARM, ROUND, MODEL = "sapo-netns-test", 7, "netns-model"
 
 # Both joiners: argv = role, own ip, identity dir, bootstrap multiaddrs...
 _PEER_PY = textwrap.dedent("""
-    import asyncio, sys, time
+    import asyncio, os, sys, time
     from pathlib import Path
     from p2p.transport import SwarmTransport, TransportConfig
     from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireGroup, decode_signed, encode_signed
 
     async def main(role, ip, identity_dir, peers):
         t = SwarmTransport(TransportConfig(identity_dir=Path(identity_dir), swarm=%(swarm)r,
-                                           host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=peers))
+                                           host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=peers,
+                                           pow_difficulty=int(os.environ["SAPO_POW_DIFFICULTY"])))
         await t.start()
         print("UP", t.identity.public_key_hex, *t.visible_maddrs(), flush=True)
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from functools import partial
 from pathlib import Path
 
 import hivemind
@@ -15,15 +16,17 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from p2p.identity import Identity
 from p2p.transport import SwarmTransport, TransportConfig, TransportError
-from p2p.validators import RECORD_SIG_MAGIC, SapoRecordValidator, key_id_bytes, owner_subkey, record_message, round_key
-from p2p.wire import RolloutBatch, TaskSpecWire, WireGroup, decode_signed, encode_signed
+from p2p.validators import RECORD_SIG_MAGIC, SapoRecordValidator, batch_key, key_id_bytes, owner_subkey, record_message
+from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireGroup, decode_signed, encode_signed
 
 SWARM = "ttest"
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+POW = 6  # the proof of work itself is tested in tests/p2p/test_p2p_pow.py and tests/swarm/test_swarm_hostile.py
 pytestmark = pytest.mark.timeout(90)
 
 
 def config(tmp: Path, name: str, peers: list[str] | None = None, **kw) -> TransportConfig:
+    kw.setdefault("pow_difficulty", POW)
     return TransportConfig(
         identity_dir=tmp / name, swarm=SWARM, host_maddrs=LOOPBACK, initial_peers=peers or [], **kw
     )
@@ -31,7 +34,7 @@ def config(tmp: Path, name: str, peers: list[str] | None = None, **kw) -> Transp
 
 def batch(ident: Identity, rnd: int, text: str = "answer") -> bytes:
     group = WireGroup(TaskSpecWire("basic_arithmetic", {"max_terms": 3}, 5, rnd), [text, text + "!"], [1.0, 0.0])
-    return encode_signed(RolloutBatch(1, SWARM, rnd, ident.public_key_bytes, time.time(), "m", [group]), ident)
+    return encode_signed(RolloutBatch(WIRE_VERSION, SWARM, rnd, ident.public_key_bytes, time.time(), "m", [group]), ident)
 
 
 async def started(cfg: TransportConfig) -> SwarmTransport:
@@ -58,28 +61,33 @@ async def test_three_peers_publish_and_fetch(tmp_path):
         ka, kb, kc = (t.identity.public_key_bytes for t in (a, b, c))
 
         got_c = await c.fetch()
-        assert seen(got_c) == {(ka, 2), (ka, 3), (kb, 10)}  # window=2: a's round 1 is out
+        assert seen(got_c) == {(ka, 3), (kb, 10)}  # each publisher's newest announced round
         for rec in got_c:
             assert decode_signed(rec.data).round == rec.round
         assert seen(await a.fetch()) == {(kb, 10), (kc, 0)}
         assert c.known_peers() == {ka.hex(): 3, kb.hex(): 10}
+        assert await c.fetch() == []  # nothing new: a batch is fetched once
+        assert await a.publish(4, batch(a.identity, 4))
+        assert seen(await c.fetch()) == {(ka, 4)}
+        assert c.last_fetch.batches_requested == 1
     finally:
         await asyncio.gather(a.shutdown(), b.shutdown(), c.shutdown())
 
 
 async def test_large_batch_round_trip(tmp_path):
-    """Values over 16 KiB used to kill hivemind's DHT process (pipe EAGAIN); ~1.6 MB must work."""
+    """Values over 16 KiB used to kill hivemind's DHT process (pipe EAGAIN); a batch near the cap must work."""
     a = await started(config(tmp_path, "a"))
     b = await started(config(tmp_path, "b", a.visible_maddrs()))
     try:
-        groups = [WireGroup(TaskSpecWire("bf", {}, 1, i), ["x" * 3000] * 8, [0.0] * 8) for i in range(64)]
-        big = RolloutBatch(1, SWARM, 3, a.identity.public_key_bytes, time.time(), "m", groups)
+        groups = [WireGroup(TaskSpecWire("bf", {}, 1, i), ["x" * 1400] * 8, [0.0] * 8) for i in range(64)]
+        big = RolloutBatch(WIRE_VERSION, SWARM, 3, a.identity.public_key_bytes, time.time(), "m", groups)
         data = encode_signed(big, a.identity)
-        assert len(data) > 1_500_000
+        assert 700_000 < len(data) <= a.config.caps.max_batch_bytes
         assert await a.publish(3, data)
-        assert await a.publish(4, batch(a.identity, 4))  # the DHT process is still alive
         got = {r.round: r.data for r in await b.fetch()}
         assert got[3] == data and decode_signed(got[3]) == big
+        assert await a.publish(4, batch(a.identity, 4))  # the DHT process is still alive
+        assert {r.round for r in await b.fetch()} == {4}
     finally:
         await asyncio.gather(a.shutdown(), b.shutdown())
 
@@ -128,7 +136,7 @@ class EvilValidator(RecordValidatorBase):
     """Mallory's node: stores anything, signs every record with her key, or injects raw bytes."""
 
     def __init__(self, identity: Identity, swarm: str):
-        self.inner = SapoRecordValidator(identity, swarm)
+        self.inner = SapoRecordValidator(identity, swarm, pow_difficulty=POW)
         self.identity = identity
         self.raw: dict[bytes, bytes] = {}  # key id -> exact value bytes to send
 
@@ -145,7 +153,7 @@ class EvilValidator(RecordValidatorBase):
 async def test_owner_protection_against_a_malicious_peer(tmp_path):
     honest = await started(config(tmp_path, "h", record_ttl_s=20))
     witness = await started(config(tmp_path, "w", honest.visible_maddrs()))
-    mallory_id = Identity.generate()
+    mallory_id = Identity.generate(POW)
     evil = EvilValidator(mallory_id, SWARM)
     mallory = hivemind.DHT(
         initial_peers=honest.visible_maddrs(), start=True, host_maddrs=LOOPBACK, record_validators=[evil]
@@ -158,33 +166,34 @@ async def test_owner_protection_against_a_malicious_peer(tmp_path):
 
         # 1. Mallory writes her own signed batch under the honest peer's subkey of round 1
         forged = batch(mallory_id, 1, "forged")
-        mallory.store(round_key(SWARM, 1), forged, get_dht_time() + 60, subkey=h_subkey)
+        mallory.store(batch_key(SWARM, hk, 1), forged, get_dht_time() + 60, subkey=h_subkey)
 
         # 2. she replays the honest, validly signed record under round 2 and with a later expiration
         exp = get_dht_time() + 30
-        rec = DHTRecord(key_id_bytes(round_key(SWARM, 1)), MSGPackSerializer.dumps(h_subkey),
+        rec = DHTRecord(key_id_bytes(batch_key(SWARM, hk, 1)), MSGPackSerializer.dumps(h_subkey),
                         MSGPackSerializer.dumps(original), exp)  # fmt: skip
-        honest_raw = SapoRecordValidator(honest.identity, SWARM).sign_value(rec)
-        evil.raw[key_id_bytes(round_key(SWARM, 2))] = honest_raw
-        mallory.store(round_key(SWARM, 2), b"ignored", exp, subkey=h_subkey)
+        honest_raw = SapoRecordValidator(honest.identity, SWARM, pow_difficulty=POW).sign_value(rec)
+        evil.raw[key_id_bytes(batch_key(SWARM, hk, 2))] = honest_raw
+        mallory.store(batch_key(SWARM, hk, 2), b"ignored", exp, subkey=h_subkey)
         evil.raw.clear()
-        evil.raw[key_id_bytes(round_key(SWARM, 1))] = honest_raw
-        mallory.store(round_key(SWARM, 1), b"ignored", exp + 300, subkey=h_subkey)
+        evil.raw[key_id_bytes(batch_key(SWARM, hk, 1))] = honest_raw
+        mallory.store(batch_key(SWARM, hk, 1), b"ignored", exp + 300, subkey=h_subkey)
 
         # positive control: Mallory's own, validly signed record does reach the honest peers
         mk = owner_subkey(mallory_id.public_key_bytes)
-        assert mallory.store(round_key(SWARM, 5), batch(mallory_id, 5), get_dht_time() + 60, subkey=mk)
+        assert mallory.store(batch_key(SWARM, mallory_id.public_key_bytes, 5), batch(mallory_id, 5), get_dht_time() + 60, subkey=mk)
 
         # the honest peers' stored records are unchanged
         for peer in (honest, witness):
-            local = await peer.dht.run_coroutine(_local_entries, return_future=True)
-            entries = local.get(round_key(SWARM, 1), {})
+            keys = [batch_key(SWARM, hk, 1), batch_key(SWARM, hk, 2), batch_key(SWARM, mallory_id.public_key_bytes, 5)]
+            local = await peer.dht.run_coroutine(partial(_local_entries, keys=keys), return_future=True)
+            entries = local.get(batch_key(SWARM, hk, 1), {})
             assert entries.get(h_subkey) is not None
             value, expiration = entries[h_subkey]
             assert value == original
             assert expiration < get_dht_time() + 25  # not extended to exp + 300
-            assert h_subkey not in local.get(round_key(SWARM, 2), {})
-            assert mk in local.get(round_key(SWARM, 5), {})
+            assert h_subkey not in local.get(batch_key(SWARM, hk, 2), {})
+            assert mk in local.get(batch_key(SWARM, mallory_id.public_key_bytes, 5), {})
         got = await witness.fetch()
         assert seen(got) == {(hk, 1)} and got[0].data == original
     finally:
@@ -192,10 +201,10 @@ async def test_owner_protection_against_a_malicious_peer(tmp_path):
         await asyncio.gather(honest.shutdown(), witness.shutdown())
 
 
-async def _local_entries(_dht, node) -> dict:
-    """Inside a DHT process: this node's own storage for the keys under test, stripped values."""
+async def _local_entries(_dht, node, keys: list[str]) -> dict:
+    """Inside a DHT process: this node's own storage for `keys`, stripped values."""
     out: dict = {}
-    for key in (round_key(SWARM, 1), round_key(SWARM, 2), round_key(SWARM, 5)):
+    for key in keys:
         found = node.protocol.storage.get(DHTID.generate(source=key))
         if found is None:
             continue

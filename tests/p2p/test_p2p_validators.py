@@ -7,16 +7,25 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from p2p.identity import Identity
-from p2p.validators import SapoRecordValidator, key_id_bytes, owner_subkey, presence_key, round_key
-from p2p.wire import PresenceRecord, RolloutBatch, TaskSpecWire, WireGroup, encode_presence, encode_signed
+from p2p.validators import SapoRecordValidator, batch_key, key_id_bytes, owner_subkey, presence_key, presence_shard
+from p2p.wire import HEADER_LEN, WIRE_VERSION, PresenceRecord, RolloutBatch, TaskSpecWire, WireGroup, encode_presence, \
+    encode_signed, seal
 
 SWARM = "vtest"
 HONEST, MALLORY = Identity.generate(), Identity.generate()
 
 
+def round_key(swarm: str, rnd: int, owner: Identity = HONEST) -> str:
+    return batch_key(swarm, owner.public_key_bytes, rnd)
+
+
+def presence_key_of(owner: Identity) -> str:
+    return presence_key(SWARM, presence_shard(owner.public_key_bytes, 64))
+
+
 def batch_bytes(ident: Identity, rnd: int = 3, swarm: str = SWARM) -> bytes:
     group = WireGroup(TaskSpecWire("bf", {}, 1, 0), ["a", "b"], [1.0, 0.0])
-    return encode_signed(RolloutBatch(1, swarm, rnd, ident.public_key_bytes, time.time(), "m", [group]), ident)
+    return encode_signed(RolloutBatch(WIRE_VERSION, swarm, rnd, ident.public_key_bytes, time.time(), "m", [group]), ident)
 
 
 def record(key: str, owner: Identity, envelope: bytes, exp: float | None = None) -> DHTRecord:
@@ -38,8 +47,8 @@ def test_owner_record_accepted_and_stripped():
     rec = signed(v, record(round_key(SWARM, 3), HONEST, env))
     assert v.check(rec) is None
     assert MSGPackSerializer.loads(v.strip_value(rec)) == env
-    pres = encode_presence(PresenceRecord(1, SWARM, HONEST.public_key_bytes, 3, time.time()), HONEST)
-    assert v.validate(signed(v, record(presence_key(SWARM), HONEST, pres)))
+    pres = encode_presence(PresenceRecord(WIRE_VERSION, SWARM, HONEST.public_key_bytes, 3, time.time()), HONEST)
+    assert v.validate(signed(v, record(presence_key_of(HONEST), HONEST, pres)))
 
 
 def test_cannot_sign_for_another_owner():
@@ -62,7 +71,7 @@ def test_moved_or_extended_record_rejected():
 def test_forged_signature_under_honest_subkey_rejected():
     # Mallory signs the record with her own key but puts it under HONEST's subkey
     mv = SapoRecordValidator(MALLORY, SWARM)
-    rec = record(round_key(SWARM, 3), MALLORY, batch_bytes(MALLORY))
+    rec = record(round_key(SWARM, 3, MALLORY), MALLORY, batch_bytes(MALLORY))
     honest_subkey = record(round_key(SWARM, 3), HONEST, b"").subkey
     forged = DHTRecord(rec.key, honest_subkey, mv.sign_value(rec), rec.expiration_time)
     assert not SapoRecordValidator(HONEST, SWARM).validate(forged)
@@ -71,16 +80,16 @@ def test_forged_signature_under_honest_subkey_rejected():
 def test_envelope_must_be_by_owner_and_well_placed():
     mv = SapoRecordValidator(MALLORY, SWARM)
     # Mallory re-publishes HONEST's batch under her own subkey
-    assert mv.check(signed(mv, record(round_key(SWARM, 3), MALLORY, batch_bytes(HONEST)))) == (
+    assert mv.check(signed(mv, record(round_key(SWARM, 3, MALLORY), MALLORY, batch_bytes(HONEST)))) == (
         "envelope signer is not the subkey owner"
     )
-    assert mv.check(signed(mv, record(round_key(SWARM, 4), MALLORY, batch_bytes(MALLORY, 3)))) == (
+    assert mv.check(signed(mv, record(round_key(SWARM, 4, MALLORY), MALLORY, batch_bytes(MALLORY, 3)))) == (
         "batch under a wrong key"
     )
     other = batch_bytes(MALLORY, 3, swarm="other")
-    assert mv.check(signed(mv, record(round_key(SWARM, 3), MALLORY, other))) == "payload is for another swarm"
-    pres = encode_presence(PresenceRecord(1, SWARM, MALLORY.public_key_bytes, 3, time.time()), MALLORY)
-    assert mv.check(signed(mv, record(round_key(SWARM, 3), MALLORY, pres))) == "presence record under a wrong key"
+    assert mv.check(signed(mv, record(round_key(SWARM, 3, MALLORY), MALLORY, other))) == "payload is for another swarm"
+    pres = encode_presence(PresenceRecord(WIRE_VERSION, SWARM, MALLORY.public_key_bytes, 3, time.time()), MALLORY)
+    assert mv.check(signed(mv, record(round_key(SWARM, 3, MALLORY), MALLORY, pres))) == "presence record under a wrong key"
 
 
 def test_foreign_records_rejected():
@@ -103,3 +112,59 @@ def test_far_expiration_rejected():
 def test_picklable():
     v = pickle.loads(pickle.dumps(SapoRecordValidator(HONEST, SWARM)))
     assert v.validate(signed(v, record(round_key(SWARM, 3), HONEST, batch_bytes(HONEST))))
+
+
+# ---- hardening (protocol v2)
+
+
+def test_expiration_must_be_a_finite_time():
+    v = SapoRecordValidator(HONEST, SWARM)
+    for exp in (float("nan"), float("inf"), float("-inf"), -5.0, 0.0):
+        rec = signed(v, record(round_key(SWARM, 3), HONEST, batch_bytes(HONEST), exp=exp))
+        assert v.check(rec) == "expiration is not a finite time", exp
+        assert not v.validate(rec)
+    assert v.rejections["dht_expiration_is_not_a_finite_time"] == 5
+
+
+def test_key_without_proof_of_work_is_refused():
+    strict = SapoRecordValidator(HONEST, SWARM, pow_difficulty=12)
+    weak = Identity.generate(0)
+    rec = signed(SapoRecordValidator(weak, SWARM), record(round_key(SWARM, 3, weak), weak, batch_bytes(weak)))
+    assert SapoRecordValidator(HONEST, SWARM).check(rec) is None  # valid at difficulty 0...
+    assert strict.check(rec) == "envelope: weak_identity"  # ...refused where the swarm asks for work
+    strong = Identity.generate(12)
+    own = SapoRecordValidator(strong, SWARM, pow_difficulty=12)
+    assert strict.check(signed(own, record(round_key(SWARM, 3, strong), strong, batch_bytes(strong)))) is None
+
+
+def test_presence_only_in_its_own_shard_and_small():
+    v = SapoRecordValidator(HONEST, SWARM)
+    pres = encode_presence(PresenceRecord(WIRE_VERSION, SWARM, HONEST.public_key_bytes, 3, time.time()), HONEST)
+    own = presence_shard(HONEST.public_key_bytes, 64)
+    other = presence_key(SWARM, (own + 1) % 64)
+    assert v.check(signed(v, record(other, HONEST, pres))) == "presence record under a wrong key"
+    huge = encode_presence(PresenceRecord(WIRE_VERSION, SWARM, HONEST.public_key_bytes, 3, time.time()), HONEST)
+    huge = huge[:-1] + b',"pad":"' + b"x" * 600 + b'"}'
+    huge = seal(huge[HEADER_LEN:], HONEST)  # re-signed: a valid signature on a too-large record
+    assert v.check(signed(v, record(presence_key_of(HONEST), HONEST, huge))) == "presence record too large"
+
+
+def test_old_protocol_is_refused_with_one_log_line(caplog):
+    v = SapoRecordValidator(HONEST, SWARM)
+    old = bytearray(batch_bytes(HONEST))
+    old[4] = 1  # envelope version of protocol v1
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            assert v.check(signed(v, record(round_key(SWARM, 3), HONEST, bytes(old)))) == "older protocol version"
+            assert not v.validate(signed(v, record(round_key(SWARM, 3), HONEST, bytes(old))))
+    lines = [r for r in caplog.records if "older SAPO protocol" in r.getMessage()]
+    assert len(lines) == 1
+
+
+def test_signs_for_every_hosted_identity_only():
+    extra = Identity.generate()
+    v = SapoRecordValidator(HONEST, SWARM, also_sign_for=(extra,))
+    assert v.check(signed(v, record(round_key(SWARM, 3, extra), extra, batch_bytes(extra)))) is None
+    assert v.sign_value(record(round_key(SWARM, 3, MALLORY), MALLORY, b"x")) == MSGPackSerializer.dumps(b"x")
+    back = pickle.loads(pickle.dumps(v))
+    assert back.check(signed(back, record(round_key(SWARM, 4, extra), extra, batch_bytes(extra, 4)))) is None

@@ -1,5 +1,6 @@
 """Wire format: round trip, and every rejection reason in the documented check order."""
 
+import json
 import time
 
 import orjson
@@ -8,6 +9,8 @@ import pytest
 from p2p.identity import Identity
 from p2p.wire import (
     HEADER_LEN,
+    MAX_ROUND,
+    WIRE_VERSION,
     REASONS,
     PresenceRecord,
     RolloutBatch,
@@ -28,7 +31,7 @@ ME = Identity.generate()
 
 def make_batch(groups: int = 2, completions: int = 3, chars: int = 20, ident: Identity = ME) -> RolloutBatch:
     return RolloutBatch(
-        version=1,
+        version=WIRE_VERSION,
         swarm="test",
         round=7,
         publisher=ident.public_key_bytes,
@@ -45,9 +48,9 @@ def make_batch(groups: int = 2, completions: int = 3, chars: int = 20, ident: Id
     )
 
 
-def reason_of(data: bytes, caps: WireCaps = WireCaps()) -> str:
+def reason_of(data: bytes, caps: WireCaps = WireCaps(), pow_difficulty: int = 0) -> str:
     with pytest.raises(WireError) as err:
-        decode_signed(data, caps)
+        decode_signed(data, caps, pow_difficulty)
     assert err.value.reason in REASONS
     return err.value.reason
 
@@ -75,7 +78,7 @@ def test_encoding_is_canonical():
 
 
 def test_presence_round_trip():
-    rec = PresenceRecord(1, "test", ME.public_key_bytes, 12, time.time())
+    rec = PresenceRecord(WIRE_VERSION, "test", ME.public_key_bytes, 12, time.time())
     assert decode_presence(encode_presence(rec, ME)) == rec
 
 
@@ -104,7 +107,7 @@ def test_other_key_claiming_my_batch_is_publisher_mismatch():
 
 def test_oversize_checked_before_anything_else():
     # a huge blob of garbage is rejected by size alone (not 'malformed')
-    assert reason_of(b"\xff" * (2 * 1024 * 1024 + 1)) == "oversize"
+    assert reason_of(b"\xff" * (WireCaps().max_batch_bytes + 1)) == "oversize"
     data = encode_signed(make_batch(), ME)
     assert reason_of(data, WireCaps(max_batch_bytes=len(data) - 1)) == "oversize"
 
@@ -116,13 +119,13 @@ def test_garbage_is_malformed(garbage):
 
 def test_envelope_version():
     data = bytearray(encode_signed(make_batch(), ME))
-    data[4] = 2
+    data[4] = 1  # a protocol v1 peer
     assert reason_of(bytes(data)) == "version"
 
 
 def test_payload_version():
     obj = payload_of(encode_signed(make_batch(), ME))
-    obj["version"] = 2
+    obj["version"] = WIRE_VERSION + 1
     assert reason_of(resign(obj)) == "version"
 
 
@@ -164,5 +167,74 @@ def test_caps():
 
 
 def test_presence_is_not_a_batch():
-    rec = PresenceRecord(1, "test", ME.public_key_bytes, 1, time.time())
+    rec = PresenceRecord(WIRE_VERSION, "test", ME.public_key_bytes, 1, time.time())
     assert reason_of(encode_presence(rec, ME)) == "schema"
+
+
+# ---- hardening: every number from the wire finite and in range; strict JSON; proof of work
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda o: o.update(round=MAX_ROUND + 1),
+        lambda o: o.update(round=2**70),
+        lambda o: o.update(created_at=1e300),
+        lambda o: o.update(created_at=-1.0),
+        lambda o: o["groups"][0].update(rewards=[1e308, 0.0, 0.0]),
+        lambda o: o["groups"][0]["task"].update(seed=2**64),
+        lambda o: o["groups"][0]["task"].update(index=-1),
+    ],
+)
+def test_numbers_out_of_range_are_schema(mutate):
+    obj = payload_of(encode_signed(make_batch(), ME))
+    mutate(obj)
+    assert reason_of(seal(json.dumps(obj, sort_keys=True).encode(), ME)) == "schema"  # json writes any int
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"1e999"])
+def test_non_finite_numbers_are_schema(literal):
+    obj = payload_of(encode_signed(make_batch(), ME))
+    field = b'"created_at":' + orjson.dumps(obj["created_at"])
+    payload = canonical_json(obj)
+    assert field in payload
+    assert reason_of(seal(payload.replace(field, b'"created_at":' + literal), ME)) == "schema"
+
+
+@pytest.mark.parametrize("where", ["top", "nested"])
+def test_duplicate_member_names_are_refused(where):
+    payload = canonical_json(payload_of(encode_signed(make_batch(), ME)))
+    if where == "top":  # a second "round" after the first one: orjson alone would keep the last
+        doubled = payload.replace(b'"round":7', b'"round":7,"round":8')
+    else:
+        doubled = payload.replace(b'"seed":', b'"seed":1,"seed":', 1)
+    assert doubled != payload
+    assert reason_of(seal(doubled, ME)) == "schema"
+    rec = PresenceRecord(WIRE_VERSION, "test", ME.public_key_bytes, 3, time.time())
+    pres = canonical_json(payload_of(encode_presence(rec, ME))).replace(b'"round":3', b'"round":3,"round":9')
+    with pytest.raises(WireError, match="duplicate"):
+        decode_presence(seal(pres, ME))
+
+
+def test_presence_numbers_and_size_are_bounded():
+    rec = PresenceRecord(WIRE_VERSION, "test", ME.public_key_bytes, 3, time.time())
+    obj = payload_of(encode_presence(rec, ME))
+    for bad in ({"round": MAX_ROUND + 1}, {"updated_at": 1e300}, {"round": -3}):
+        with pytest.raises(WireError) as e:
+            decode_presence(resign({**obj, **bad}))
+        assert e.value.reason == "schema"
+    with pytest.raises(WireError) as e:
+        decode_presence(resign({**obj, "swarm": "s" * 600}))
+    assert e.value.reason == "oversize"  # presence records are small by construction
+
+
+def test_proof_of_work_is_checked_before_the_signature():
+    weak = Identity.generate(0)
+    strong = Identity.generate(10)
+    for ident in (weak, strong):
+        assert decode_signed(encode_signed(make_batch(ident=ident), ident), pow_difficulty=0).round == 7
+    assert decode_signed(encode_signed(make_batch(ident=strong), strong), pow_difficulty=10).round == 7
+    data = bytearray(encode_signed(make_batch(ident=weak), weak))
+    assert reason_of(bytes(data), pow_difficulty=10) == "weak_identity"
+    data[-5] ^= 1  # a forged payload by a key without work is refused for the work, before any signature check
+    assert reason_of(bytes(data), pow_difficulty=10) == "weak_identity"

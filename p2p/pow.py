@@ -1,0 +1,88 @@
+"""Proof-of-work identities: a swarm identity costs CPU time to mint (S/Kademlia-style crypto puzzle).
+
+An Ed25519 key is free, so without a cost one process can speak as hundreds of peers. A key is only
+accepted together with an 8-byte nonce such that sha256(POW_DOMAIN | public key | nonce) starts with
+`difficulty` zero bits. Minting takes 2**difficulty hashes on average; checking takes one. The nonce
+never changes for a key, so it is minted once and stored beside the key (`identity.pow`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+POW_DOMAIN = b"sapo-pow-v1\x00"
+NONCE_LEN = 8
+DEFAULT_POW_DIFFICULTY = 20  # ~1 s to mint on one core of the development machine (docs/BENCHMARKS.md)
+MAX_POW_DIFFICULTY = 40
+POW_FILENAME = "identity.pow"
+
+
+class PowError(Exception):
+    """The nonce file is unreadable or corrupt."""
+
+
+def leading_zero_bits(digest: bytes) -> int:
+    n = 0
+    for byte in digest:
+        if byte == 0:
+            n += 8
+            continue
+        return n + 8 - byte.bit_length()
+    return n
+
+
+def pow_digest(public_key: bytes, nonce: bytes) -> bytes:
+    return hashlib.sha256(POW_DOMAIN + public_key + nonce).digest()
+
+
+def check_pow(public_key: bytes, nonce: bytes, difficulty: int) -> bool:
+    """True iff `nonce` proves `difficulty` bits of work on `public_key` (one hash)."""
+    if difficulty <= 0:
+        return True
+    if len(nonce) != NONCE_LEN:
+        return False
+    return leading_zero_bits(pow_digest(public_key, nonce)) >= difficulty
+
+
+def mint_pow(public_key: bytes, difficulty: int) -> bytes:
+    """Search nonces 0, 1, 2, ... until one proves `difficulty` bits (2**difficulty hashes on average)."""
+    if not 0 <= difficulty <= MAX_POW_DIFFICULTY:
+        raise ValueError(f"difficulty must be in [0, {MAX_POW_DIFFICULTY}]")
+    prefix = hashlib.sha256(POW_DOMAIN + public_key)
+    full_bytes, rest_bits = divmod(difficulty, 8)
+    zeros = bytes(full_bytes)
+    limit = 1 << (8 - rest_bits)  # the byte after the zero bytes must be below this
+    counter = 0
+    while True:
+        nonce = counter.to_bytes(NONCE_LEN, "big")
+        h = prefix.copy()
+        h.update(nonce)
+        d = h.digest()
+        if d[:full_bytes] == zeros and (rest_bits == 0 or d[full_bytes] < limit):
+            return nonce
+        counter += 1
+
+
+def load_or_mint_pow(path: Path, public_key: bytes, difficulty: int) -> bytes:
+    """The nonce stored at `path` if it still proves `difficulty`, else a new one (written atomically, 0600)."""
+    path = Path(path)
+    if path.exists():
+        try:
+            nonce = bytes.fromhex(path.read_text().strip())
+        except (OSError, ValueError) as e:
+            raise PowError(f"proof-of-work file {path} is unreadable or corrupt: {e}") from e
+        if len(nonce) != NONCE_LEN:
+            raise PowError(f"proof-of-work file {path} is corrupt: expected {NONCE_LEN} hex bytes")
+        if check_pow(public_key, nonce, difficulty):
+            return nonce
+    nonce = mint_pow(public_key, difficulty)  # missing, or minted for a lower difficulty than the swarm's
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(nonce.hex() + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return nonce

@@ -1,0 +1,351 @@
+"""Hostile peers against protocol v2 on a real DHT (127.0.0.1): Sybils, lying replicas, keys without work,
+and every class of out-of-range input the independent hostile peer found (issue 13).
+
+Tests here mint keys at a low proof-of-work difficulty so that hundreds take no time; that the work is
+checked at all (by the DHT validator and by the Verifier) is test_key_without_proof_of_work_is_refused_everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import hivemind
+import pytest
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from conftest import LOOPBACK, prefix_of, reasons, smoke_group, sources, start_bootstrap, start_node, \
+    stop_all, wait_for
+from conftest import live_metrics as rounds
+from node.learn.tasks import PRESETS, TaskSampler
+from node.swarm.exchange import ExchangeStats
+from node.swarm.verify import Verifier, VerifyConfig
+from p2p.identity import Identity
+from p2p.pow import check_pow
+from p2p.transport import SwarmTransport, TransportConfig
+from p2p.validators import DEFAULT_PRESENCE_SHARDS, RECORD_SIG_MAGIC, SapoRecordValidator, batch_key, \
+    key_id_bytes, owner_subkey, presence_key, presence_shard, record_message
+from p2p.wire import HEADER_LEN, MAX_ROUND, WIRE_VERSION, PresenceRecord, RolloutBatch, TaskSpecWire, WireGroup, \
+    canonical_json, encode_presence, encode_signed, seal
+
+POW = int(os.environ["SAPO_POW_DIFFICULTY"])  # tests/conftest.py: low, so that hundreds of keys are cheap
+pytestmark = pytest.mark.timeout(600)
+
+
+def transport(tmp: Path, name: str, swarm: str, peers: list[str], **kw) -> SwarmTransport:
+    kw.setdefault("pow_difficulty", POW)
+    return SwarmTransport(TransportConfig(identity_dir=tmp / name, swarm=swarm, host_maddrs=[LOOPBACK],
+                                          initial_peers=peers, **kw))
+
+
+def batch(ident: Identity, swarm: str, rnd: int, groups: list[WireGroup], model: str = "m") -> bytes:
+    return encode_signed(RolloutBatch(WIRE_VERSION, swarm, rnd, ident.public_key_bytes, time.time(), model, groups),
+                         ident)
+
+
+def presence(ident: Identity, swarm: str, rnd: int) -> bytes:
+    return encode_presence(PresenceRecord(WIRE_VERSION, swarm, ident.public_key_bytes, rnd, time.time()), ident)
+
+
+def shard_key(swarm: str, ident: Identity) -> str:
+    return presence_key(swarm, presence_shard(ident.public_key_bytes, DEFAULT_PRESENCE_SHARDS))
+
+
+async def _store_all(_dht, node, path: str) -> list[bool]:
+    """Inside a DHT process: store every (key, subkey, value, expiration) pickled at `path` (values over 16 KiB
+    cannot travel through hivemind's command pipe)."""
+    with open(path, "rb") as f:
+        items = pickle.load(f)
+    os.unlink(path)
+    return list(await asyncio.gather(*(node.store(k, v, e, subkey=s) for k, s, v, e in items)))
+
+
+async def store_all(dht: hivemind.DHT, items: list[tuple[str, bytes, bytes, float]]) -> list[bool]:
+    fd, path = tempfile.mkstemp(prefix="sapo-hostile-")
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump(items, f)
+    return await asyncio.wait_for(dht.run_coroutine(partial(_store_all, path=path), return_future=True), 120)
+
+
+class StoresAnything(RecordValidatorBase):
+    """A lying replica: keeps and serves whatever it is sent, signs records of the identities it holds."""
+
+    def __init__(self, *identities: Identity):
+        self.by_subkey = {MSGPackSerializer.dumps(owner_subkey(i.public_key_bytes)): i for i in identities}
+
+    def validate(self, record: DHTRecord) -> bool:
+        return True
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        signer = self.by_subkey.get(record.subkey)
+        if signer is None:
+            return record.value
+        msg = record_message(record.key, record.subkey, record.value, record.expiration_time)
+        return record.value + RECORD_SIG_MAGIC + signer.sign(msg)
+
+
+async def _inject(_dht, node, key: str, subkey: bytes) -> bool:
+    """Inside the liar's DHT process: put an invalid record straight into its own storage."""
+    from hivemind.dht.routing import DHTID
+
+    value = MSGPackSerializer.dumps(b"junk")
+    return node.protocol.storage.store_subkey(DHTID.generate(source=key), subkey, value, get_dht_time() + 120)
+
+
+# ---------------------------------------------------------------------------------------------- (a) Sybils
+
+
+def test_sybils_do_not_stall_rounds_or_crowd_out_honest_peers(tmp_path):
+    """200 Sybil identities from one process publish valid but useless or lying batches into the current
+    rounds; two honest nodes keep finishing rounds within their network budget and still train on each
+    other's groups (uniform sampling keeps the honest peer in the sample)."""
+    swarm, n_sybils, net_timeout = "hostile-sybil", 200, 4.0
+    boot, maddrs = start_bootstrap(tmp_path, swarm)
+    run_dirs = [tmp_path / "honest0", tmp_path / "honest1"]
+    extra = ["--net-timeout", str(net_timeout), "--fetch-max", "32"]
+    nodes = [start_node(d, maddrs, swarm, *extra, seed=20 + i) for i, d in enumerate(run_dirs)]
+    sybils = [Identity.generate(POW) for _ in range(n_sybils)]
+    attacker = hivemind.DHT(initial_peers=maddrs, start=True, host_maddrs=[LOOPBACK], client_mode=True,
+                            record_validators=[SapoRecordValidator(sybils[0], swarm, pow_difficulty=POW,
+                                                                   also_sign_for=tuple(sybils[1:]))])
+    try:
+        keys = [prefix_of(d) for d in run_dirs]
+        useless = WireGroup(TaskSpecWire(**_smoke_spec(31)), ["<answer>no</answer>"] * 2, [0.0, 0.0])
+        lying = smoke_group(32, claimed=lambda true: [1.0 - x for x in true])
+
+        async def attack_round(rnd: int) -> int:
+            exp = get_dht_time() + 120
+            items = []
+            for i, ident in enumerate(sybils):
+                sub = owner_subkey(ident.public_key_bytes)
+                items.append((batch_key(swarm, ident.public_key_bytes, rnd), sub,
+                              batch(ident, swarm, rnd, [useless if i % 2 else lying]), exp))
+                items.append((shard_key(swarm, ident), sub, presence(ident, swarm, rnd), exp))
+            return sum(await store_all(attacker, items))
+
+        async def attack() -> float:
+            stored = await attack_round(0)
+            assert stored >= n_sybils, f"only {stored} Sybil records stored"
+            t_attack = time.time()
+            for rnd in range(1, 1000):  # keep announcing new rounds while the honest nodes run
+                if all(sources_after(d, t_attack) >= {keys[1 - i]} for i, d in enumerate(run_dirs)) and \
+                        min(len(after(d, t_attack)) for d in run_dirs) >= 10:
+                    return t_attack
+                assert all(n.alive() for n in nodes)
+                await attack_round(rnd)
+            raise AssertionError("the honest nodes never used each other's groups under attack")
+
+        def after(d: Path, t: float) -> list[dict]:
+            return [r for r in rounds(d) if r["t_start"] > t]
+
+        def sources_after(d: Path, t: float) -> set[str]:
+            return sources(after(d, t))
+
+        wait_for(lambda: all(len(rounds(d)) >= 1 for d in run_dirs), nodes, 240, "the honest nodes' first rounds")
+        t_attack = asyncio.run(asyncio.wait_for(attack(), 420))
+        for i, d in enumerate(run_dirs):
+            recs = after(d, t_attack)
+            for r in recs:
+                assert r["swarm_io_s"] <= net_timeout + 1, r  # budgets hold: no flood stretches a round
+            assert keys[1 - i] in sources(recs)  # still trains on the honest peer's groups
+            got = reasons(rounds(d))
+            assert got.get("reward_mismatch", 0) > 0, got  # the lying Sybils were fetched and refused
+    finally:
+        attacker.shutdown()
+        codes = stop_all(nodes)
+        boot.stop()
+    assert codes == [0, 0], [n.text()[-2000:] for n in nodes]
+
+
+def _smoke_spec(index: int) -> dict:
+    return TaskSampler(PRESETS["smoke"], 1).sample(index + 1)[-1].spec.to_wire()
+
+
+# -------------------------------------------------------------------- (b) a lying replica, (c) proof of work
+
+
+async def test_replica_answering_with_an_invalid_subkey_does_not_hide_honest_records(tmp_path):
+    swarm = "hostile-replica"
+    honest = transport(tmp_path, "honest", swarm, [])
+    await honest.start()
+    evil_id = Identity.generate(POW)
+    liar = hivemind.DHT(initial_peers=honest.visible_maddrs(), start=True, host_maddrs=[LOOPBACK],
+                        record_validators=[StoresAnything(evil_id)])
+    reader = plain = None
+    try:
+        hk = honest.identity.public_key_bytes
+        data = batch(honest.identity, swarm, 3, [smoke_group(40)])
+        assert await honest.publish(3, data)
+        # the liar holds the honest records (it stores anything) and adds junk under the same keys
+        junk_subkey = b"[ed25519:" + b"0" * 64 + b"]"
+        pkey = shard_key(swarm, honest.identity)
+        for key in (pkey, batch_key(swarm, hk, 3)):
+            assert await asyncio.wait_for(liar.run_coroutine(partial(_inject, key=key, subkey=junk_subkey),
+                                                             return_future=True), 30)
+        maddrs = [str(m) for m in liar.get_visible_maddrs()]
+        await honest.shutdown()  # now the liar is the only replica left
+        reader = transport(tmp_path, "reader", swarm, maddrs, client_mode=True)
+        await reader.start()
+        got = await reader.fetch()
+        assert [(r.publisher, r.round, r.data) for r in got] == [(hk, 3, data)]
+        # control: hivemind's own handling drops the whole answer of that replica
+        plain = hivemind.DHT(initial_peers=maddrs, start=True, host_maddrs=[LOOPBACK], client_mode=True,
+                             record_validators=[SapoRecordValidator(Identity.generate(POW), swarm,
+                                                                    pow_difficulty=POW)])
+        assert plain.get(pkey, latest=True) is None
+    finally:
+        for t in (reader, honest):
+            if t is not None and t._dht is not None:
+                await t.shutdown()
+        for d in (plain, liar):
+            if d is not None:
+                d.shutdown()
+
+
+async def test_key_without_proof_of_work_is_refused_everywhere(tmp_path):
+    swarm, strict = "hostile-pow", 12
+    a = transport(tmp_path, "a", swarm, [], pow_difficulty=strict)
+    await a.start()
+    weak = transport(tmp_path, "weak", swarm, a.visible_maddrs(), pow_difficulty=0)  # its own peer asks nothing
+    await weak.start()
+    try:
+        wk = weak.identity.public_key_bytes
+        assume_weak = not check_pow(wk, weak.identity.pow_nonce, strict)
+        assert assume_weak  # a 0-bit key has 12 bits of work by chance with p = 1/4096: then rerun
+        data = batch(weak.identity, swarm, 1, [smoke_group(41)])
+        await weak.publish(1, data)  # its own DHT keeps it; the strict peer refuses it
+        assert await a.fetch() == []
+        rejected = await a.validator_rejections()
+        assert rejected.get("dht_envelope_weak_identity", 0) > 0, rejected
+        # the Verifier refuses it too, whatever path the bytes took
+        stats = ExchangeStats()
+        verifier = Verifier(a.identity.public_key_bytes, PRESETS["smoke"],
+                            VerifyConfig(swarm=swarm, pow_difficulty=strict), stats)
+        assert verifier.verify(data, hint=wk) == []
+        assert stats.rejected[wk.hex()] == {"weak_identity": 1}
+        # positive control: a key with the work gets through both
+        good = transport(tmp_path, "good", swarm, a.visible_maddrs(), pow_difficulty=strict)
+        await good.start()
+        try:
+            assert await good.publish(2, batch(good.identity, swarm, 2, [smoke_group(42)]))
+            assert [r.publisher for r in await a.fetch()] == [good.identity.public_key_bytes]
+        finally:
+            await good.shutdown()
+    finally:
+        await asyncio.gather(a.shutdown(), weak.shutdown())
+
+
+# ------------------------------------------------------- hardening: every class the hostile peer found
+
+
+async def test_non_finite_or_far_expiration_is_never_stored(tmp_path):
+    swarm = "hostile-exp"
+    honest = transport(tmp_path, "honest", swarm, [])
+    await honest.start()
+    evil_id = Identity.generate(POW)
+    evil = hivemind.DHT(initial_peers=honest.visible_maddrs(), start=True, host_maddrs=[LOOPBACK],
+                        client_mode=True, record_validators=[StoresAnything(evil_id)])
+    try:
+        sub = owner_subkey(evil_id.public_key_bytes)
+        for rnd, exp in enumerate((float("inf"), float("nan"), get_dht_time() + 10 * 86400)):
+            assert not evil.store(batch_key(swarm, evil_id.public_key_bytes, rnd),
+                                  batch(evil_id, swarm, rnd, [smoke_group(43)]), exp, subkey=sub)
+        assert not evil.store(shard_key(swarm, evil_id), presence(evil_id, swarm, 1), float("inf"), subkey=sub)
+        assert await honest.fetch() == []
+        rejected = await honest.validator_rejections()
+        assert rejected.get("dht_expiration_is_not_a_finite_time", 0) >= 2, rejected
+        assert rejected.get("dht_expiration_too_far_in_the_future", 0) >= 1, rejected
+    finally:
+        evil.shutdown()
+        await honest.shutdown()
+
+
+async def test_announced_rounds_cannot_inflate_a_fetch(tmp_path):
+    """Huge announced rounds cost a reader one key each at most, and at most fetch_max keys in all;
+    rounds beyond MAX_ROUND are not even stored."""
+    swarm, fetch_max = "hostile-rounds", 8
+    honest = transport(tmp_path, "honest", swarm, [], fetch_max=fetch_max)
+    await honest.start()
+    ids = [Identity.generate(POW) for _ in range(60)]
+    attacker = hivemind.DHT(initial_peers=honest.visible_maddrs(), start=True, host_maddrs=[LOOPBACK],
+                            client_mode=True, record_validators=[SapoRecordValidator(
+                                ids[0], swarm, pow_difficulty=POW, also_sign_for=tuple(ids[1:]))])
+    try:
+        exp = get_dht_time() + 120
+        items = [(shard_key(swarm, ident), owner_subkey(ident.public_key_bytes),
+                  presence(ident, swarm, MAX_ROUND - i), exp) for i, ident in enumerate(ids)]
+        assert all(await store_all(attacker, items))
+        await honest.fetch()
+        assert honest.last_fetch.candidates >= fetch_max
+        assert honest.last_fetch.batches_requested == fetch_max  # not 60, not 60 x window, not 400
+        # a round past MAX_ROUND is refused by the validator (and the decoder)
+        over = canonical_json({"kind": "presence", "version": WIRE_VERSION, "swarm": swarm,
+                               "publisher": ids[0].public_key_bytes.hex(), "round": MAX_ROUND + 1,
+                               "updated_at": time.time()})
+        assert not attacker.store(shard_key(swarm, ids[0]), seal(over, ids[0]), exp,
+                                  subkey=owner_subkey(ids[0].public_key_bytes))
+    finally:
+        attacker.shutdown()
+        await honest.shutdown()
+
+
+async def test_presence_records_are_small_and_in_their_own_shard(tmp_path):
+    swarm = "hostile-presence"
+    honest = transport(tmp_path, "honest", swarm, [])
+    await honest.start()
+    publisher = transport(tmp_path, "pub", swarm, honest.visible_maddrs())
+    await publisher.start()
+    evil_id = Identity.generate(POW)
+    evil = hivemind.DHT(initial_peers=honest.visible_maddrs(), start=True, host_maddrs=[LOOPBACK],
+                        client_mode=True, record_validators=[SapoRecordValidator(evil_id, swarm, pow_difficulty=POW)])
+    try:
+        assert await publisher.publish(1, batch(publisher.identity, swarm, 1, [smoke_group(44)]))
+        sub, exp = owner_subkey(evil_id.public_key_bytes), get_dht_time() + 120
+        pres = presence(evil_id, swarm, 1)
+        padded = seal(pres[HEADER_LEN:-1] + b',"pad":"' + b"x" * 1_900_000 + b'"}', evil_id)  # ~1.9 MB, signed
+        small_pad = seal(pres[HEADER_LEN:-1] + b',"pad":"' + b"x" * 600 + b'"}', evil_id)
+        own = presence_shard(evil_id.public_key_bytes, DEFAULT_PRESENCE_SHARDS)
+        wrong_shard = presence_key(swarm, (own + 1) % DEFAULT_PRESENCE_SHARDS)
+        stored = await store_all(evil, [(shard_key(swarm, evil_id), sub, padded, exp),
+                                        (shard_key(swarm, evil_id), sub, small_pad, exp), (wrong_shard, sub, pres, exp)])
+        assert stored == [False, False, False]
+        # the presence shard of the honest publisher still answers, and the honest batch is fetched
+        got = await honest.fetch()
+        assert [r.publisher for r in got] == [publisher.identity.public_key_bytes]
+        rejected = await honest.validator_rejections()
+        assert rejected.get("dht_presence_record_too_large", 0) >= 1, rejected
+        assert rejected.get("dht_presence_record_under_a_wrong_key", 0) >= 1, rejected
+        assert rejected.get("dht_envelope_oversize", 0) >= 1, rejected
+    finally:
+        evil.shutdown()
+        await asyncio.gather(publisher.shutdown(), honest.shutdown())
+
+
+async def test_duplicate_json_names_are_refused_by_the_dht(tmp_path):
+    swarm = "hostile-dup"
+    honest = transport(tmp_path, "honest", swarm, [])
+    await honest.start()
+    evil_id = Identity.generate(POW)
+    evil = hivemind.DHT(initial_peers=honest.visible_maddrs(), start=True, host_maddrs=[LOOPBACK],
+                        client_mode=True, record_validators=[SapoRecordValidator(evil_id, swarm, pow_difficulty=POW)])
+    try:
+        good = batch(evil_id, swarm, 5, [smoke_group(45)])
+        doubled = seal(good[HEADER_LEN:].replace(b'"round":5', b'"round":5,"round":6'), evil_id)
+        sub, exp = owner_subkey(evil_id.public_key_bytes), get_dht_time() + 120
+        assert not evil.store(batch_key(swarm, evil_id.public_key_bytes, 5), doubled, exp, subkey=sub)
+        assert not evil.store(batch_key(swarm, evil_id.public_key_bytes, 6), doubled, exp, subkey=sub)
+        rejected = await honest.validator_rejections()
+        assert rejected.get("dht_payload_is_not_strict_json", 0) >= 2, rejected
+        record = DHTRecord(key_id_bytes(batch_key(swarm, evil_id.public_key_bytes, 5)), MSGPackSerializer.dumps(sub),
+                           MSGPackSerializer.dumps(good), exp)
+        assert SapoRecordValidator(evil_id, swarm).check(
+            DHTRecord(record.key, record.subkey, SapoRecordValidator(evil_id, swarm).sign_value(record), exp)) is None
+    finally:
+        evil.shutdown()
+        await honest.shutdown()
