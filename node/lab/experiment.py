@@ -171,7 +171,7 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
         resume = (peer_dir / "checkpoints").exists()
         cfg = load_config(spec.node_args(p, peer_dir) + ["--swarm", f"exp-{slug(spec.config_name)}"]
                           + (["--resume"] if resume else []), env={})
-        identity = Identity.load_or_create(peer_dir / KEY_FILENAME, create=True)
+        identity = Identity.load_or_create(peer_dir / KEY_FILENAME, create=True, pow_difficulty=cfg.pow_difficulty)
         exchange = MemoryExchange(board, identity, mix, verify_config(cfg), spec.model)
         node = SapoNode(cfg, mix, copy.deepcopy(base_model), tokenizer, exchange, device)
         await node.open()

@@ -38,8 +38,9 @@ def make_node(tmp_path, name, seed, board, tiny_model, exchange_cls=MemoryExchan
     run_dir = tmp_path / name
     cfg = load_config(["--model", "tiny-random", "--tasks", "smoke", "--num-local", "2", "--num-external", "4",
                        "--generations", "4", "--max-new-tokens", "8", "--seed", str(seed), "--run-dir", str(run_dir),
-                       "--swarm", "mem", *extra], env={})
-    identity = Identity.load_or_create(run_dir / KEY_FILENAME, create=True)  # the same identity after a restart
+                       "--swarm", "mem", "--pow-difficulty", "8", *extra], env={})
+    # the same identity after a restart
+    identity = Identity.load_or_create(run_dir / KEY_FILENAME, create=True, pow_difficulty=cfg.pow_difficulty)
     exchange = exchange_cls(board, identity, MIX, verify_config(cfg), "tiny")
     return SapoNode(cfg, MIX, copy.deepcopy(tiny_model[0]), tiny_model[1], exchange, torch.device("cpu"))
 
