@@ -1,6 +1,7 @@
 """Shared test setup: never touch a model hub; helpers to run the real CLI."""
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,18 @@ def live_metrics(run_dir: Path) -> list[dict]:
         except orjson.JSONDecodeError:
             pass  # a line being written right now
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def newest_checkpoint(run_dir: Path) -> int | None:
+    """Round of the newest complete checkpoint directory in a run dir (None if there is none)."""
+    rounds = [int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("round-*") if p.is_dir()]
+    return max(rounds, default=None)
 
 
 def run_node(*args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:

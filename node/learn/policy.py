@@ -25,6 +25,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from node.learn.stop import StopRequest
+
 log = logging.getLogger(__name__)
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -179,6 +181,17 @@ class _BehaviourRecorder(LogitsProcessor):
         return torch.stack(self.steps, dim=1) if self.steps else torch.zeros(sequences.shape[0], 0)
 
 
+class _StopCheck(LogitsProcessor):
+    """Polls the stop request once per generated token: a stop abandons generation within one token."""
+
+    def __init__(self, stop: StopRequest):
+        self.stop = stop
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        self.stop.check()
+        return scores
+
+
 @dataclass
 class SamplingConfig:
     temperature: float = 1.0
@@ -198,12 +211,17 @@ def sample_groups(
     prompts: list[str],
     group_size: int,
     cfg: SamplingConfig,
+    stop: StopRequest | None = None,
 ) -> list[SampledGroup]:
-    """Batched sampling of `group_size` completions for each prompt, KV cache on."""
+    """Batched sampling of `group_size` completions for each prompt, KV cache on. With `stop`, raises
+    RoundAbandoned between two tokens once a stop is requested."""
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     recorder = _BehaviourRecorder(cfg.temperature)
     processors = LogitsProcessorList([recorder, TemperatureLogitsWarper(cfg.temperature)])
+    if stop is not None:
+        stop.check()
+        processors.insert(0, _StopCheck(stop))
     if cfg.top_p < 1.0:
         processors.append(TopPLogitsWarper(cfg.top_p))
     was_training = model.training

@@ -11,7 +11,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 from hivemind.utils import get_dht_time
 
-from conftest import REPO, node_env
+from conftest import REPO, free_port, node_env
 from conftest import live_metrics as rounds
 from node.learn.groups import score_responses
 from node.learn.tasks import PRESETS, TaskSampler
@@ -41,12 +40,6 @@ UP_RE = re.compile(r"DHT peer (\S+) up at \[(.*?)\]")
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:
