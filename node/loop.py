@@ -22,7 +22,7 @@ import logging
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -30,6 +30,7 @@ import torch
 from node import __version__
 from node.ops.checkpoint import CheckpointStore
 from node.ops.config import NodeConfig
+from node.ops.live import LiveState, PhaseTimer
 from node.swarm.exchange import Exchange
 from node.learn.groups import Group, Prompter, local_group, select_groups, to_sequences
 from node.swarm.ij_policy import RoundObservation, make_ij_policy
@@ -55,17 +56,6 @@ class NodeTotals:
     groups_local: int = 0
     groups_external: int = 0
     dropped_zero_adv: int = 0
-
-
-@dataclass
-class LiveState:
-    """What the status server and progress view read; updated by the loop, never blocking it."""
-
-    phase: str = "starting"
-    round: int = 0
-    started_at: float = field(default_factory=time.time)
-    history: list = field(default_factory=list)
-    last_round_at: float | None = None
 
 
 class SapoNode:
@@ -370,29 +360,6 @@ class SapoNode:
             "totals": vars(self.totals).copy(),
             "last_round_at": self.live.last_round_at,
         }
-
-
-class PhaseTimer:
-    """`with timer("generate"):` records seconds per phase and shows the phase to the status server."""
-
-    def __init__(self, live: LiveState):
-        self.t0 = time.time()
-        self.seconds: dict[str, float] = {}
-        self.live = live
-
-    def __call__(self, phase: str):
-        timer = self
-
-        class _Phase:
-            def __enter__(self):
-                timer.live.phase = phase
-                self.start = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer.seconds[phase] = timer.seconds.get(phase, 0.0) + time.perf_counter() - self.start
-                timer.live.phase = "idle"
-
-        return _Phase()
 
 
 def _ignore_outcome(task: asyncio.Future) -> None:
