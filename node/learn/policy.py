@@ -8,6 +8,7 @@ SmolLM2's tokenizer, so the two exercise cross-tokenizer exchange).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -226,20 +227,22 @@ def sample_groups(
         processors.append(TopPLogitsWarper(cfg.top_p))
     was_training = model.training
     model.eval()
+    watch = stop.watch(model) if stop is not None else contextlib.nullcontext()
     try:
-        out = model.generate(
-            **enc,
-            do_sample=True,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            max_new_tokens=cfg.max_new_tokens,
-            num_return_sequences=group_size,
-            logits_processor=processors,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            use_cache=True,
-        )
+        with watch:
+            out = model.generate(
+                **enc,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=cfg.max_new_tokens,
+                num_return_sequences=group_size,
+                logits_processor=processors,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                use_cache=True,
+            )
     finally:
         model.train(was_training)
     sequences = out if isinstance(out, torch.Tensor) else out.sequences

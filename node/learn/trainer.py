@@ -7,6 +7,7 @@ round. Once a step is taken, the (short) rest of the update runs to its end.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import math
@@ -18,7 +19,7 @@ import torch
 
 from node.learn.grpo import LOSS_TYPES, grpo_loss
 from node.learn.policy import Sequence, token_logprobs
-from node.learn.stop import StopRequest
+from node.learn.stop import RoundAbandoned, StopRequest
 
 
 @dataclass
@@ -85,6 +86,15 @@ class Trainer:
         if not seqs:
             return stats
         self._stepped = False
+        watch = self.stop.watch(self.model, lambda: not self._stepped) if self.stop else contextlib.nullcontext()
+        try:
+            with watch:
+                return self._update(seqs, stats)
+        except RoundAbandoned:
+            self.optimizer.zero_grad(set_to_none=True)  # drop half-accumulated gradients
+            raise
+
+    def _update(self, seqs: list[Sequence], stats: StepStats) -> StepStats:
         self.fill_old_logp(seqs)
         order = list(range(len(seqs)))
         totals = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0, "grad_norm": 0.0}
@@ -139,8 +149,7 @@ class Trainer:
 
     def _safe_point(self) -> None:
         """Abandon here if a stop was requested and no optimizer step was taken in this update."""
-        if self.stop is not None and not self._stepped and self.stop.is_set():
-            self.optimizer.zero_grad(set_to_none=True)  # drop half-accumulated gradients
+        if self.stop is not None and not self._stepped:
             self.stop.check()
 
 

@@ -95,3 +95,19 @@ def test_stop_request_is_set_once_and_calls_back_from_the_setting_thread():
     assert calls == ["setter", "late"] and stop.reason == "SIGINT"
     with pytest.raises(RoundAbandoned, match="SIGINT"):
         stop.check()
+
+
+def test_a_stop_lands_between_two_decoder_layers_of_one_forward(tiny):
+    """On a loaded CPU one forward pass of the default model takes many seconds: a stop must not wait it out."""
+    model, tok, prompter, _, groups = tiny
+    model = copy.deepcopy(model)
+    stop, ran = StopRequest(), []
+    layers = model.model.layers
+    layers[0].register_forward_hook(lambda *_: stop.set("test"))  # the request arrives inside the forward
+    layers[1].register_forward_hook(lambda *_: ran.append("layer 1"))
+    trainer = Trainer(model, tok.pad_token_id, TrainConfig(), stop=stop)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RoundAbandoned):
+        trainer.step(to_sequences(groups, tok, prompter, scale_std=True))
+    assert ran == []  # layer 1 never ran: abandoned between the two layers
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
