@@ -101,7 +101,13 @@ class SapoNode:
         """Runs rounds until cfg.rounds (in total) or a stop request; returns the rounds completed now."""
         loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
-        self.stop.on_set(lambda: loop.call_soon_threadsafe(self._stop_event.set))
+        def wake_network_waits() -> None:  # any thread; the loop may already be gone (late console loss)
+            try:
+                loop.call_soon_threadsafe(self._stop_event.set)
+            except RuntimeError:
+                pass
+
+        self.stop.on_set(wake_network_waits)
         await self.open()
         try:
             while self.pending and not self.stop_requested:
