@@ -88,6 +88,7 @@ trap cleanup EXIT
 setsid sapo-bootstrap --identity-dir "$ROOT/bootstrap" --host-maddrs /ip4/127.0.0.1/tcp/0 \
   --maddrs-file "$ROOT/bootstrap/maddrs.txt" >"$ROOT/bootstrap/bootstrap.log" 2>&1 </dev/null &
 BOOT_PID=$!
+echo "$BOOT_PID" >"$ROOT/bootstrap/bootstrap.pid"
 for _ in $(seq 1 300); do
   [ -s "$ROOT/bootstrap/maddrs.txt" ] && break
   kill -0 "$BOOT_PID" 2>/dev/null || { say "bootstrap failed:"; cat "$ROOT/bootstrap/bootstrap.log"; exit 1; }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pty
+import signal
 import sys
 import threading
 import time
@@ -75,16 +76,31 @@ def run_and_interrupt(tmp_path: Path, pipeline: str) -> tuple[int, Path, str]:
     script = f"bash scripts/local_swarm.sh {' '.join(NODE_ARGS)}; echo $? > {rc_file}"
     term = Terminal(f"{{ {script}; }}{pipeline}", swarm_env(root))
     dirs = [root / f"peer{i}" for i in range(PEERS)]
-    deadline = time.monotonic() + 300
-    while not all(len(live_metrics(d)) >= 2 for d in dirs):
-        if os.waitpid(term.pid, os.WNOHANG)[0]:
-            raise AssertionError(f"the script exited early:\n{term.text()[-3000:]}")
-        assert time.monotonic() < deadline, f"peers never reached round 2:\n{term.text()[-3000:]}"
-        time.sleep(0.2)
-    term.ctrl_c()
-    term.wait(240)  # the terminal's shell itself may die of the SIGINT (it is in the foreground group)
+    try:
+        deadline = time.monotonic() + 300
+        while not all(len(live_metrics(d)) >= 2 for d in dirs):
+            if os.waitpid(term.pid, os.WNOHANG)[0]:
+                raise AssertionError(f"the script exited early:\n{term.text()[-3000:]}")
+            assert time.monotonic() < deadline, f"peers never reached round 2:\n{term.text()[-3000:]}"
+            time.sleep(0.2)
+        term.ctrl_c()
+        term.wait(240)  # the terminal's shell itself may die of the SIGINT (it is in the foreground group)
+    finally:
+        kill_leftovers([*(d / "node.lock" for d in dirs), root / "bootstrap" / "bootstrap.pid"])
     assert rc_file.exists(), f"the script did not finish:\n{term.text()[-3000:]}"
     return int(rc_file.read_text()), root, term.text()
+
+
+def kill_leftovers(pid_files: list[Path]) -> None:
+    """If the script failed: its peers and bootstrap run in sessions of their own, so end those sessions."""
+    for path in pid_files:
+        try:
+            pid = int(path.read_text().split()[0])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"sapo-node" in cmdline or b"sapo-bootstrap" in cmdline:  # still ours, not a reused pid
+                os.killpg(pid, signal.SIGKILL)
+        except (OSError, ValueError, IndexError):  # no file, or the process is already gone
+            pass
 
 
 def assert_every_peer_kept_its_rounds(root: Path) -> None:
