@@ -1,4 +1,10 @@
-"""`sapo-node`: parse the config, build the pieces (swarm first: hivemind forks), run the round loop."""
+"""`sapo-node`: parse the config, build the pieces (swarm first: hivemind forks), run the round loop.
+
+Stopping (docs/OPERATING.md): SIGINT, SIGTERM, SIGHUP and losing the console (stderr's reader gone) all
+ask for a graceful stop: the round in progress is abandoned at the next safe point, the last completed
+round is checkpointed, exit 0. Repeats within REPEAT_WINDOW_S are the same request (a terminal's Ctrl-C
+and a launcher forwarding it arrive together); a third signal, or one after the window, aborts.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,76 @@ import logging
 import os
 import signal
 import sys
+import time
 
+from node.learn.stop import StopRequest
 from node.ops.config import ConfigError, NodeConfig, load_config
 from node.ops.metrics import METRICS_FILE, setup_logging
+from node.ops.runlock import RunDirBusy, RunDirLock
 
 log = logging.getLogger("sapo.cli")
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+REPEAT_WINDOW_S = 5.0
+ABORT_EXIT_CODE = 130
+
+
+class StopSignals:
+    """Turns stop signals into one StopRequest; only a deliberate later request aborts."""
+
+    def __init__(self, stop: StopRequest):
+        self.stop = stop
+        self.first_at: float | None = None
+        self.count = 0
+        self.saved_round = lambda: -1  # set once the node exists: names the checkpoint an abort keeps
+
+    def __call__(self, signame: str) -> None:
+        now = time.monotonic()
+        self.count += 1
+        if self.first_at is None:
+            self.first_at = now
+            log.warning("%s: stopping at a safe point: the round in progress is abandoned (redone on resume), "
+                        "the last completed round is checkpointed. Press Ctrl-C again after %.0f s to abort.",
+                        signame, REPEAT_WINDOW_S)
+            self.stop.set(signame)
+        elif now - self.first_at <= REPEAT_WINDOW_S and self.count < 3:
+            log.info("%s again within %.0f s: same stop request, still stopping", signame, REPEAT_WINDOW_S)
+        else:
+            self.abort(signame)
+
+    def console_lost(self) -> None:
+        """stderr's reader went away (terminal closed, `| tee` killed): a graceful stop, never a crash."""
+        if not self.stop.is_set():
+            log.warning("console closed: stopping at a safe point (node.log keeps the log)")
+        self.stop.set("console closed")
+
+    def abort(self, signame: str) -> None:
+        """Exit now without waiting for the model thread. Metrics lines and checkpoints are written
+        atomically, so the newest complete checkpoint stays valid; only newer rounds are lost."""
+        saved = self.saved_round()
+        log.error("%s: aborting now; the newest complete checkpoint (%s) stays valid", signame,
+                  f"round {saved}" if saved >= 0 else "none yet")
+        logging.shutdown()  # flushes node.log; never blocks on the model thread
+        os._exit(ABORT_EXIT_CODE)
+
+    def install_early(self) -> None:
+        """Plain handlers until the event loop runs (model loading): a stop then ends the node before round 0.
+        Explicit handlers also undo SIGINT inherited as ignored from a script that started us with `&`."""
+        owner = os.getpid()
+
+        def handler(signum: int, _frame) -> None:
+            if os.getpid() != owner:  # a forked child (hivemind's DHT process): behave as if we never were
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
+            self(signal.Signals(signum).name)
+
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, handler)
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, self, sig.name)
 
 
 def fail(message: str, code: int = 2) -> int:
@@ -45,10 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return fail(str(exc))
     run_dir = cfg.run_path
+    lock = RunDirLock(run_dir)  # held until the process exits; before anything writes into the run dir
+    try:
+        lock.acquire()
+    except (RunDirBusy, OSError) as exc:
+        return fail(str(exc))
     if (run_dir / METRICS_FILE).exists() and not cfg.resume:
         return fail(f"{run_dir} already holds a run ({METRICS_FILE}); pass --resume to continue it "
                     "or choose another --run-dir")
-    setup_logging(run_dir, cfg.log_level, cfg.name)
+    stop = StopRequest()
+    signals = StopSignals(stop)
+    signals.install_early()
+    setup_logging(run_dir, cfg.log_level, cfg.name, on_console_lost=signals.console_lost)
 
     from node.learn.tasks import TaskError, resolve_mix
 
@@ -71,29 +150,22 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = load_model(cfg.model, device)
     except ModelLoadError as exc:
         return fail(str(exc), 1)
-    node = SapoNode(cfg, mix, model, tokenizer, exchange, device)
+    node = SapoNode(cfg, mix, model, tokenizer, exchange, device, stop=stop)
+    signals.saved_round = lambda: node.saved_round
     log.info("task mix %s: %s | I=%d J=%d G=%d | run dir %s", mix.name, ", ".join(mix.datasets),
              cfg.num_local, cfg.num_external, cfg.generations, run_dir)
     try:
-        asyncio.run(_serve(node, cfg))
+        asyncio.run(_serve(node, cfg, signals))
     except Exception as exc:  # one clear line on the console, the traceback in node.log
         log.exception("node stopped on an error")
         return fail(f"{type(exc).__name__}: {exc}", 1)
+    finally:
+        signals.install_early()  # the loop's handlers are gone: a late repeat must not kill the exit
     return 0
 
 
-async def _serve(node, cfg: NodeConfig) -> None:
-    loop = asyncio.get_running_loop()
-
-    def request_stop(signame: str) -> None:
-        if node.stop_requested:
-            log.warning("%s again: aborting now; the newest complete checkpoint stays valid", signame)
-            os._exit(130)
-        log.warning("%s: finishing the current round, then checkpoint and exit (again to abort)", signame)
-        node.stop_requested = True
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, request_stop, sig.name)
+async def _serve(node, cfg: NodeConfig, signals: StopSignals) -> None:
+    signals.install(asyncio.get_running_loop())
     status = None
     if cfg.status_port:
         from node.ops.status import start_status_server
@@ -102,7 +174,11 @@ async def _serve(node, cfg: NodeConfig) -> None:
         log.info("status on http://%s:%d/", cfg.status_host, status.port)
     try:
         done = await node.run()
-        log.info("finished: %d rounds this run, next round %d", done, node.next_round)
+        if node.stop_requested:
+            log.info("stopped after a request (%s): %d rounds this run; last completed round %d is checkpointed; "
+                     "resume with --resume", node.stop.reason, done, node.next_round - 1)
+        else:
+            log.info("finished: %d rounds this run, next round %d", done, node.next_round)
     finally:
         if status is not None:
             await status.stop()

@@ -7,6 +7,12 @@
 
 Model work runs in a single worker thread; the event loop only awaits it, so swarm I/O, the status
 server and signal handling stay responsive.
+
+Stopping: a `StopRequest` is polled at safe points (between generated tokens, between micro-batches,
+before the first optimizer step; network phases race against it). The round in progress is abandoned
+(`RoundAbandoned`), the node's state is put back to where that round started, the last completed round
+is checkpointed if the disk does not have it yet, and the node exits: the abandoned round is redone on
+resume exactly as if it had never started.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import logging
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -24,12 +30,14 @@ import torch
 from node import __version__
 from node.ops.checkpoint import CheckpointStore
 from node.ops.config import NodeConfig
+from node.ops.live import LiveState, PhaseTimer
 from node.swarm.exchange import Exchange
 from node.swarm.reputation import REPUTATION_FILE
 from node.learn.groups import Group, Prompter, local_group, select_groups, to_sequences
 from node.swarm.ij_policy import RoundObservation, make_ij_policy
 from node.ops.metrics import MetricsWriter, peak_memory_mb
 from node.learn.policy import SamplingConfig, sample_groups
+from node.learn.stop import RoundAbandoned, StopRequest
 from node.learn.tasks import TaskMix, TaskSampler
 from node.learn.trainer import StepStats, TrainConfig, Trainer
 
@@ -51,20 +59,9 @@ class NodeTotals:
     dropped_zero_adv: int = 0
 
 
-@dataclass
-class LiveState:
-    """What the status server and progress view read; updated by the loop, never blocking it."""
-
-    phase: str = "starting"
-    round: int = 0
-    started_at: float = field(default_factory=time.time)
-    history: list = field(default_factory=list)
-    last_round_at: float | None = None
-
-
 class SapoNode:
     def __init__(self, cfg: NodeConfig, mix: TaskMix, model: torch.nn.Module, tokenizer, exchange: Exchange,
-                 device: torch.device):
+                 device: torch.device, stop: StopRequest | None = None):
         self.cfg = cfg
         self.mix = mix
         self.model = model
@@ -72,12 +69,13 @@ class SapoNode:
         self.exchange = exchange
         self.device = device
         self.run_dir = cfg.run_path
+        self.stop = stop or StopRequest()
         self.sampling = SamplingConfig(cfg.temperature, cfg.top_p, cfg.max_new_tokens or mix.max_new_tokens)
         self.trainer = Trainer(model, tokenizer.pad_token_id, TrainConfig(
             lr=cfg.lr, eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, loss_type=cfg.loss_type,
             scale_std=cfg.scale_std, max_grad_norm=cfg.max_grad_norm, epochs=cfg.epochs,
             minibatches=cfg.minibatches, micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature,
-            max_completion_len=self.sampling.max_new_tokens), seed=cfg.seed)
+            max_completion_len=self.sampling.max_new_tokens), seed=cfg.seed, stop=self.stop)
         self.prompter = Prompter(tokenizer, mix)
         self.sampler = TaskSampler(mix, cfg.seed)
         self.select_rng = random.Random(cfg.seed + 1)
@@ -90,17 +88,34 @@ class SapoNode:
         self.rounds_this_run = 0
         self.totals = NodeTotals()
         self.live = LiveState()
-        self.stop_requested = False
+        self.saved_round = -1  # newest round whose checkpoint is on disk (written or resumed from)
+        self._stop_event: asyncio.Event | None = None  # wakes network waits; made in run()
         torch.manual_seed(cfg.seed)
 
     # --- the algorithm ----------------------------------------------------------------------------------
 
+    @property
+    def stop_requested(self) -> bool:
+        return self.stop.is_set()
+
     async def run(self) -> int:
         """Runs rounds until cfg.rounds (in total) or a stop request; returns the rounds completed now."""
+        loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        def wake_network_waits() -> None:  # any thread; the loop may already be gone (late console loss)
+            try:
+                loop.call_soon_threadsafe(self._stop_event.set)
+            except RuntimeError:
+                pass
+
+        self.stop.on_set(wake_network_waits)
         await self.open()
         try:
             while self.pending and not self.stop_requested:
                 await self.step()
+        except RoundAbandoned:
+            log.warning("round %d abandoned at a safe point (%s); it is redone on resume", self.next_round,
+                        self.stop.reason or "stop requested")
         finally:
             await self.close()
         return self.rounds_this_run
@@ -116,8 +131,14 @@ class SapoNode:
         return self.next_round < self.cfg.rounds
 
     async def step(self) -> dict:
-        """One round, then a checkpoint every --checkpoint-every rounds."""
-        result = await self.run_round(self.next_round)
+        """One round, then a checkpoint every --checkpoint-every rounds. An abandoned round leaves no trace:
+        the state it changed (task sampler, RNG streams) is put back before RoundAbandoned goes on."""
+        at_start = self.state_dict()
+        try:
+            result = await self.run_round(self.next_round)
+        except RoundAbandoned:
+            await self._in_worker(self.load_state, at_start)  # after the worker has let go of the round
+            raise
         self.next_round = result.round + 1
         self.rounds_this_run += 1
         if self.next_round % self.cfg.checkpoint_every == 0 and self.pending:
@@ -125,9 +146,9 @@ class SapoNode:
         return result.record
 
     async def close(self) -> None:
-        """Final checkpoint (if anything ran), then release the swarm and the worker."""
+        """Checkpoint the last completed round unless the disk has it, then release the swarm and the worker."""
         try:
-            if self.rounds_this_run:
+            if self.next_round - 1 > self.saved_round:
                 await self._checkpoint()
             else:
                 await self._in_worker(self._save_reputation)
@@ -151,7 +172,7 @@ class SapoNode:
         with timer("generate"):
             prompts = [self.prompter(t) for t in tasks]
             sampled = await self._in_worker(sample_groups, self.model, self.tokenizer, prompts,
-                                            self.cfg.generations, self.sampling)
+                                            self.cfg.generations, self.sampling, self.stop)
         with timer("score"):
             local = await self._in_worker(
                 lambda: [local_group(t, s, self.mix.answer_prefix) for t, s in zip(tasks, sampled)])
@@ -180,11 +201,23 @@ class SapoNode:
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
 
     async def _bounded(self, coro, what: str):
-        """A round never waits on the network longer than --net-timeout."""
+        """A round never waits on the network longer than --net-timeout, nor after a stop request."""
+        task = asyncio.ensure_future(coro)
+        stopped = asyncio.ensure_future(self._stop_event.wait()) if self._stop_event else None
         try:
-            return await asyncio.wait_for(coro, timeout=self.cfg.net_timeout)
-        except asyncio.TimeoutError:
+            await asyncio.wait([t for t in (task, stopped) if t], timeout=self.cfg.net_timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if stopped is not None:
+                stopped.cancel()
+        if not task.done():
+            task.cancel()
+            task.add_done_callback(_ignore_outcome)
+            self.stop.check()
             log.warning("%s took longer than --net-timeout %.1fs; going on without it", what, self.cfg.net_timeout)
+            return None
+        try:
+            return task.result()
         except Exception as exc:  # the swarm must never crash the node
             log.warning("%s failed: %s", what, exc)
         return None
@@ -264,6 +297,7 @@ class SapoNode:
     # --- checkpoint / resume ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        """Everything besides weights and optimizer that the next round depends on (JSON-safe)."""
         state = {
             "next_round": self.next_round,
             "sampler": self.sampler.state_dict(),
@@ -271,7 +305,7 @@ class SapoNode:
             "trainer_rng": _py_rng_state(self.trainer.rng),
             "torch_rng": torch.random.get_rng_state().tolist(),
             "ij_policy": self.ij.state_dict(),
-            "totals": vars(self.totals),
+            "totals": dict(vars(self.totals)),
             "config": self.cfg.to_dict(),
             "version": __version__,
         }
@@ -285,6 +319,7 @@ class SapoNode:
         path = await self._in_worker(lambda: self.store.save(
             self.next_round - 1, self.model, self.trainer.optimizer, self.state_dict()))
         await self._in_worker(self._save_reputation)
+        self.saved_round = self.next_round - 1
         log.info("checkpoint %s written in %.1fs", path.name, time.time() - t0)
 
     def _load_reputation(self) -> None:
@@ -302,7 +337,14 @@ class SapoNode:
             return
         self.model.load_state_dict(ckpt.model)
         self.trainer.optimizer.load_state_dict(ckpt.optimizer)
-        s = ckpt.state
+        self.load_state(ckpt.state)
+        self.saved_round = ckpt.round
+        moved = self.metrics.truncate_after(self.next_round - 1)
+        log.info("resumed from %s: next round %d%s", ckpt.path.name, self.next_round,
+                 f" ({moved} metrics lines after it moved to metrics.orphaned.jsonl)" if moved else "")
+
+    def load_state(self, s: dict[str, Any]) -> None:
+        """The inverse of state_dict(): on resume, and to undo an abandoned round."""
         self.next_round = int(s["next_round"])
         self.sampler.load_state_dict(s["sampler"])
         self.select_rng.setstate(_to_py_rng(s["select_rng"]))
@@ -312,9 +354,6 @@ class SapoNode:
             torch.cuda.set_rng_state_all([torch.tensor(x, dtype=torch.uint8) for x in s["cuda_rng"]])
         self.ij.load_state_dict(s["ij_policy"])
         self.totals = NodeTotals(**s["totals"])
-        moved = self.metrics.truncate_after(self.next_round - 1)
-        log.info("resumed from %s: next round %d%s", ckpt.path.name, self.next_round,
-                 f" ({moved} metrics lines after it moved to metrics.orphaned.jsonl)" if moved else "")
 
     # --- status ---------------------------------------------------------------------------------------------
 
@@ -348,27 +387,10 @@ class SapoNode:
         }
 
 
-class PhaseTimer:
-    """`with timer("generate"):` records seconds per phase and shows the phase to the status server."""
-
-    def __init__(self, live: LiveState):
-        self.t0 = time.time()
-        self.seconds: dict[str, float] = {}
-        self.live = live
-
-    def __call__(self, phase: str):
-        timer = self
-
-        class _Phase:
-            def __enter__(self):
-                timer.live.phase = phase
-                self.start = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer.seconds[phase] = timer.seconds.get(phase, 0.0) + time.perf_counter() - self.start
-                timer.live.phase = "idle"
-
-        return _Phase()
+def _ignore_outcome(task: asyncio.Future) -> None:
+    """A network call given up on (timeout or stop): fetch its outcome so asyncio does not warn about it."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _count_sources(groups: list[Group]) -> dict[str, int]:

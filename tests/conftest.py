@@ -47,6 +47,18 @@ def live_metrics(run_dir: Path) -> list[dict]:
     return out
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def newest_checkpoint(run_dir: Path) -> int | None:
+    """Round of the newest complete checkpoint directory in a run dir (None if there is none)."""
+    rounds = [int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("round-*") if p.is_dir()]
+    return max(rounds, default=None)
+
+
 def run_node(*args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "node.cli", *args], cwd=REPO, env=node_env(**env),
                           capture_output=True, text=True, timeout=timeout)
@@ -65,12 +77,6 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 MANY_ROUNDS = "100000"  # never reached: the test stops peers with SIGTERM
 TINY = ["--tasks", "smoke", "--num-local", "2", "--num-external", "4", "--generations", "4",
         "--max-new-tokens", "8", "--rounds", MANY_ROUNDS]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:

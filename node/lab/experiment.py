@@ -33,6 +33,9 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from node.cli import REPEAT_WINDOW_S
+from node.learn.stop import RoundAbandoned, StopRequest
+
 log = logging.getLogger("sapo.experiment")
 
 
@@ -144,7 +147,11 @@ def is_complete(path: Path) -> bool:
 
 
 class Stop:
+    """The experiment's stop request; memory-mode nodes poll `node_stop` at their safe points."""
+
     requested = False
+    first_at: float | None = None
+    node_stop = StopRequest()
 
 
 async def run_memory(spec: RunSpec, root: Path) -> bool:
@@ -173,7 +180,7 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
                           + (["--resume"] if resume else []), env={})
         identity = Identity.load_or_create(peer_dir / KEY_FILENAME, create=True, pow_difficulty=cfg.pow_difficulty)
         exchange = MemoryExchange(board, identity, mix, verify_config(cfg), spec.model)
-        node = SapoNode(cfg, mix, copy.deepcopy(base_model), tokenizer, exchange, device)
+        node = SapoNode(cfg, mix, copy.deepcopy(base_model), tokenizer, exchange, device, stop=Stop.node_stop)
         await node.open()
         nodes.append(node)
     del base_model
@@ -182,6 +189,8 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
             for node in nodes:  # round-robin: the same interleaving every time
                 if node.pending and not Stop.requested:
                     await node.step()
+    except RoundAbandoned:  # the round in progress is redone on resume; completed ones are checkpointed below
+        pass
     finally:
         for node in nodes:
             await node.close()
@@ -216,13 +225,15 @@ def run_dht(spec: RunSpec, root: Path, poll_s: float = 1.0) -> bool:
                                                  "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--peers", *maddrs]
             if (peer_dir / "metrics.jsonl").exists():
                 args.append("--resume")
+            # own session: a terminal's Ctrl-C reaches this process only, which asks each peer once
             procs.append(subprocess.Popen([sys.executable, "-m", "node.cli", *args], env=env,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          start_new_session=True))
         while any(p.poll() is None for p in procs):
             if Stop.requested:
                 for p in procs:
                     if p.poll() is None:
-                        p.send_signal(signal.SIGINT)  # each node finishes its round and checkpoints
+                        p.send_signal(signal.SIGINT)  # each node stops at a safe point and checkpoints
                 for p in procs:
                     p.wait(timeout=600)
                 break
@@ -282,10 +293,15 @@ def main(argv: list[str] | None = None) -> int:
     prov = provenance()
 
     def on_signal(signum, frame):
-        if Stop.requested:
+        """Like sapo-node: repeats within REPEAT_WINDOW_S are the same request; a later one aborts."""
+        if Stop.first_at is None:
+            log.warning("stopping: each peer abandons its round at a safe point and checkpoints its last "
+                        "completed one (seconds); run the same command to resume. Ctrl-C again after %.0f s "
+                        "aborts.", REPEAT_WINDOW_S)
+            Stop.first_at, Stop.requested = time.monotonic(), True
+            Stop.node_stop.set(signal.Signals(signum).name)
+        elif time.monotonic() - Stop.first_at > REPEAT_WINDOW_S:
             raise KeyboardInterrupt
-        log.warning("stopping: peers finish their round and checkpoint; run the same command to resume")
-        Stop.requested = True
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)

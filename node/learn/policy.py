@@ -8,6 +8,7 @@ SmolLM2's tokenizer, so the two exercise cross-tokenizer exchange).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -24,6 +25,8 @@ from transformers import (
     TemperatureLogitsWarper,
     TopPLogitsWarper,
 )
+
+from node.learn.stop import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +182,17 @@ class _BehaviourRecorder(LogitsProcessor):
         return torch.stack(self.steps, dim=1) if self.steps else torch.zeros(sequences.shape[0], 0)
 
 
+class _StopCheck(LogitsProcessor):
+    """Polls the stop request once per generated token: a stop abandons generation within one token."""
+
+    def __init__(self, stop: StopRequest):
+        self.stop = stop
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        self.stop.check()
+        return scores
+
+
 @dataclass
 class SamplingConfig:
     temperature: float = 1.0
@@ -198,30 +212,37 @@ def sample_groups(
     prompts: list[str],
     group_size: int,
     cfg: SamplingConfig,
+    stop: StopRequest | None = None,
 ) -> list[SampledGroup]:
-    """Batched sampling of `group_size` completions for each prompt, KV cache on."""
+    """Batched sampling of `group_size` completions for each prompt, KV cache on. With `stop`, raises
+    RoundAbandoned between two tokens once a stop is requested."""
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     recorder = _BehaviourRecorder(cfg.temperature)
     processors = LogitsProcessorList([recorder, TemperatureLogitsWarper(cfg.temperature)])
+    if stop is not None:
+        stop.check()
+        processors.insert(0, _StopCheck(stop))
     if cfg.top_p < 1.0:
         processors.append(TopPLogitsWarper(cfg.top_p))
     was_training = model.training
     model.eval()
+    watch = stop.watch(model) if stop is not None else contextlib.nullcontext()
     try:
-        out = model.generate(
-            **enc,
-            do_sample=True,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            max_new_tokens=cfg.max_new_tokens,
-            num_return_sequences=group_size,
-            logits_processor=processors,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            use_cache=True,
-        )
+        with watch:
+            out = model.generate(
+                **enc,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=cfg.max_new_tokens,
+                num_return_sequences=group_size,
+                logits_processor=processors,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                use_cache=True,
+            )
     finally:
         model.train(was_training)
     sequences = out if isinstance(out, torch.Tensor) else out.sequences

@@ -1,7 +1,13 @@
-"""One GRPO update per round: several optimizer steps over the round's sequences with a fixed pi_old."""
+"""One GRPO update per round: several optimizer steps over the round's sequences with a fixed pi_old.
+
+With a `StopRequest`, the update can be abandoned (RoundAbandoned) between micro-batches, but only
+before its first optimizer step: weights and optimizer are then exactly those of the last completed
+round. Once a step is taken, the (short) rest of the update runs to its end.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import math
@@ -13,6 +19,7 @@ import torch
 
 from node.learn.grpo import LOSS_TYPES, grpo_loss
 from node.learn.policy import Sequence, token_logprobs
+from node.learn.stop import RoundAbandoned, StopRequest
 
 
 @dataclass
@@ -50,8 +57,11 @@ class StepStats:
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, pad_id: int, cfg: TrainConfig, seed: int = 0):
+    def __init__(self, model: torch.nn.Module, pad_id: int, cfg: TrainConfig, seed: int = 0,
+                 stop: StopRequest | None = None):
         cfg.validate()
+        self.stop = stop
+        self._stepped = False  # an optimizer step was taken in the current update: no abandoning now
         self.model = model
         self.pad_id = pad_id
         self.cfg = cfg
@@ -65,6 +75,7 @@ class Trainer:
         """pi_old for sequences that were not sampled by this model (external groups): evaluate now."""
         todo = [s for s in seqs if s.old_logp is None]
         for chunk in _chunks(todo, self.cfg.micro_batch_size):
+            self._safe_point()
             logp, mask = token_logprobs(self.model, chunk, self.pad_id, self.cfg.temperature)
             for s, row, m in zip(chunk, logp, mask):
                 s.old_logp = row[: int(m.sum())].tolist()
@@ -74,6 +85,16 @@ class Trainer:
         stats = StepStats(sequences=len(seqs))
         if not seqs:
             return stats
+        self._stepped = False
+        watch = self.stop.watch(self.model, lambda: not self._stepped) if self.stop else contextlib.nullcontext()
+        try:
+            with watch:
+                return self._update(seqs, stats)
+        except RoundAbandoned:
+            self.optimizer.zero_grad(set_to_none=True)  # drop half-accumulated gradients
+            raise
+
+    def _update(self, seqs: list[Sequence], stats: StepStats) -> StepStats:
         self.fill_old_logp(seqs)
         order = list(range(len(seqs)))
         totals = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0, "grad_norm": 0.0}
@@ -99,6 +120,7 @@ class Trainer:
         total_tokens = sum(len(s.completion_ids) for s in minibatch)
         acc = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0, "tokens": 0.0}
         for chunk in _chunks(minibatch, cfg.micro_batch_size):
+            self._safe_point()
             logp, mask = token_logprobs(self.model, chunk, self.pad_id, cfg.temperature)
             old = _padded([s.old_logp for s in chunk], logp.shape[1], logp.device)
             ref = None
@@ -118,10 +140,17 @@ class Trainer:
             acc["ratio_mean"] += st.ratio_mean * tok_w
             acc["kl"] += st.kl * tok_w
             acc["tokens"] += n_tokens
+        self._safe_point()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        self._stepped = True
         self.optimizer.step()
         acc["grad_norm"] = float(grad_norm)
         return acc
+
+    def _safe_point(self) -> None:
+        """Abandon here if a stop was requested and no optimizer step was taken in this update."""
+        if self.stop is not None and not self._stepped:
+            self.stop.check()
 
 
 def release_freed_memory() -> None:

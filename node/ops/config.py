@@ -54,7 +54,8 @@ class NodeConfig:
     # run dir, checkpoints, logs
     run_dir: str = opt("runs/node", "where metrics, logs, identity and checkpoints live")
     resume: bool = opt(False, "continue from the newest good checkpoint in --run-dir")
-    checkpoint_every: int = opt(10, "checkpoint every N rounds (and always at the end)")
+    checkpoint_every: int = opt(5, "checkpoint every N rounds (and always on exit or a stop); a kill -9 loses "
+                                   "at most the N - 1 rounds since the last one (docs/BENCHMARKS.md: cost)")
     keep_checkpoints: int = opt(2, "how many checkpoints to keep")
     log_level: str = opt("INFO", "DEBUG, INFO, WARNING, ERROR")
     name: str = opt("", "display name in logs (default: from the public key)")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 
@@ -13,15 +15,55 @@ METRICS_FILE = "metrics.jsonl"
 LOG_FILE = "node.log"
 
 
-def setup_logging(run_dir: Path, level: str = "INFO", name: str = "") -> None:
-    """Console + RUN_DIR/node.log, so nothing a node says is lost when the terminal goes away."""
+class ConsoleHandler(logging.StreamHandler):
+    """stderr logging that survives its reader: when the pipe or terminal is gone (EPIPE, EIO, closed
+    file), it stops writing there, points fds 1 and 2 at /dev/null (so no later print or the exit-time
+    flush fails) and calls `on_lost` once. node.log keeps every line either way."""
+
+    LOST = (errno.EPIPE, errno.EIO, errno.ECONNRESET, errno.EBADF)
+
+    def __init__(self, stream, on_lost: Callable[[], None] | None = None):
+        super().__init__(stream)
+        self.on_lost = on_lost
+        self.lost = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.lost:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        if not (isinstance(exc, OSError) and exc.errno in self.LOST or isinstance(exc, ValueError)):
+            super().handleError(record)
+            return
+        self.lost = True
+        silence_std_streams()
+        if self.on_lost is not None:
+            self.on_lost()
+
+
+def silence_std_streams() -> None:
+    """Point fds 1 and 2 at /dev/null: writes to a closed pipe or a hung-up terminal then go nowhere."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        try:
+            os.dup2(devnull, fd)
+        except OSError:
+            pass
+    os.close(devnull)
+
+
+def setup_logging(run_dir: Path, level: str = "INFO", name: str = "",
+                  on_console_lost: Callable[[], None] | None = None) -> None:
+    """Console + RUN_DIR/node.log, so nothing a node says is lost when the terminal goes away.
+    `on_console_lost` is called once (from any thread) if stderr's reader goes away."""
     run_dir.mkdir(parents=True, exist_ok=True)
     fmt = logging.Formatter(f"%(asctime)s %(levelname)s {name + ' ' if name else ''}%(name)s: %(message)s")
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
     file_handler = logging.FileHandler(run_dir / LOG_FILE, encoding="utf-8")
-    console = logging.StreamHandler(sys.stderr)
+    console = ConsoleHandler(sys.stderr, on_console_lost)
     for handler in (file_handler, console):
         handler.setFormatter(fmt)
         root.addHandler(handler)

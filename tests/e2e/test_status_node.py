@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,10 @@ import aiohttp
 import orjson
 import pytest
 
-from conftest import REPO, node_env
+from conftest import REPO, free_port, node_env
 from promtext import parse_prometheus, value_of
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def poll(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen, done, timeout: float, what: str):
@@ -76,7 +69,7 @@ async def test_live_node_status_endpoints(tmp_path: Path, tiny_args: list[str]) 
         out = log.read()
         assert rc == 0, out[-3000:]
         assert (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text().strip()
-        assert "SIGTERM: finishing the current round" in out, out[-3000:]
+        assert "SIGTERM: stopping at a safe point" in out, out[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()

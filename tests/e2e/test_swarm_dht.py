@@ -1,8 +1,8 @@
 """End to end over a real DHT: a `bootstrap.main` subprocess and real `node.cli` peers on 127.0.0.1.
 
 Rounds of tiny models are fast and peers start at different times, so peers run with a large
---rounds and the test stops them with SIGTERM (graceful: finish the round, checkpoint, exit 0) once
-what it waits for has shown up in their metrics.jsonl.
+--rounds and the test stops them with SIGTERM (graceful: abandon the round in progress, checkpoint the
+last completed one, exit 0) once what it waits for has shown up in their metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -289,11 +289,23 @@ def test_killed_peer_does_not_stall_others_and_resumes_with_same_address(tmp_pat
         assert next_round in (last_round, last_round + 1)  # a kill between metrics line and checkpoint
         ups = up_line(run_dirs[2])
         assert len(ups) == 2 and ups[1] == (name_before, maddrs_before), ups
-        # it rejoins: both survivors train on its groups again, from rounds after the restart
+        # it rejoins: it finishes a round of its own, and both survivors then train on its groups in rounds
+        # that started after that round was published. (Its batches from before the kill are still in the
+        # DHT, so "survivors use its groups after the restart" alone could end before it finished a round.)
         key = keys[2]
-        wait_for(lambda: all(any(key in r["external_sources"] for r in rounds(d) if r["t_start"] > t_restart)
-                             for _, d in survivors), [restarted, *[n for n, _ in survivors]], 120,
-                 "the survivors using the restarted peer's groups")
+
+        def first_new_round_end() -> float | None:
+            done = [r for r in rounds(run_dirs[2]) if r["round"] >= next_round and r["t_start"] > t_restart]
+            return done[0]["t_end"] if done else None
+
+        def rejoined() -> bool:
+            published = first_new_round_end()
+            return published is not None and all(
+                any(key in r["external_sources"] for r in rounds(d) if r["t_start"] > published)
+                for _, d in survivors)
+
+        wait_for(rejoined, [restarted, *[n for n, _ in survivors]], 180,
+                 "a round of the restarted peer, then the survivors using its groups")
         new = [r["round"] for r in rounds(run_dirs[2])]
         assert new == list(range(len(new))) and new[-1] >= next_round
     finally:
