@@ -84,6 +84,13 @@ class StopSignals:
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, self, sig.name)
 
+    def uninstall(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Back to plain handlers while the loop still runs: closing a loop that holds signal handlers resets
+        SIGINT to KeyboardInterrupt, and a repeat arriving during the exit would then kill it (exit -2)."""
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+        self.install_early()
+
 
 def fail(message: str, code: int = 2) -> int:
     print(f"sapo-node: error: {message}", file=sys.stderr)
@@ -160,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("node stopped on an error")
         return fail(f"{type(exc).__name__}: {exc}", 1)
     finally:
-        signals.install_early()  # the loop's handlers are gone: a late repeat must not kill the exit
+        # Everything is written and released: a repeat arriving now has nothing left to stop. Ignored, not
+        # handled, because interpreter shutdown resets Python-level handlers to the default (death by signal).
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
     return 0
 
 
@@ -180,6 +190,7 @@ async def _serve(node, cfg: NodeConfig, signals: StopSignals) -> None:
         else:
             log.info("finished: %d rounds this run, next round %d", done, node.next_round)
     finally:
+        signals.uninstall(asyncio.get_running_loop())
         if status is not None:
             await status.stop()
 

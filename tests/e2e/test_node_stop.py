@@ -88,7 +88,7 @@ def test_double_sigint_mid_round_checkpoints_last_round_and_resume_matches_unint
     rc, log = stop_in_round_2(stopped, signal.SIGINT, signal.SIGINT)
     assert rc == 0, log[-3000:]
     assert "round 2 abandoned at a safe point" in log
-    assert "same stop request" in log and "aborting" not in log  # the repeat was not an abort
+    assert "aborting" not in log  # the repeat was not an abort (the rule itself: tests/test_cli_signals.py)
     assert [r["round"] for r in live_metrics(stopped)] == [0, 1]  # no trace of the abandoned round
     assert newest_checkpoint(stopped) == 1  # --checkpoint-every 10: written by the stop itself
 
