@@ -301,5 +301,14 @@ def token_logprobs(model: torch.nn.Module, seqs: list[Sequence], pad_id: int, te
     C = comp_ids.shape[1]
     logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False,
                    logits_to_keep=C + 1).logits[:, :-1]  # logits at t-1 predict token t
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(2, comp_ids.unsqueeze(-1)).squeeze(-1)
+    return completion_logprobs(logits, comp_ids, comp_mask, temperature)
+
+
+def completion_logprobs(logits: torch.Tensor, comp_ids: torch.Tensor, comp_mask: torch.Tensor, temperature: float):
+    """[B, C, V] logits predicting the completion tokens -> ([B, C] masked logp, mask); half precision is
+    lifted to float32 for the softmax, float64 stays float64 (the gradient tests run in it)."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    logp = torch.log_softmax(logits / temperature, dim=-1).gather(2, comp_ids.unsqueeze(-1)).squeeze(-1)
+    comp_mask = comp_mask.to(logp.dtype)
     return logp * comp_mask, comp_mask
