@@ -25,7 +25,8 @@ from node import __version__
 from node.ops.checkpoint import CheckpointStore
 from node.ops.config import NodeConfig
 from node.swarm.exchange import Exchange
-from node.learn.groups import Group, Prompter, local_group, select_groups, to_sequences
+from node.learn.evaluate import HeldOutEval
+from node.learn.groups import Group, Prompter, collapse_metrics, local_group, select_groups, to_sequences
 from node.swarm.ij_policy import RoundObservation, make_ij_policy
 from node.ops.metrics import MetricsWriter, peak_memory_mb
 from node.learn.policy import SamplingConfig, sample_groups
@@ -59,6 +60,7 @@ class LiveState:
     started_at: float = field(default_factory=time.time)
     history: list = field(default_factory=list)
     last_round_at: float | None = None
+    last_eval: dict | None = None  # the newest held-out evaluation: round, accuracy, per dataset, seconds
 
 
 class SapoNode:
@@ -90,6 +92,7 @@ class SapoNode:
         self.totals = NodeTotals()
         self.live = LiveState()
         self.stop_requested = False
+        self.held_out = HeldOutEval(mix, cfg.eval_size, cfg.eval_every, cfg.rounds)
         torch.manual_seed(cfg.seed)
 
     # --- the algorithm ----------------------------------------------------------------------------------
@@ -161,6 +164,14 @@ class SapoNode:
             stats = await self._in_worker(self.train, selection.local + selection.external)
 
         record = self._record(r, timer, local, selection, stats, num_local, num_external, sampled)
+        record.update(collapse_metrics(local, external))
+        if self.held_out.due(r):
+            with timer("eval"):
+                result = await self._in_worker(self.held_out.run, self.model, self.tokenizer, self.prompter,
+                                               self.sampling.max_new_tokens)
+            self.live.last_eval = {"round": r, **result.to_record()}
+            record.update(result.to_record(), t_end=time.time(), round_s=round(time.time() - timer.t0, 4))
+            record["phase_s"]["eval"] = round(timer.seconds["eval"], 4)
         self.ij.update(self._observation(r, local, external, selection, record))
         self.metrics.write(record)
         self._log_round(record)
@@ -242,7 +253,7 @@ class SapoNode:
     def _log_round(self, rec: dict) -> None:
         p = rec["phase_s"]
         self.live.history.append({k: rec[k] for k in ("round", "reward_mean", "num_local", "num_external")}
-                                 | {"phase_s": p})
+                                 | {"phase_s": p} | {k: rec[k] for k in HISTORY_EXTRA if k in rec})
         del self.live.history[:-500]
         self.live.last_round_at = rec["t_end"]
         log.info(
@@ -326,7 +337,14 @@ class SapoNode:
             "groups": stats.to_dict(),
             "totals": vars(self.totals).copy(),
             "last_round_at": self.live.last_round_at,
+            "eval": self.live.last_eval,
+            "entropy": last.get("entropy_mean") if last else None,
+            "signal_frac": last.get("signal_frac") if last else None,
         }
+
+
+# Learning-health keys kept in the live history (status, dashboard)
+HISTORY_EXTRA = ("entropy_mean", "signal_frac", "local_signal_frac", "eval_accuracy")
 
 
 class PhaseTimer:

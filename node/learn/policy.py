@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -146,6 +146,8 @@ class SampledGroup:
     completion_ids: list[list[int]]  # each ends with EOS if the model stopped
     behaviour_logp: list[list[float]]  # aligned with completion_ids
     texts: list[str]  # decoded completions, without the forced prefix
+    entropy: list[float] = field(default_factory=list)  # per completion: mean token entropy (nats) of the
+    # temperature-scaled sampling distribution, the policy's own spread (collapse shows as it nears 0)
 
 
 class _BehaviourRecorder(LogitsProcessor):
@@ -159,13 +161,18 @@ class _BehaviourRecorder(LogitsProcessor):
         self.temperature = temperature
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (scaled logits, logsumexp)
         self.steps: list[torch.Tensor] = []
+        self.entropies: list[torch.Tensor] = []  # [B] per step: H(softmax(logits / T))
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         self._collect(input_ids[:, -1])
         # The warpers after us return new tensors, so keeping a reference (no copy) is safe. Only the
         # log-normaliser is computed per step; the full log-softmax is never materialised.
         scaled = scores if self.temperature == 1.0 else scores / self.temperature
-        self.pending = (scaled, torch.logsumexp(scaled.float(), dim=-1))
+        lse = torch.logsumexp(scaled.float(), dim=-1)
+        self.pending = (scaled, lse)
+        # H = lse - sum p * x: one more pass over the vocabulary per step, no [B, V] log-softmax kept
+        probs = torch.exp(scaled.float() - lse.unsqueeze(1))
+        self.entropies.append(lse - (probs * torch.nan_to_num(scaled.float(), neginf=0.0)).sum(dim=-1))
         return scores
 
     def _collect(self, last_tokens: torch.Tensor) -> None:
@@ -226,20 +233,23 @@ def sample_groups(
         model.train(was_training)
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
     logps = recorder.finish(sequences).cpu()
+    entropies = torch.stack(recorder.entropies, dim=1).cpu() if recorder.entropies else torch.zeros_like(logps)
     prompt_len = enc["input_ids"].shape[1]
     generated = sequences[:, prompt_len:].cpu()
     eos = tokenizer.eos_token_id
     groups = []
     for p, prompt in enumerate(prompts):
         ids = [int(t) for t, m in zip(enc["input_ids"][p].tolist(), enc["attention_mask"][p].tolist()) if m]
-        comp, lps, texts = [], [], []
+        comp, lps, texts, ents = [], [], [], []
         for g in range(group_size):
             row = generated[p * group_size + g].tolist()
             n = row.index(eos) + 1 if eos in row else len(row)
             comp.append(row[:n])
             lps.append(logps[p * group_size + g, :n].tolist())
+            ents.append(float(entropies[p * group_size + g, :n].mean()) if n else 0.0)
             texts.append(tokenizer.decode(row[:n], skip_special_tokens=True))
-        groups.append(SampledGroup(prompt_ids=ids, completion_ids=comp, behaviour_logp=lps, texts=texts))
+        groups.append(SampledGroup(prompt_ids=ids, completion_ids=comp, behaviour_logp=lps, texts=texts,
+                                   entropy=ents))
     return groups
 
 
