@@ -3,7 +3,7 @@
     1. sample I tasks                       5. collect verified external groups (window of recent rounds)
     2. generate G completions per task      6. select: drop zero-advantage groups, keep I local + J external
     3. score them with our own reward       7. one GRPO update (pi_old fixed before the first step)
-    4. publish the groups to the swarm      8. metrics, adapt I/J, checkpoint
+    4. publish the groups to the swarm      8. metrics, adapt I/J, checkpoint (every --eval-every: held-out eval)
 
 Model work runs in a single worker thread; the event loop only awaits it, so swarm I/O, the status
 server and signal handling stay responsive.
@@ -172,6 +172,8 @@ class SapoNode:
             self.live.last_eval = {"round": r, **result.to_record()}
             record.update(result.to_record(), t_end=time.time(), round_s=round(time.time() - timer.t0, 4))
             record["phase_s"]["eval"] = round(timer.seconds["eval"], 4)
+            log.info("held-out accuracy %.3f after round %d (%d tasks, greedy, %.1fs)", result.accuracy, r, result.size,
+                     result.seconds)
         self.ij.update(self._observation(r, local, external, selection, record))
         self.metrics.write(record)
         self._log_round(record)
