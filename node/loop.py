@@ -3,7 +3,7 @@
     1. sample I tasks                       5. collect verified external groups (window of recent rounds)
     2. generate G completions per task      6. select: drop zero-advantage groups, keep I local + J external
     3. score them with our own reward       7. one GRPO update (pi_old fixed before the first step)
-    4. publish the groups to the swarm      8. metrics, adapt I/J, checkpoint
+    4. publish the groups to the swarm      8. metrics, adapt I/J, checkpoint (every --eval-every: held-out eval)
 
 Model work runs in a single worker thread; the event loop only awaits it, so swarm I/O, the status
 server and signal handling stay responsive.
@@ -33,13 +33,15 @@ from node.ops.config import NodeConfig
 from node.ops.live import LiveState, PhaseTimer
 from node.swarm.exchange import Exchange
 from node.swarm.reputation import REPUTATION_FILE
-from node.learn.groups import Group, Prompter, local_group, select_groups, to_sequences
-from node.swarm.ij_policy import RoundObservation, make_ij_policy
-from node.ops.metrics import MetricsWriter, peak_memory_mb
+from node.learn.evaluate import HeldOutEval
+from node.learn.groups import Group, Prompter, collapse_metrics, local_group, select_groups, to_sequences
+from node.swarm.ij_policy import make_ij_policy
+from node.ops.metrics import MetricsWriter
 from node.learn.policy import SamplingConfig, sample_groups
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.learn.tasks import TaskMix, TaskSampler
 from node.learn.trainer import StepStats, TrainConfig, Trainer
+from node.records import NodeTotals, RoundRecords
 
 log = logging.getLogger("sapo.node")
 
@@ -50,16 +52,7 @@ class RoundResult:
     record: dict[str, Any]
 
 
-@dataclass
-class NodeTotals:
-    rounds: int = 0
-    tokens_generated: int = 0
-    groups_local: int = 0
-    groups_external: int = 0
-    dropped_zero_adv: int = 0
-
-
-class SapoNode:
+class SapoNode(RoundRecords):
     def __init__(self, cfg: NodeConfig, mix: TaskMix, model: torch.nn.Module, tokenizer, exchange: Exchange,
                  device: torch.device, stop: StopRequest | None = None):
         self.cfg = cfg
@@ -75,7 +68,8 @@ class SapoNode:
             lr=cfg.lr, eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, loss_type=cfg.loss_type,
             scale_std=cfg.scale_std, max_grad_norm=cfg.max_grad_norm, epochs=cfg.epochs,
             minibatches=cfg.minibatches, micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature,
-            max_completion_len=self.sampling.max_new_tokens), seed=cfg.seed, stop=self.stop)
+            max_completion_len=self.sampling.max_new_tokens, prefix_sharing=cfg.prefix_sharing), seed=cfg.seed,
+            stop=self.stop)
         self.prompter = Prompter(tokenizer, mix)
         self.sampler = TaskSampler(mix, cfg.seed)
         self.select_rng = random.Random(cfg.seed + 1)
@@ -90,6 +84,7 @@ class SapoNode:
         self.live = LiveState()
         self.saved_round = -1  # newest round whose checkpoint is on disk (written or resumed from)
         self._stop_event: asyncio.Event | None = None  # wakes network waits; made in run()
+        self.held_out = HeldOutEval(mix, cfg.eval_size, cfg.eval_every, cfg.rounds)
         torch.manual_seed(cfg.seed)
 
     # --- the algorithm ----------------------------------------------------------------------------------
@@ -186,10 +181,29 @@ class SapoNode:
             stats = await self._in_worker(self.train, selection.local + selection.external)
 
         record = self._record(r, timer, local, selection, stats, num_local, num_external, sampled)
+        record.update(collapse_metrics(local, external))
+        if self.held_out.due(r) and not self.stop_requested:
+            await self._evaluate(r, timer, record)
         self.ij.update(self._observation(r, local, external, selection, record))
         self.metrics.write(record)
         self._log_round(record)
         return RoundResult(r, record)
+
+    async def _evaluate(self, r: int, timer: PhaseTimer, record: dict) -> None:
+        """Held-out accuracy into this round's record. The round is complete by now: a stop during the
+        evaluation skips it (the round stays), it never abandons the round."""
+        try:
+            with timer("eval"):
+                result = await self._in_worker(self.held_out.run, self.model, self.tokenizer, self.prompter,
+                                               self.sampling.max_new_tokens, self.stop)
+        except RoundAbandoned:
+            log.info("held-out evaluation of round %d skipped: stop requested", r)
+            return
+        self.live.last_eval = {"round": r, **result.to_record()}
+        record.update(result.to_record(), t_end=time.time(), round_s=round(time.time() - timer.t0, 4))
+        record["phase_s"]["eval"] = round(timer.seconds["eval"], 4)
+        log.info("held-out accuracy %.3f after round %d (%d tasks, greedy, %.1fs)", result.accuracy, r,
+                 result.size, result.seconds)
 
     def train(self, groups: list[Group]) -> StepStats:
         seqs = to_sequences(groups, self.tokenizer, self.prompter, self.cfg.scale_std)
@@ -221,78 +235,6 @@ class SapoNode:
         except Exception as exc:  # the swarm must never crash the node
             log.warning("%s failed: %s", what, exc)
         return None
-
-    def _record(self, r, timer, local, selection, stats: StepStats, num_local, num_external, sampled) -> dict:
-        rewards = [x for g in local for x in g.rewards]
-        tokens = sum(len(ids) for s in sampled for ids in s.completion_ids)
-        ex_stats = self.exchange.stats
-        self.totals.rounds += 1
-        self.totals.tokens_generated += tokens
-        self.totals.groups_local += len(selection.local)
-        self.totals.groups_external += len(selection.external)
-        self.totals.dropped_zero_adv += selection.dropped_local + selection.dropped_external
-        phase_s = {k: round(v, 4) for k, v in timer.seconds.items()}
-        return {
-            "round": r,
-            "t_start": timer.t0,
-            "t_end": time.time(),
-            "round_s": round(time.time() - timer.t0, 4),
-            "phase_s": phase_s,
-            "swarm_io_s": round(phase_s.get("publish", 0.0) + phase_s.get("fetch", 0.0), 4),
-            "reward_mean": float(sum(rewards) / len(rewards)) if rewards else 0.0,
-            "reward_max": float(max(rewards)) if rewards else 0.0,
-            "local_signal_frac": (len(local) - selection.dropped_local) / max(len(local), 1),
-            "target_local": num_local,
-            "target_external": num_external,
-            "num_local": len(selection.local),
-            "num_external": len(selection.external),
-            "dropped_zero_adv_local": selection.dropped_local,
-            "dropped_zero_adv_external": selection.dropped_external,
-            "external_available": selection.external_available,
-            "external_accepted": ex_stats.round_accepted,
-            "external_rejected": sum(ex_stats.round_rejected.values()),
-            "rejected_by_reason": dict(ex_stats.round_rejected),
-            "verified_batches": ex_stats.round_verified,
-            "verify_bytes": ex_stats.round_verify_bytes,
-            "verify_s": round(ex_stats.round_verify_s, 4),
-            "external_sources": _count_sources(selection.external),
-            "loss": stats.loss,
-            "clip_frac": stats.clip_frac,
-            "ratio_mean": stats.ratio_mean,
-            "grad_norm": stats.grad_norm,
-            "optimizer_steps": stats.optimizer_steps,
-            "tokens_generated": tokens,
-            "peak_mem_mb": round(peak_memory_mb(self.device), 1),
-            "ij_policy": self.cfg.ij_policy,
-        }
-
-    def _observation(self, r, local, external, selection, record) -> RoundObservation:
-        return RoundObservation(
-            round=r,
-            reward_mean=record["reward_mean"],
-            num_local=record["num_local"],
-            num_external=record["num_external"],
-            external_available=selection.external_available,
-            local_signal_frac=record["local_signal_frac"],
-            external_signal_frac=selection.external_available / len(external) if external else 0.0,
-            external_adv_abs_mean=_mean_abs_adv(selection.external),
-            local_adv_abs_mean=_mean_abs_adv(selection.local),
-        )
-
-    def _log_round(self, rec: dict) -> None:
-        p = rec["phase_s"]
-        self.live.history.append({k: rec[k] for k in ("round", "reward_mean", "num_local", "num_external")}
-                                 | {"phase_s": p})
-        del self.live.history[:-500]
-        self.live.last_round_at = rec["t_end"]
-        log.info(
-            "round %d | reward %.3f (max %.2f) | local %d/%d ext %d/%d (avail %d, got %d, rej %d) | dropped %d "
-            "| loss %+.4f clip %.3f | gen %.1fs train %.1fs swarm %.2fs",
-            rec["round"], rec["reward_mean"], rec["reward_max"], rec["num_local"], rec["target_local"],
-            rec["num_external"], rec["target_external"], rec["external_available"], rec["external_accepted"],
-            rec["external_rejected"], rec["dropped_zero_adv_local"] + rec["dropped_zero_adv_external"],
-            rec["loss"], rec["clip_frac"], p.get("generate", 0), p.get("train", 0), rec["swarm_io_s"],
-        )
 
     # --- checkpoint / resume ------------------------------------------------------------------------------
 
@@ -355,58 +297,10 @@ class SapoNode:
         self.ij.load_state_dict(s["ij_policy"])
         self.totals = NodeTotals(**s["totals"])
 
-    # --- status ---------------------------------------------------------------------------------------------
-
-    def snapshot(self) -> dict[str, Any]:
-        """JSON-safe status for /status, /metrics and the dashboard."""
-        rewards = [h["reward_mean"] for h in self.live.history]
-        ma = rewards[-20:]
-        info = self.exchange.identity_info()
-        last = self.live.history[-1] if self.live.history else None
-        stats = self.exchange.stats
-        return {
-            **info,
-            "swarm": self.cfg.swarm if self.cfg.swarm_enabled else "silo",
-            "model": self.cfg.model,
-            "version": __version__,
-            "round": self.live.round,
-            "phase": self.live.phase,
-            "uptime_s": time.time() - self.live.started_at,
-            "started_at": self.live.started_at,
-            "last_reward": rewards[-1] if rewards else None,
-            "reward_ma": sum(ma) / len(ma) if ma else None,
-            "phase_s": last["phase_s"] if last else {},
-            "history": list(self.live.history),
-            "peers": dict(stats.peers),
-            "groups": stats.to_dict(),
-            "reputation": self.exchange.reputation.snapshot(),
-            "verify": {"last_round_s": stats.round_verify_s, "last_round_bytes": stats.round_verify_bytes,
-                       "last_round_batches": stats.round_verified},
-            "totals": vars(self.totals).copy(),
-            "last_round_at": self.live.last_round_at,
-        }
-
-
 def _ignore_outcome(task: asyncio.Future) -> None:
     """A network call given up on (timeout or stop): fetch its outcome so asyncio does not warn about it."""
     if not task.cancelled():
         task.exception()
-
-
-def _count_sources(groups: list[Group]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for g in groups:
-        counts[g.source[:16]] = counts.get(g.source[:16], 0) + 1
-    return counts
-
-
-def _mean_abs_adv(groups: list[Group]) -> float:
-    from node.learn.grpo import group_advantages
-
-    values = []
-    for g in groups:
-        values.extend(abs(a) for a in group_advantages(torch.tensor(g.rewards, dtype=torch.float64)).tolist())
-    return sum(values) / len(values) if values else 0.0
 
 
 def _py_rng_state(rng: random.Random) -> list:

@@ -5,15 +5,19 @@ Prints three figures (measured side by side in this run, same batch, same seed):
   1. per-phase seconds of N solo rounds (generate, score, train, ...), from the node's own metrics
   2. generation throughput of the node's sampler (behaviour log-probs recorded) / bare model.generate
      (target >= 0.95)
-  3. GRPO optimizer step time / a bare forward+backward(+Adam step) over the same tokens (target <= 1.2)
+  3. training time of one GRPO update, plain layout (each completion with its own copy of the prompt) vs
+     shared prefix (each group's prompt once), beside a bare forward+backward(+Adam) over the same tokens
+     in the plain layout (issue 11 targets: plain/shared >= 1.6 with G = 6, >= 3 with G = 16 on cpu-easy)
+  and, from the rounds of 1., the held-out evaluation's cost per round at the default cadence.
 
-    python scripts/bench_round.py --model default --tasks cpu-easy --rounds 3
+    python scripts/bench_round.py --model default --tasks cpu-easy --rounds 3 --generations 6 --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import sys
@@ -35,42 +39,27 @@ from node.learn.tasks import TaskSampler, resolve_mix  # noqa: E402
 from node.learn.trainer import TrainConfig, Trainer  # noqa: E402
 
 
-def timed(fn, repeats: int) -> list[float]:
+def timed(fn, repeats: int, cpu: list[float] | None = None) -> list[float]:
+    """Wall seconds per call; with `cpu`, also appends the process CPU seconds (all threads) of each call,
+    the better figure on a machine shared with other work (it does not count time spent waiting)."""
     out = []
     for i in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn(i)
         out.append(time.perf_counter() - t0)
+        if cpu is not None:
+            cpu.append(time.process_time() - c0)
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--tasks", default="cpu-easy")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--num-local", type=int, default=4)
-    ap.add_argument("--generations", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--device", default="auto")
-    args = ap.parse_args()
-
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    device = pick_device(args.device)
-    mix = resolve_mix(args.tasks)
-    max_new = args.max_new_tokens or mix.max_new_tokens
-    print(f"# model={args.model} device={device} threads={torch.get_num_threads()} tasks={mix.name} "
-          f"I={args.num_local} G={args.generations} max_new_tokens={max_new} torch={torch.__version__}")
-    model, tok = load_model(args.model, device)
-
-    # 1. real rounds through the node's loop (silo)
+def rounds_section(args, model, tok, mix, max_new, device) -> dict:
+    """1. per-phase seconds of real solo rounds; the evaluation's cost per round at --eval-every."""
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = load_config(["--model", args.model, "--tasks", args.tasks, "--rounds", str(args.rounds),
                            "--num-local", str(args.num_local), "--generations", str(args.generations),
                            "--max-new-tokens", str(max_new), "--run-dir", run_dir, "--checkpoint-every",
-                           str(10**6), "--device", str(device)], env={})
+                           str(10**6), "--device", str(device), "--eval-every", str(args.eval_every),
+                           "--eval-size", str(args.eval_size)], env={})
         node = SapoNode(cfg, mix, model, tok, Silo(), device)
         records = []
 
@@ -83,14 +72,24 @@ def main() -> None:
     phases = sorted({k for r in records for k in r["phase_s"]})
     print("\n## 1. per-phase seconds (median over rounds)")
     for p in phases:
-        print(f"  {p:10s} {statistics.median(r['phase_s'].get(p, 0.0) for r in records):8.3f}")
-    print(f"  {'round':10s} {statistics.median(r['round_s'] for r in records):8.3f}")
+        if p != "eval":  # only some rounds evaluate: its cost is shown below
+            print(f"  {p:10s} {statistics.median(r['phase_s'].get(p, 0.0) for r in records):8.3f}")
+    training_round = statistics.median(r["round_s"] - r["phase_s"].get("eval", 0.0) for r in records)
+    print(f"  {'round':10s} {training_round:8.3f}  (without evaluation)")
+    out = {"round_s": training_round, "phase_s": {p: statistics.median(r["phase_s"].get(p, 0.0) for r in records)
+                                                  for p in phases if p != "eval"}}
+    evals = [r["eval_s"] for r in records if "eval_s" in r]
+    if evals and args.eval_every:
+        eval_s = statistics.median(evals)
+        overhead = eval_s / (args.eval_every * training_round)
+        print(f"  held-out evaluation: {eval_s:.2f}s for {args.eval_size} tasks (greedy) = {100 * overhead:.1f}% of "
+              f"training time at one evaluation every {args.eval_every} rounds")
+        out.update(eval_s=eval_s, eval_size=args.eval_size, eval_every=args.eval_every, eval_overhead=overhead)
+    return out
 
-    # 2. generation: node sampler vs bare generate, same prompts, same seeds
-    prompter = Prompter(tok, mix)
-    tasks = TaskSampler(mix, seed=123).sample(args.num_local)
-    prompts = [prompter(t) for t in tasks]
-    scfg = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=max_new)
+
+def generation_section(args, model, tok, prompts, scfg, max_new, device) -> None:
+    """2. generation: node sampler vs bare generate, same prompts, same seeds."""
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     plen = enc["input_ids"].shape[1]
     node_tokens, bare_tokens = [], []
@@ -124,37 +123,95 @@ def main() -> None:
     print(f"  node sampler {node_tps:9.1f}   bare generate {bare_tps:9.1f}   ratio {node_tps / bare_tps:.3f} "
           f"(target >= 0.95; same seeds, tokens {sum(node_tokens)} vs {sum(bare_tokens)})")
 
-    # 3. GRPO step vs bare forward+backward+Adam over the same tokens
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--tasks", default="cpu-easy")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-local", type=int, default=4)
+    ap.add_argument("--generations", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--micro-batch-size", type=int, default=4, help="sequences per forward/backward (node default 4)")
+    ap.add_argument("--eval-every", type=int, default=5, help="evaluation cadence the overhead is computed for")
+    ap.add_argument("--eval-size", type=int, default=64)
+    ap.add_argument("--skip-generation", action="store_true", help="skip figure 2 (sampler vs bare generate)")
+    ap.add_argument("--json", default="", help="write the figures to this JSON file")
+    args = ap.parse_args()
+    result: dict = {"model": args.model, "tasks": args.tasks, "generations": args.generations,
+                    "num_local": args.num_local, "threads": args.threads or os.cpu_count()}
+
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    device = pick_device(args.device)
+    mix = resolve_mix(args.tasks)
+    max_new = args.max_new_tokens or mix.max_new_tokens
+    print(f"# model={args.model} device={device} threads={torch.get_num_threads()} tasks={mix.name} "
+          f"I={args.num_local} G={args.generations} max_new_tokens={max_new} torch={torch.__version__}")
+    model, tok = load_model(args.model, device)
+
+    # 1. real rounds through the node's loop (silo), held-out evaluation at the node's cadence
+    if args.rounds > 0:
+        result.update(rounds_section(args, model, tok, mix, max_new, device))
+
+    prompter = Prompter(tok, mix)
+    tasks = TaskSampler(mix, seed=123).sample(args.num_local)
+    prompts = [prompter(t) for t in tasks]
+    scfg = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=max_new)
+    if not args.skip_generation:
+        generation_section(args, model, tok, prompts, scfg, max_new, device)
+
+    # 3. training: plain layout vs shared prefix vs a bare forward+backward over the same tokens
     sampled = sample_groups(model, tok, prompts, args.generations, scfg)
     groups = [local_group(t, s, mix.answer_prefix) for t, s in zip(tasks, sampled)]
     for g in groups:  # force a signal so every sequence trains
         g.rewards = [float(i % 2) for i in range(len(g.rewards))]
     seqs = to_sequences(groups, tok, prompter, scale_std=True)
-    trainer = Trainer(model, tok.pad_token_id, TrainConfig(lr=1e-7, micro_batch_size=len(seqs)))
+    micro = args.micro_batch_size
+    trainers = {mode: Trainer(model, tok.pad_token_id, TrainConfig(lr=1e-7, micro_batch_size=micro,
+                                                                   prefix_sharing=mode)) for mode in ("off", "on")}
     from node.learn.policy import pad_batch
 
-    ids, attn, positions, comp_ids, _ = pad_batch(seqs, tok.pad_token_id, device)
-    keep = comp_ids.shape[1] + 1  # the same completion-only logits the trainer computes
-    bare_opt = torch.optim.Adam(model.parameters(), lr=1e-7)
-
-    def grpo_step(_):
-        trainer.step(seqs)
+    batches = [pad_batch(seqs[i: i + micro], tok.pad_token_id, device) for i in range(0, len(seqs), micro)]
+    bare_opt = torch.optim.Adam(model.parameters(), lr=1e-7, foreach=False)
 
     def bare_step(_):
         bare_opt.zero_grad(set_to_none=True)
-        model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False,
-              logits_to_keep=keep).logits.float().mean().backward()
+        for ids, attn, positions, comp_ids, _ in batches:
+            model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False,
+                  logits_to_keep=comp_ids.shape[1] + 1).logits.float().mean().backward()
         bare_opt.step()
 
-    grpo_step(0), bare_step(0)
-    t_grpo, t_fb = [], []
-    for _ in range(args.repeats):
-        t_grpo += timed(grpo_step, 1)
-        t_fb += timed(bare_step, 1)
-    g, b = statistics.median(t_grpo), statistics.median(t_fb)
-    print("\n## 3. GRPO step vs bare forward+backward+Adam (same tokens)")
-    print(f"  grpo step {g:7.3f}s   bare {b:7.3f}s   ratio {g / b:.3f} (target <= 1.2; {len(seqs)} sequences, "
-          f"{int(attn.sum())} tokens)")
+    steps = {"plain": lambda _: trainers["off"].step(seqs), "shared": lambda _: trainers["on"].step(seqs),
+             "bare": bare_step}
+    for fn in steps.values():
+        fn(0)  # warm-up
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    cpu: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(args.repeats):  # interleaved so drift and other load hit all three alike
+        for name, fn in steps.items():
+            times[name] += timed(fn, 1, cpu[name])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+    n_tokens = sum(len(x.prompt_ids) + len(x.completion_ids) for x in seqs)
+    prompt_tokens = sum(len(x.prompt_ids) for x in seqs)
+    print(f"\n## 3. training step, same {len(seqs)} sequences ({n_tokens} tokens, {100 * prompt_tokens / n_tokens:.0f}% "
+          f"prompt), micro-batch {micro}, median of {args.repeats}")
+    print(f"  {'plain':>8} {'shared':>8} {'bare f+b':>9}   speed-up   shared/bare")
+    for label, m in (("wall", med), ("cpu", med_cpu)):
+        print(f"  {m['plain']:7.3f}s {m['shared']:7.3f}s {m['bare']:8.3f}s   {m['plain'] / m['shared']:7.2f}x   "
+              f"{m['shared'] / m['bare']:7.2f}   ({label} seconds)")
+    result.update(train_plain_s=med["plain"], train_shared_s=med["shared"], fwd_bwd_bare_s=med["bare"],
+                  speedup=med["plain"] / med["shared"], sequences=len(seqs), tokens=n_tokens,
+                  prompt_tokens=prompt_tokens, micro_batch_size=micro, repeats=args.repeats,
+                  train_times_s=times, train_cpu_s=cpu, train_plain_cpu_s=med_cpu["plain"],
+                  train_shared_cpu_s=med_cpu["shared"], fwd_bwd_bare_cpu_s=med_cpu["bare"],
+                  speedup_cpu=med_cpu["plain"] / med_cpu["shared"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":

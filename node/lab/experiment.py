@@ -75,6 +75,8 @@ class RunSpec:
     mode: str
     threads: int
     extra_args: list[str] = field(default_factory=list)
+    eval_every: int = 5  # held-out evaluation cadence and size, passed to every peer
+    eval_size: int = 64
 
     def peer_seed(self, p: int) -> int:
         return 1000 * self.seed + p
@@ -84,7 +86,8 @@ class RunSpec:
                 "--num-external", str(self.num_external), "--generations", str(self.generations),
                 "--ij-policy", self.ij_policy, "--rounds", str(self.rounds), "--seed", str(self.peer_seed(p)),
                 "--lr", str(self.lr), "--run-dir", str(run_dir), "--name", f"peer{p}",
-                "--threads", str(self.threads)]
+                "--threads", str(self.threads), "--eval-every", str(self.eval_every),
+                "--eval-size", str(self.eval_size)]
         if self.max_new_tokens:
             args += ["--max-new-tokens", str(self.max_new_tokens)]
         return args + list(self.extra_args)
@@ -273,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=0, help="CPU threads per peer (0 = cores / peers)")
     ap.add_argument("--keep-run-checkpoints", action="store_true",
                     help="keep the peers' checkpoints of finished runs (default: delete them; metrics stay)")
+    ap.add_argument("--eval-every", type=int, default=5, help="held-out evaluation every N rounds (0 = off)")
+    ap.add_argument("--eval-size", type=int, default=64, help="tasks in the held-out evaluation set")
     ap.add_argument("--node-arg", action="append", default=[], help="extra sapo-node flag (repeatable)")
     return ap
 
@@ -314,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                            num_external=preset.num_external, generations=args.generations or preset.generations,
                            ij_policy=preset.ij_policy, rounds=args.rounds, model=args.model, tasks=args.tasks,
                            max_new_tokens=args.max_new_tokens, lr=args.lr, mode=args.mode, threads=threads,
-                           extra_args=list(args.node_arg))
+                           extra_args=list(args.node_arg), eval_every=args.eval_every, eval_size=args.eval_size)
             root = run_dir_of(exp, spec)
             root.mkdir(parents=True, exist_ok=True)
             if is_complete(root / "run.json"):

@@ -186,3 +186,45 @@ def fig_j_trajectory(runs: Sequence[Run], summary: dict, path: Path) -> bool:
     return True
 
 
+
+
+def fig_learning_health(runs: Sequence[Run], summary: dict, path: Path) -> None:
+    """Held-out accuracy per config (mean over seeds of the swarm mean, band = min/max over seeds), and the
+    collapse signs: share of groups with signal and token entropy (moving averages, mean over agents)."""
+    from node.lab.stats import eval_curve
+
+    configs = summary["configs"]
+    w = summary["window"]
+    by = _by_cfg(runs, configs)
+    fig = _figure(15, 4.4)
+    axes = fig.subplots(1, 3)
+    cols = _colors(len(configs))
+    for i, cfg in enumerate(configs):
+        curves = [eval_curve(r) for r in by[cfg]]
+        curves = [(x, y) for x, y in curves if y.size]
+        if curves:
+            rounds = np.unique(np.concatenate([x for x, _ in curves]))
+            mat = np.full((len(curves), rounds.size), np.nan)
+            for j, (x, y) in enumerate(curves):
+                mat[j, np.searchsorted(rounds, x)] = y
+            lo, hi = np.nanmin(mat, axis=0), np.nanmax(mat, axis=0)
+            axes[0].plot(rounds, nanmean_rows(mat), color=cols[i], lw=2, marker="o", ms=3, label=cfg)
+            axes[0].fill_between(rounds, lo, hi, color=cols[i], alpha=0.15, lw=0)
+        for ax, attr in ((axes[1], "signal_frac"), (axes[2], "entropy")):
+            series = [p for r in by[cfg] for p in r.peers if getattr(p, attr).size]
+            rounds, mat = align_series(series, attr)
+            if mat.size and np.isfinite(mat).any():
+                short = max(1, min(w, rounds.size // 4))  # a short run keeps a curve, not one point
+                ax.plot(rounds, moving_average(nanmean_rows(mat), short), color=cols[i], lw=1.5, label=cfg)
+    titles = ("Held-out accuracy (greedy); band = min/max over seeds", "Groups with signal (moving average)",
+              "Token entropy of the samples, nats (moving average)")
+    for ax, title in zip(axes, titles):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8, loc="best")
+        else:
+            ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path)

@@ -41,6 +41,13 @@ Definitions (also written into the report):
   mean is lower than the previous window's by more than X (``--drop``; default 0.1 × the largest
   swarm-mean MA observed); max drawdown: largest fall of the MA below its running maximum.
 * acceptance rate: sum(external_accepted) / (sum(external_accepted) + sum(external_rejected)).
+* held-out accuracy (when the lines carry ``eval_accuracy``): the swarm mean over agents at each
+  evaluated round; per seed the final value and the area under that curve divided by its round span
+  (trapezoids); compared with the baseline like the cumulative reward (bootstrap CI, sign test).
+  When present it is the report's first comparison; training reward stays as the second view.
+* collapse signs: ``signal_frac`` (share of groups with differing rewards; older runs:
+  ``local_signal_frac``) and ``entropy_mean`` (token entropy of the samples), all rounds and the
+  last quarter of each agent's rounds.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ import numpy as np
 from node.lab.figures import (
     fig_cumulative,
     fig_j_trajectory,
+    fig_learning_health,
     fig_ma_band,
     fig_per_agent,
 )
@@ -100,6 +108,7 @@ FIGURES = {
     "ma_band": "moving_average_band.png",
     "cumulative": "cumulative_reward.png",
     "j_trajectory": "j_trajectory.png",
+    "health": "heldout_and_collapse.png",
 }
 
 
@@ -110,6 +119,7 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
     fig_ma_band(runs, summary, out / FIGURES["ma_band"])
     fig_cumulative(summary, out / FIGURES["cumulative"])
     has_adaptive = fig_j_trajectory(runs, summary, out / FIGURES["j_trajectory"])
+    fig_learning_health(runs, summary, out / FIGURES["health"])
     (out / "summary.json").write_text(json.dumps(_jsonable(summary), indent=2, sort_keys=False))
 
     per = summary["per_config"]
@@ -141,7 +151,10 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
         )
     L.append("")
 
-    L.append("## Cumulative reward\n")
+    L += heldout_section(summary)
+
+    L.append("## Cumulative reward" + (" (training reward, the second view)" if summary.get("has_eval") else "")
+             + "\n")
     L.append("Sum over agents and rounds of `reward_mean`, per seed; mean ± sample std over seeds.\n")
     L.append("Seeds ahead: in how many seeds the configuration beat the baseline with the same seed (peer p of "
              "seed k has the same node seed in every configuration), with the one-sided exact sign-test p; "
@@ -224,8 +237,61 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
     return path
 
 
+def _vs(d: dict, key: str) -> tuple[str, str, str]:
+    """(% vs baseline, CI, seeds ahead with p) of one held-out measure, or dashes for the baseline."""
+    v = d.get(f"{key}_vs_base")
+    if not v:
+        return "baseline", "—", "—"
+    lo, hi = v["ci"]
+    ci = "n/a" if not (math.isfinite(lo) and math.isfinite(hi)) else f"[{lo:+.2f}%, {hi:+.2f}%]"
+    ahead = "n/a" if not v["seeds"] else f"{v['wins']}/{v['seeds']} (p = {_f(v['p'], '.3f')})"
+    return _pct(v["pct"]), ci, ahead
+
+
+def heldout_section(summary: dict) -> list[str]:
+    """The primary comparison when the runs logged held-out accuracy; collapse signs either way."""
+    per, L = summary["per_config"], []
+    if summary.get("has_eval"):
+        L.append("## Held-out accuracy\n")
+        L.append("Greedy answers to the task mix's fixed evaluation set (never trained on), scored like training. "
+                 "Per seed: the swarm mean over agents at the last evaluation (final), and the area under the "
+                 "swarm-mean curve divided by its round span (the mean accuracy over the run). % vs baseline, "
+                 "95% bootstrap CI over seeds and the paired sign test as for the cumulative reward below.\n")
+        L.append("| config | final (mean ± std) | vs baseline | 95% CI | seeds ahead (p) | area (mean ± std) "
+                 "| vs baseline | 95% CI | seeds ahead (p) |")
+        L.append("|---|---|---|---|---|---|---|---|---|")
+        for c in summary["configs"]:
+            d = per[c]
+            L.append(f"| {c} | {_f(d['eval_final_mean'], '.4f')} ± {_f(d['eval_final_std'], '.4f')} | "
+                     + " | ".join(_vs(d, "eval_final")) + f" | {_f(d['eval_area_mean'], '.4f')} ± "
+                     f"{_f(d['eval_area_std'], '.4f')} | " + " | ".join(_vs(d, "eval_area")) + " |")
+        L.append("")
+    L.append("## Collapse signs\n")
+    L.append("Share of groups (local and external) whose rewards differ, and the mean token entropy (nats) of "
+             "the sampled completions: over all rounds and over each agent's last quarter of rounds.\n")
+    L.append("| config | groups with signal | … last quarter | token entropy | … last quarter |")
+    L.append("|---|---|---|---|---|")
+    for c in summary["configs"]:
+        d = per[c]
+        L.append(f"| {c} | {_f(d['signal_frac_mean'], '.3f')} | {_f(d['signal_frac_last_quarter'], '.3f')} | "
+                 f"{_f(d['entropy_mean'], '.3f')} | {_f(d['entropy_last_quarter'], '.3f')} |")
+    L.append("")
+    L.append(f"![held-out accuracy and collapse signs]({FIGURES['health']})\n")
+    return L
+
+
 def _console_table(summary: dict) -> str:
-    rows = [f"{'config':<16}{'seeds':>6}{'cumulative':>22}{'vs base':>11}  95% CI"]
+    if summary.get("has_eval"):
+        rows = [f"{'config':<16}{'seeds':>6}{'held-out final':>18}{'vs base':>11}  95% CI"]
+        for c in summary["configs"]:
+            d = summary["per_config"][c]
+            vs, ci, _ = _vs(d, "eval_final")
+            rows.append(f"{c:<16}{d['n_seeds']:>6}{_f(d['eval_final_mean'], '.3f'):>18}{vs:>11}  "
+                        f"{'' if vs == 'baseline' else ci}")
+        rows.append("")
+    else:
+        rows = []
+    rows += [f"{'config':<16}{'seeds':>6}{'cumulative':>22}{'vs base':>11}  95% CI"]
     for c in summary["configs"]:
         d = summary["per_config"][c]
         cum = f"{_f(d['cumulative_mean'])} ± {_f(d['cumulative_std'])}"

@@ -32,6 +32,9 @@ class PeerSeries:
     rejected: np.ndarray
     round_s: np.ndarray
     ij_policy: str | None = None  # last "ij_policy" string logged in the file, if any
+    eval_acc: np.ndarray = field(default_factory=lambda: np.array([]))  # held-out accuracy, NaN if not evaluated
+    entropy: np.ndarray = field(default_factory=lambda: np.array([]))  # mean token entropy of the samples
+    signal_frac: np.ndarray = field(default_factory=lambda: np.array([]))  # share of groups with signal
 
 
 @dataclass
@@ -152,6 +155,10 @@ def _read_metrics(path: Path, peer: str) -> tuple[PeerSeries | None, int, int]:
             rejected=col("external_rejected"),
             round_s=col("round_s"),
             ij_policy=pol,
+            eval_acc=col("eval_accuracy"),
+            entropy=col("entropy_mean"),
+            # older runs logged only the local share
+            signal_frac=np.where(np.isnan(sf := col("signal_frac")), col("local_signal_frac"), sf),
         ),
         bad,
         dup,

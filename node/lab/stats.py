@@ -1,4 +1,5 @@
-"""The numbers behind `sapo-report`: moving averages, cumulative reward, bootstrap CIs, the paired sign test, `summarize`.
+"""The numbers behind `sapo-report`: moving averages, cumulative reward, held-out accuracy (final and area
+under the curve), bootstrap CIs, the paired sign test, `summarize`.
 
 Definitions are in `node.lab.report`'s docstring, which is also what the report prints.
 """
@@ -79,7 +80,7 @@ def bootstrap_improvement(
         return math.nan, math.nan, math.nan, "no data"
     bm = float(b.mean())
     if bm == 0:
-        return math.nan, math.nan, math.nan, "baseline cumulative reward is 0"
+        return math.nan, math.nan, math.nan, "baseline mean is 0"
     point = 100.0 * (float(c.mean()) / bm - 1.0)
     if c.size == 1 and b.size == 1:
         return point, point, point, "degenerate CI: 1 seed each"
@@ -127,6 +128,65 @@ def _max_drawdown(ma: np.ndarray) -> float:
     if v.size == 0:
         return math.nan
     return float(np.max(np.maximum.accumulate(v) - v))
+
+
+def eval_curve(run: Run) -> tuple[np.ndarray, np.ndarray]:
+    """(evaluated rounds, swarm-mean held-out accuracy there) of one run; empty when it never evaluated."""
+    rounds, mat = align_series([p for p in run.peers if p.eval_acc.size], "eval_acc")
+    if not mat.size:
+        return rounds, np.array([])
+    curve = nanmean_rows(mat)
+    keep = np.isfinite(curve)
+    return rounds[keep], curve[keep]
+
+
+def eval_area(rounds: np.ndarray, acc: np.ndarray) -> float:
+    """Area under the held-out curve divided by its round span: the run's mean accuracy over time, in the
+    units of accuracy (trapezoids between evaluated rounds; one evaluation is its own value)."""
+    if acc.size == 0:
+        return math.nan
+    if acc.size == 1 or rounds[-1] == rounds[0]:
+        return float(acc.mean())
+    return float(np.sum((acc[1:] + acc[:-1]) / 2 * np.diff(rounds)) / (rounds[-1] - rounds[0]))
+
+
+def _tail_mean(series: Sequence[np.ndarray], frac: float = 0.25) -> float:
+    """Mean over the last `frac` of each agent's rounds (at least one), pooled."""
+    vals = [x[-max(1, int(round(frac * x.size))):] for x in series if x.size]
+    v = np.concatenate(vals) if vals else np.array([])
+    v = v[np.isfinite(v)]
+    return float(v.mean()) if v.size else math.nan
+
+
+def learning_health(rs: Sequence[Run]) -> dict:
+    """Held-out accuracy per seed (final and area under the curve) and the collapse signs of one config."""
+    final, area = {}, {}
+    for r in rs:
+        rounds, acc = eval_curve(r)
+        if acc.size:
+            final[r.seed], area[r.seed] = float(acc[-1]), eval_area(rounds, acc)
+    peers = [p for r in rs for p in r.peers]
+    return {
+        "eval_final_by_seed": final,
+        "eval_final_mean": _fmean(list(final.values())),
+        "eval_final_std": _fstd(list(final.values())),
+        "eval_area_by_seed": area,
+        "eval_area_mean": _fmean(list(area.values())),
+        "eval_area_std": _fstd(list(area.values())),
+        "signal_frac_mean": _tail_mean([p.signal_frac for p in peers], 1.0),
+        "signal_frac_last_quarter": _tail_mean([p.signal_frac for p in peers]),
+        "entropy_mean": _tail_mean([p.entropy for p in peers], 1.0),
+        "entropy_last_quarter": _tail_mean([p.entropy for p in peers]),
+    }
+
+
+def compare_heldout(d: dict, base: dict, n_boot: int, boot_seed: int) -> None:
+    """Adds, for final and area held-out accuracy: % vs the baseline, its bootstrap CI and the sign test."""
+    for key in ("eval_final", "eval_area"):
+        cfg_v, base_v = d[f"{key}_by_seed"], base[f"{key}_by_seed"]
+        pt, lo, hi, note = bootstrap_improvement(list(cfg_v.values()), list(base_v.values()), n_boot, boot_seed)
+        wins, n, p = paired_sign_test(cfg_v, base_v)
+        d[f"{key}_vs_base"] = {"pct": pt, "ci": [lo, hi], "note": note, "wins": wins, "seeds": n, "p": p}
 
 
 def _pick_baseline(by_cfg: dict[str, list[Run]], requested: str | None) -> tuple[str | None, str]:
@@ -248,6 +308,7 @@ def summarize(
             "final_target_j_mean": float(np.mean(final_j)) if final_j else math.nan,
             "mean_round_s": float(np.nanmean(rs_s)) if np.isfinite(rs_s).any() else math.nan,
             "skipped_lines": sum(r.skipped_lines for r in rs),
+            **learning_health(rs),
         }
 
     if base_name is not None:
@@ -261,6 +322,7 @@ def summarize(
             d["improvement_pct"], d["improvement_ci"], d["improvement_note"] = pt, [lo, hi], note
             d["paired_wins"], d["paired_seeds"], d["sign_test_p"] = paired_sign_test(
                 d["cumulative_by_seed"], b["cumulative_by_seed"])
+            compare_heldout(d, b, n_boot, boot_seed)
             if d["peers"] != b["peers"] or d["rounds"] != b["rounds"]:
                 warnings.append(
                     f"{cfg}: agents {d['peers']} / rounds {d['rounds']} differ from baseline {base_name} "
@@ -287,6 +349,7 @@ def summarize(
         "duplicate_rounds": sum(r.duplicate_rounds for r in runs),
         "warnings": warnings,
         "per_config": per,
+        "has_eval": any(d["eval_final_by_seed"] for d in per.values()),
     }
 
 

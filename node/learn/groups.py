@@ -99,3 +99,21 @@ class Prompter:
 
     def __call__(self, task: Task) -> str:
         return prompt_text(self.tokenizer, build_messages(self.mix, task), self.answer_prefix)
+
+
+def collapse_metrics(local: list[Group], external: list[Group]) -> dict[str, float]:
+    """Signs of a collapsing policy, per round: the sampled completions' mean token entropy (token
+    weighted, from the sampling logits) and the share of all groups on offer, local and external, whose
+    rewards differ (only those teach anything; when it nears 0 learning stops)."""
+    tokens = entropy_sum = 0.0
+    for g in local:
+        if g.sampled is not None:
+            for ids, h in zip(g.sampled.completion_ids, g.sampled.entropy):
+                tokens += len(ids)
+                entropy_sum += h * len(ids)
+    groups = local + external
+    return {
+        "entropy_mean": entropy_sum / tokens if tokens else 0.0,
+        "signal_frac": sum(g.signal() for g in groups) / len(groups) if groups else 0.0,
+        "external_signal_frac": sum(g.signal() for g in external) / len(external) if external else 0.0,
+    }

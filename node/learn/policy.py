@@ -12,7 +12,7 @@ import contextlib
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -149,6 +149,8 @@ class SampledGroup:
     completion_ids: list[list[int]]  # each ends with EOS if the model stopped
     behaviour_logp: list[list[float]]  # aligned with completion_ids
     texts: list[str]  # decoded completions, without the forced prefix
+    entropy: list[float] = field(default_factory=list)  # per completion: mean token entropy (nats) of the
+    # temperature-scaled sampling distribution, the policy's own spread (collapse shows as it nears 0)
 
 
 class _BehaviourRecorder(LogitsProcessor):
@@ -162,13 +164,18 @@ class _BehaviourRecorder(LogitsProcessor):
         self.temperature = temperature
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (scaled logits, logsumexp)
         self.steps: list[torch.Tensor] = []
+        self.entropies: list[torch.Tensor] = []  # [B] per step: H(softmax(logits / T))
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         self._collect(input_ids[:, -1])
         # The warpers after us return new tensors, so keeping a reference (no copy) is safe. Only the
         # log-normaliser is computed per step; the full log-softmax is never materialised.
         scaled = scores if self.temperature == 1.0 else scores / self.temperature
-        self.pending = (scaled, torch.logsumexp(scaled.float(), dim=-1))
+        lse = torch.logsumexp(scaled.float(), dim=-1)
+        self.pending = (scaled, lse)
+        # H = lse - sum p * x: one more pass over the vocabulary per step, no [B, V] log-softmax kept
+        probs = torch.exp(scaled.float() - lse.unsqueeze(1))
+        self.entropies.append(lse - (probs * torch.nan_to_num(scaled.float(), neginf=0.0)).sum(dim=-1))
         return scores
 
     def _collect(self, last_tokens: torch.Tensor) -> None:
@@ -247,20 +254,23 @@ def sample_groups(
         model.train(was_training)
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
     logps = recorder.finish(sequences).cpu()
+    entropies = torch.stack(recorder.entropies, dim=1).cpu() if recorder.entropies else torch.zeros_like(logps)
     prompt_len = enc["input_ids"].shape[1]
     generated = sequences[:, prompt_len:].cpu()
     eos = tokenizer.eos_token_id
     groups = []
     for p, prompt in enumerate(prompts):
         ids = [int(t) for t, m in zip(enc["input_ids"][p].tolist(), enc["attention_mask"][p].tolist()) if m]
-        comp, lps, texts = [], [], []
+        comp, lps, texts, ents = [], [], [], []
         for g in range(group_size):
             row = generated[p * group_size + g].tolist()
             n = row.index(eos) + 1 if eos in row else len(row)
             comp.append(row[:n])
             lps.append(logps[p * group_size + g, :n].tolist())
+            ents.append(float(entropies[p * group_size + g, :n].mean()) if n else 0.0)
             texts.append(tokenizer.decode(row[:n], skip_special_tokens=True))
-        groups.append(SampledGroup(prompt_ids=ids, completion_ids=comp, behaviour_logp=lps, texts=texts))
+        groups.append(SampledGroup(prompt_ids=ids, completion_ids=comp, behaviour_logp=lps, texts=texts,
+                                   entropy=ents))
     return groups
 
 
@@ -322,5 +332,14 @@ def token_logprobs(model: torch.nn.Module, seqs: list[Sequence], pad_id: int, te
     C = comp_ids.shape[1]
     logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False,
                    logits_to_keep=C + 1).logits[:, :-1]  # logits at t-1 predict token t
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(2, comp_ids.unsqueeze(-1)).squeeze(-1)
+    return completion_logprobs(logits, comp_ids, comp_mask, temperature)
+
+
+def completion_logprobs(logits: torch.Tensor, comp_ids: torch.Tensor, comp_mask: torch.Tensor, temperature: float):
+    """[B, C, V] logits predicting the completion tokens -> ([B, C] masked logp, mask); half precision is
+    lifted to float32 for the softmax, float64 stays float64 (the gradient tests run in it)."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    logp = torch.log_softmax(logits / temperature, dim=-1).gather(2, comp_ids.unsqueeze(-1)).squeeze(-1)
+    comp_mask = comp_mask.to(logp.dtype)
     return logp * comp_mask, comp_mask

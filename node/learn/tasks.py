@@ -19,6 +19,10 @@ import reasoning_gym
 # Every dataset is created with this size; items depend only on (seed, index), so any index below it is
 # regenerable by any node (see docs/PROTOCOL.md).
 DATASET_SIZE = 1_000_000
+# Indices [EVAL_INDEX_START, DATASET_SIZE) of every dataset seed are the held-out evaluation's: the
+# sampler never draws them (its counter wraps below), and no peer's group naming one is accepted
+# (TaskMix.allows), so nothing a node trains on can be an evaluation task, whatever the seeds.
+EVAL_INDEX_START = 900_000
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,8 @@ class TaskMix:
     def allows(self, spec: TaskSpec) -> bool:
         """Only datasets *and configs* of our own mix are accepted from peers."""
         entry = self.datasets.get(spec.dataset)
-        return entry is not None and _freeze(entry.get("config", {})) == spec.config
+        return (entry is not None and _freeze(entry.get("config", {})) == spec.config
+                and not is_eval_index(spec.index))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -253,7 +258,7 @@ class TaskSampler:
         for _ in range(n):
             name = self.rng.choices(self._names, weights=self._weights, k=1)[0]
             spec = TaskSpec.make(name, self.mix.datasets[name].get("config", {}), self.seed, self.counter)
-            self.counter = (self.counter + 1) % DATASET_SIZE
+            self.counter = (self.counter + 1) % EVAL_INDEX_START  # never reaches the held-out range
             tasks.append(regenerate(spec))
         return tasks
 
@@ -263,7 +268,30 @@ class TaskSampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         rng_state = json.loads(state["rng"])
         self.rng.setstate((rng_state[0], tuple(rng_state[1]), rng_state[2]))
-        self.counter = int(state["counter"])
+        self.counter = int(state["counter"]) % EVAL_INDEX_START
+
+
+def is_eval_index(index: int) -> bool:
+    return EVAL_INDEX_START <= index < DATASET_SIZE
+
+
+EVAL_SEED = 0  # dataset seed of the held-out set: the same tasks for every node and run of a mix
+
+
+def eval_tasks(mix: TaskMix, size: int) -> list[Task]:
+    """The mix's fixed held-out set: `size` tasks from the reserved index range, datasets in proportion to
+    their weights (largest remainders), so every dataset with weight gets a share and runs compare."""
+    names = list(mix.datasets)
+    weights = [float(mix.datasets[n].get("weight", 1.0)) for n in names]
+    exact = [size * w / sum(weights) for w in weights]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(names)), key=lambda i: exact[i] - counts[i], reverse=True)[: size - sum(counts)]:
+        counts[i] += 1
+    tasks = []
+    for name, count in zip(names, counts):
+        config = mix.datasets[name].get("config", {})
+        tasks += [regenerate(TaskSpec.make(name, config, EVAL_SEED, EVAL_INDEX_START + k)) for k in range(count)]
+    return tasks
 
 
 def build_messages(mix: TaskMix, task: Task) -> list[dict[str, str]]:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from node.learn.grpo import LOSS_TYPES, grpo_loss
-from node.learn.policy import Sequence, token_logprobs
+from node.learn.policy import Sequence
+from node.learn.prefix import PREFIX_SHARING, micro_batches, supports_prefix_sharing
 from node.learn.stop import RoundAbandoned, StopRequest
 
 
@@ -36,12 +37,15 @@ class TrainConfig:
     micro_batch_size: int = 16  # sequences per forward/backward (memory bound), gradients accumulate
     temperature: float = 1.0  # same scaling as at sampling time
     max_completion_len: int = 256  # dr_grpo's constant normaliser
+    prefix_sharing: str = "auto"  # auto: share each group's prompt when the model's cache allows it
 
     def validate(self) -> None:
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss type must be one of {LOSS_TYPES}")
         if self.epochs < 1 or self.minibatches < 1 or self.micro_batch_size < 1:
             raise ValueError("epochs, minibatches and micro batch size must be >= 1")
+        if self.prefix_sharing not in PREFIX_SHARING:
+            raise ValueError(f"prefix sharing must be one of {PREFIX_SHARING}")
 
 
 @dataclass
@@ -69,14 +73,30 @@ class Trainer:
         self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, foreach=False)
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
         self.rng = random.Random(seed)
+        self._shared: bool | None = None  # decided on first use (auto probes the model once)
+
+    @property
+    def shared_prefix(self) -> bool:
+        """Whether each group's prompt runs once (see node/learn/prefix.py) or once per completion."""
+        if self._shared is None:
+            mode = self.cfg.prefix_sharing
+            works = mode != "off" and supports_prefix_sharing(self.model, self.pad_id)
+            if mode == "on" and not works:
+                raise ValueError("--prefix-sharing on: this model's KV cache cannot be shared across a group")
+            self._shared = works
+        return self._shared
+
+    def _micro_batches(self, model: torch.nn.Module, seqs: list[Sequence]):
+        return micro_batches(model, seqs, self.pad_id, self.cfg.temperature, self.cfg.micro_batch_size,
+                             self.shared_prefix)
 
     @torch.no_grad()
     def fill_old_logp(self, seqs: list[Sequence]) -> None:
-        """pi_old for sequences that were not sampled by this model (external groups): evaluate now."""
+        """pi_old for sequences that were not sampled by this model (external groups): evaluate now, in the
+        same layout (shared or plain) as the training forward."""
         todo = [s for s in seqs if s.old_logp is None]
-        for chunk in _chunks(todo, self.cfg.micro_batch_size):
+        for chunk, logp, mask in self._micro_batches(self.model, todo):
             self._safe_point()
-            logp, mask = token_logprobs(self.model, chunk, self.pad_id, self.cfg.temperature)
             for s, row, m in zip(chunk, logp, mask):
                 s.old_logp = row[: int(m.sum())].tolist()
 
@@ -119,15 +139,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = sum(len(s.completion_ids) for s in minibatch)
         acc = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0, "tokens": 0.0}
-        for chunk in _chunks(minibatch, cfg.micro_batch_size):
+        refs = self._ref_logprobs(minibatch)
+        for chunk, logp, mask in self._micro_batches(self.model, minibatch):
+            old = _padded([s.old_logp for s in chunk], logp)
+            ref = None if refs is None else _padded([refs[id(s)] for s in chunk], logp)
+            adv = torch.tensor([s.advantage for s in chunk], dtype=logp.dtype, device=logp.device)
             self._safe_point()
-            logp, mask = token_logprobs(self.model, chunk, self.pad_id, cfg.temperature)
-            old = _padded([s.old_logp for s in chunk], logp.shape[1], logp.device)
-            ref = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref, _ = token_logprobs(self.ref_model, chunk, self.pad_id, cfg.temperature)
-            adv = torch.tensor([s.advantage for s in chunk], device=logp.device)
             loss, st = grpo_loss(logp, old, adv, mask, cfg.eps_low, cfg.eps_high, cfg.loss_type, cfg.beta, ref,
                                  cfg.max_completion_len)
             # Weight each micro-batch so the sum equals the loss over the whole minibatch.
@@ -152,6 +169,17 @@ class Trainer:
         if self.stop is not None and not self._stepped:
             self.stop.check()
 
+    @torch.no_grad()
+    def _ref_logprobs(self, seqs: list[Sequence]) -> dict[int, list[float]] | None:
+        """The reference model's log-probs per sequence (keyed by id), when the KL term is on."""
+        if self.ref_model is None:
+            return None
+        out = {}
+        for chunk, logp, mask in self._micro_batches(self.ref_model, seqs):
+            for s, row, m in zip(chunk, logp, mask):
+                out[id(s)] = row[: int(m.sum())].tolist()
+        return out
+
 
 def release_freed_memory() -> None:
     """Hand freed activation memory back to the OS (glibc keeps it otherwise): several peers share one
@@ -163,14 +191,10 @@ def release_freed_memory() -> None:
             pass
 
 
-def _chunks(items: list, size: int):
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
-
-
-def _padded(rows: list[list[float] | None], width: int, device: torch.device) -> torch.Tensor:
-    out = torch.zeros((len(rows), width), device=device)
+def _padded(rows: list[list[float] | None], like: torch.Tensor) -> torch.Tensor:
+    """Per-sequence lists as a zero-padded tensor with `like`'s width, dtype and device."""
+    out = torch.zeros((len(rows), like.shape[1]), dtype=like.dtype, device=like.device)
     for i, row in enumerate(rows):
         if row:
-            out[i, : len(row)] = torch.tensor(row[:width], device=device)
+            out[i, : len(row)] = torch.tensor(row[: like.shape[1]], dtype=like.dtype)
     return out

@@ -51,6 +51,11 @@ class NodeConfig:
     minibatches: int = opt(1, "optimizer steps per epoch")
     micro_batch_size: int = opt(4, "sequences per forward/backward (memory bound)")
     max_grad_norm: float = opt(1.0, "gradient clipping norm")
+    prefix_sharing: str = opt("auto", "train each group's prompt once under its G completions: auto (when the "
+                                      "model's KV cache allows it), on, off")
+    # held-out evaluation
+    eval_every: int = opt(5, "greedy held-out evaluation every N rounds (0 = off)")
+    eval_size: int = opt(64, "tasks in the held-out evaluation set (fixed per task mix, never trained on)")
     # run dir, checkpoints, logs
     run_dir: str = opt("runs/node", "where metrics, logs, identity and checkpoints live")
     resume: bool = opt(False, "continue from the newest good checkpoint in --run-dir")
@@ -98,9 +103,9 @@ class ConfigError(ValueError):
 
 POSITIVE = {"num_local", "generations", "rounds", "epochs", "minibatches", "micro_batch_size",
             "checkpoint_every", "keep_checkpoints", "window", "fetch_max"}
-NON_NEGATIVE = {"num_external", "max_new_tokens", "threads", "beta", "status_port", "seed"}
+NON_NEGATIVE = {"num_external", "max_new_tokens", "threads", "beta", "status_port", "seed", "eval_every"}
 CHOICES = {"loss_type": ("grpo", "dr_grpo", "dapo"), "ij_policy": ("fixed", "ema", "usefulness"),
-           "log_level": ("DEBUG", "INFO", "WARNING", "ERROR")}
+           "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"), "prefix_sharing": ("auto", "on", "off")}
 
 
 def flag(name: str) -> str:
@@ -122,6 +127,8 @@ def validate(cfg: NodeConfig) -> None:
             raise bad(name, f"must be one of {', '.join(allowed)}")
     if cfg.generations < 2:
         raise bad("generations", "must be >= 2 (advantages are relative within a group)")
+    if cfg.eval_every and cfg.eval_size < 1:
+        raise bad("eval_size", "must be >= 1 when --eval-every is on")
     if cfg.lr <= 0:
         raise bad("lr", "must be > 0")
     if cfg.temperature <= 0:

@@ -15,6 +15,7 @@ class LiveState:
     started_at: float = field(default_factory=time.time)
     history: list = field(default_factory=list)
     last_round_at: float | None = None
+    last_eval: dict | None = None  # the newest held-out evaluation: round, accuracy, per dataset, seconds
 
 
 class PhaseTimer:

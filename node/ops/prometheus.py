@@ -148,6 +148,7 @@ def render_metrics(snap: Mapping[str, Any], kind: str = "node") -> str:
               num(secs), {"phase": p})
     m.add("sapo_last_round_timestamp_seconds", "gauge",
           "Unix time at which the last round finished.", num(snap.get("last_round_at")))
+    learning_health(m, snap)
 
     m.add_fields("counter", snap.get("totals"), TOTALS)
 
@@ -188,6 +189,23 @@ def render_metrics(snap: Mapping[str, Any], kind: str = "node") -> str:
     if "healthy" in snap:
         m.add("sapo_healthy", "gauge", "1 if the node reports itself healthy.", bool(snap.get("healthy")))
     return m.render()
+
+
+def learning_health(m, snap: dict) -> None:
+    """Held-out accuracy (overall and per dataset) and the signs of collapse (entropy, groups with signal)."""
+    m.add("sapo_token_entropy", "gauge", "Mean token entropy (nats) of the last round's sampled completions.",
+          num(snap.get("entropy")))
+    m.add("sapo_signal_fraction", "gauge", "Share of the last round's groups whose rewards differ.",
+          num(snap.get("signal_frac")))
+    ev = as_dict(snap.get("eval"))
+    m.add("sapo_eval_accuracy", "gauge", "Held-out accuracy (greedy) at the last evaluation.",
+          num(ev.get("eval_accuracy")))
+    for key, value in sorted(ev.items()):
+        if key.startswith("eval_accuracy/"):
+            m.add("sapo_eval_accuracy_by_dataset", "gauge", "Held-out accuracy at the last evaluation, by dataset.",
+                  num(value), {"dataset": key.split("/", 1)[1]})
+    m.add("sapo_eval_round", "gauge", "Round of the last held-out evaluation.", num(ev.get("round")))
+    m.add("sapo_eval_duration_seconds", "gauge", "Seconds the last held-out evaluation took.", num(ev.get("eval_s")))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -71,7 +71,8 @@ def test_preset_over_dht_resumes_after_ctrl_c(tmp_path):
 def test_memory_mode_comparison_then_report(tmp_path):
     """Silo vs swarm in the in-process round-robin mode, then `sapo-report` on the result."""
     exp = tmp_path / "exp"
-    done = subprocess.run(experiment("4/0", "2/2", "--mode", "memory", "--rounds", "3", "--out", str(exp), *TINY),
+    done = subprocess.run(experiment("4/0", "2/2", "--mode", "memory", "--rounds", "3", "--out", str(exp), *TINY,
+                                     "--eval-every", "2", "--eval-size", "6"),
                           cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     silo = [rounds_of(exp / "4-0" / "seed0" / f"peer{p}") for p in range(2)]
@@ -84,5 +85,9 @@ def test_memory_mode_comparison_then_report(tmp_path):
     assert report.returncode == 0, report.stderr[-2000:]
     text = (tmp_path / "report" / "report.md").read_text()
     assert "4/0" in text and "2/2" in text
+    # every peer evaluated after rounds 0 and 2 (the last), and the report leads with it
+    evaluated = [r["round"] for r in live_metrics(exp / "2-2" / "seed0" / "peer0") if "eval_accuracy" in r]
+    assert evaluated == [0, 2]
+    assert text.index("## Held-out accuracy") < text.index("## Cumulative reward")
     assert {p.name for p in (tmp_path / "report").glob("*.png")} >= {
         "per_agent_rewards.png", "moving_average_band.png", "cumulative_reward.png"}

@@ -19,7 +19,11 @@ def reward(cfg, s, t):
     return BASE[cfg] + 0.02 * t + 0.01 * s
 
 
-def write_exp(root, *, corrupt=True):
+# held-out accuracy(config, seed, round t) = EVAL_BASE[config] + 0.01 * t + 0.01 * seed, at rounds 0, 5, 9
+EVAL_BASE = {"4/0": 0.20, "2/2": 0.30}
+
+
+def write_exp(root, *, corrupt=True, held_out=False):
     for cfg in BASE:
         i, j = map(int, cfg.split("/"))
         for s in SEEDS:
@@ -40,6 +44,11 @@ def write_exp(root, *, corrupt=True):
                            "target_external": j, "round_s": 1.5}
                     if j:
                         rec.update(external_accepted=3, external_rejected=1)
+                    if held_out:
+                        rec.update(signal_frac=1.0 - 0.1 * t, entropy_mean=2.0)
+                        if t % 5 == 0 or t == ROUNDS - 1:
+                            rec.update({"eval_accuracy": EVAL_BASE[cfg] + 0.01 * t + 0.01 * s,
+                                        "eval_accuracy/count_bits": 0.5, "eval_s": 2.0})
                     lines.append(json.dumps(rec))
                 if corrupt and cfg == "2/2" and s == 1 and p == 0:
                     lines.insert(3, "this is not json")
@@ -80,6 +89,30 @@ def test_report_end_to_end(tmp_path, capsys):
     assert lo <= 75.0 <= hi
     printed = capsys.readouterr().out
     assert "+75.00%" in printed and "skipped 2 corrupt" in printed
+
+
+def test_report_leads_with_held_out_accuracy(tmp_path, capsys):
+    exp = write_exp(tmp_path / "exp", corrupt=False, held_out=True)
+    out = tmp_path / "out"
+    assert main([str(exp), "--out", str(out)]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    d, b = s["per_config"]["2/2"], s["per_config"]["4/0"]
+    # final = value at round 9: 4/0 0.29 + 0.01 s -> mean 0.30; 2/2 -> 0.40: +33.33 %
+    assert b["eval_final_mean"] == pytest.approx(0.30) and d["eval_final_mean"] == pytest.approx(0.40)
+    assert d["eval_final_vs_base"]["pct"] == pytest.approx(100 / 3)
+    assert d["eval_final_vs_base"]["wins"] == 3 and d["eval_final_vs_base"]["p"] == pytest.approx(0.125)
+    # a linear curve: trapezoids are exact, area / span = value at round 4.5 -> 0.255 vs 0.355
+    assert b["eval_area_mean"] == pytest.approx(0.255) and d["eval_area_mean"] == pytest.approx(0.355)
+    assert d["eval_area_vs_base"]["pct"] == pytest.approx(100 * (0.355 / 0.255 - 1))
+    # signal_frac 1.0 - 0.1 t: all rounds mean 0.55; last quarter (rounds 7..9, 2 of 10 -> rounds 8, 9) 0.15
+    assert d["signal_frac_mean"] == pytest.approx(0.55) and d["signal_frac_last_quarter"] == pytest.approx(0.15)
+    assert d["entropy_mean"] == pytest.approx(2.0)
+    md = (out / "report.md").read_text()
+    assert md.index("## Held-out accuracy") < md.index("## Cumulative reward (training reward, the second view)")
+    assert "| 2/2 | 0.4000 ± 0.0100 | +33.33% |" in md
+    assert (out / "heldout_and_collapse.png").stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "held-out final" in printed and "+33.33%" in printed
 
 
 def test_summarize_numbers(tmp_path):

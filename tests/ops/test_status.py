@@ -35,9 +35,13 @@ def fake_snapshot(**over) -> dict:
         "phase_s": {"generate": 3.5, "score": 0.25, "publish": 0.1, "fetch": 1.0, "train": 4.0},
         "history": [
             {"round": r, "reward_mean": r / 10, "num_local": 4, "num_external": r % 3,
-             "phase_s": {"generate": 3.0, "train": 4.0}}
+             "phase_s": {"generate": 3.0, "train": 4.0}, "signal_frac": 0.5, "entropy_mean": 1.5}
+            | ({"eval_accuracy": r / 20} if r % 5 == 1 else {})
             for r in range(1, 7)
         ],
+        "eval": {"round": 6, "eval_accuracy": 0.3, "eval_accuracy/count_bits": 0.25, "eval_s": 4.5, "eval_size": 64},
+        "entropy": 1.5,
+        "signal_frac": 0.5,
         "peers": {
             "cd" * 32: {"name": EVIL_NAME, "last_round": 6, "last_seen": now - 1},
             "ef" * 32: {"name": "carol", "last_round": 5, "last_seen": now - 30},
@@ -165,6 +169,10 @@ async def test_metrics_exposition(client):
                 and s[1].get("peer") == "cd" * 32], "no ban, no sample"
     assert value_of(samples, "sapo_verify_seconds_last_round") == 0.75
     assert value_of(samples, "sapo_verify_bytes_last_round") == 123456
+    assert value_of(samples, "sapo_eval_accuracy") == 0.3
+    assert value_of(samples, "sapo_eval_accuracy_by_dataset", dataset="count_bits") == 0.25
+    assert value_of(samples, "sapo_eval_round") == 6 and value_of(samples, "sapo_eval_duration_seconds") == 4.5
+    assert value_of(samples, "sapo_token_entropy") == 1.5 and value_of(samples, "sapo_signal_fraction") == 0.5
 
 
 def test_render_metrics_tolerates_junk():

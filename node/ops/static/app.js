@@ -122,7 +122,7 @@
       var pen = false, n = 0;
       for (var i = 0; i < xs.length; i++) {
         var v = s.values[i];
-        if (!isNum(v)) { pen = false; continue; }
+        if (!isNum(v)) { if (!s.connect) pen = false; continue; }  // connect: sparse series (eval rounds)
         var x = xPos(xs[i]), y = yPos(g, v, lo, hi);
         if (pen) ctx.lineTo(x, y); else ctx.moveTo(x, y);
         pen = true; n++;
@@ -183,6 +183,8 @@
       { values: movingAverage(rewards, MA_WINDOW), color: cssVar("--ma", "#f59e0b"), width: 2 }
     ]);
 
+    renderHealthChart(hist, xs);
+
     var recent = hist.slice(-BAR_ROUNDS), rx = recent.map(function (r) { return r.round; });
     drawStackedBars($("mix-chart"), rx, [
       { values: recent.map(function (r) { return r.num_local; }), color: cssVar("--local", "#10b981") },
@@ -206,6 +208,21 @@
       legend.appendChild(sw); legend.appendChild(document.createTextNode(ph));
     });
     renderPhaseTable(s.phase_s || (hist.length ? hist[hist.length - 1].phase_s : null) || {});
+  }
+
+  // Held-out accuracy (evaluated rounds only, joined) and the share of groups with signal, both in [0, 1].
+  function renderHealthChart(hist, xs) {
+    var pick = function (k) { return hist.map(function (r) { return isNum(r[k]) ? r[k] : null; }); };
+    drawLineChart($("health-chart"), xs, [
+      { values: pick("eval_accuracy"), color: cssVar("--eval", "#dc2626"), width: 2, connect: true },
+      { values: pick("signal_frac"), color: cssVar("--signal", "#0891b2") }
+    ]);
+  }
+
+  function renderHealth(s) {
+    var ev = s.eval || {};
+    setText("v-eval", isNum(ev.eval_accuracy) ? fmt(ev.eval_accuracy) + " @" + ev.round : "–");
+    setText("v-health", fmt(s.entropy, 2) + " / " + (isNum(s.signal_frac) ? (100 * s.signal_frac).toFixed(0) + "%" : "–"));
   }
 
   function renderPhaseTable(ps) {
@@ -289,6 +306,7 @@
     setText("v-tokens", fmtInt(totals.tokens_generated));
     setText("v-groups", fmtInt(totals.groups_local) + " / " + fmtInt(totals.groups_external));
     setText("v-uptime", fmtDuration(s.uptime_s));
+    renderHealth(s);
     renderIdentity(s);
     renderCharts(s);
     renderPeers(s);

@@ -1,0 +1,96 @@
+"""Held-out evaluation: greedy answers to the mix's fixed evaluation set, accuracy overall and per dataset.
+
+The set comes from `tasks.eval_tasks` (a reserved index range no training task can come from). Greedy
+decoding uses no random numbers, and the torch RNG state is restored anyway, so a run with evaluation
+gives the same training records as one without.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from node.learn.groups import Prompter, score_responses
+from node.learn.stop import StopRequest
+from node.learn.tasks import Task, TaskMix, eval_tasks
+
+
+@dataclass
+class EvalResult:
+    accuracy: float  # mean reward (reasoning-gym's score in [0, 1]) over the whole set
+    by_dataset: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    size: int = 0
+
+    def to_record(self) -> dict[str, float]:
+        """Keys of a metrics.jsonl row: eval_accuracy, eval_accuracy/<dataset>, eval_s, eval_size."""
+        out = {"eval_accuracy": self.accuracy, "eval_s": round(self.seconds, 4), "eval_size": self.size}
+        out.update({f"eval_accuracy/{name}": acc for name, acc in sorted(self.by_dataset.items())})
+        return out
+
+
+@torch.no_grad()
+def greedy_texts(model: torch.nn.Module, tokenizer, prompts: list[str], max_new_tokens: int,
+                 batch_size: int, stop: StopRequest | None = None) -> list[str]:
+    """Greedy completions, `batch_size` prompts per generate call, decoded without special tokens.
+    A stop request ends it within one decoder layer (RoundAbandoned)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    texts: list[str] = []
+    try:
+        for start in range(0, len(prompts), batch_size):
+            if stop is not None:
+                stop.check()
+            enc = tokenizer(prompts[start: start + batch_size], return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(device)
+            with stop.watch(model) if stop is not None else nullcontext():
+                out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, use_cache=True,
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                     temperature=None, top_p=None, top_k=None)
+            texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    finally:
+        model.train(was_training)
+    return texts
+
+
+def evaluate(model: torch.nn.Module, tokenizer, prompter: Prompter, tasks: list[Task], max_new_tokens: int,
+             batch_size: int = 32, stop: StopRequest | None = None) -> EvalResult:
+    """Accuracy of greedy answers on `tasks`, scored by the same reward function as training."""
+    t0 = time.perf_counter()
+    rng_state = torch.random.get_rng_state()
+    try:
+        texts = greedy_texts(model, tokenizer, [prompter(t) for t in tasks], max_new_tokens, batch_size, stop)
+    finally:
+        torch.random.set_rng_state(rng_state)
+    rewards: dict[str, list[float]] = {}
+    for task, text in zip(tasks, texts):
+        (reward,) = score_responses(task, [prompter.answer_prefix + text])
+        rewards.setdefault(task.spec.dataset, []).append(reward)
+    flat = [r for values in rewards.values() for r in values]
+    return EvalResult(
+        accuracy=sum(flat) / len(flat) if flat else 0.0,
+        by_dataset={name: sum(v) / len(v) for name, v in rewards.items()},
+        seconds=time.perf_counter() - t0,
+        size=len(flat),
+    )
+
+
+class HeldOutEval:
+    """When a node evaluates (every `every` rounds from round 0, and after its last round) and on what."""
+
+    def __init__(self, mix: TaskMix, size: int, every: int, rounds: int):
+        self.mix, self.size, self.every, self.rounds = mix, size, every, rounds
+        self.tasks: list[Task] | None = None  # built on first use, in the worker thread
+
+    def due(self, r: int) -> bool:
+        return self.every > 0 and (r % self.every == 0 or r == self.rounds - 1)
+
+    def run(self, model: torch.nn.Module, tokenizer, prompter: Prompter, max_new_tokens: int,
+            stop: StopRequest | None = None) -> EvalResult:
+        if self.tasks is None:
+            self.tasks = eval_tasks(self.mix, self.size)
+        return evaluate(model, tokenizer, prompter, self.tasks, max_new_tokens, stop=stop)

@@ -1,0 +1,93 @@
+"""Held-out evaluation: a fixed set no training task can come from; evaluating changes no training record."""
+
+import copy
+
+import pytest
+import torch
+
+from node.learn.evaluate import evaluate
+from node.learn.groups import Prompter, collapse_metrics, local_group
+from node.learn.policy import SamplingConfig, load_model, sample_groups
+from node.learn.tasks import (DATASET_SIZE, EVAL_INDEX_START, PRESETS, TaskSampler, TaskSpec, eval_tasks,
+                              is_eval_index)
+from node.loop import SapoNode
+from node.ops.config import load_config
+from node.swarm.exchange import Silo
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-random", torch.device("cpu"))
+
+
+def test_eval_set_is_fixed_weighted_and_in_the_reserved_range():
+    mix = PRESETS["cpu-easy"]
+    tasks = eval_tasks(mix, 64)
+    assert [t.spec for t in tasks] == [t.spec for t in eval_tasks(mix, 64)]
+    assert len(tasks) == 64 and all(is_eval_index(t.spec.index) for t in tasks)
+    counts = {name: sum(t.spec.dataset == name for t in tasks) for name in mix.datasets}
+    assert counts == {"count_bits": 19, "letter_counting": 13, "ransom_note": 19, "syllogism": 13}
+    assert len({t.spec for t in tasks}) == 64
+
+
+def test_training_never_draws_or_accepts_an_eval_task():
+    mix = PRESETS["cpu-easy"]
+    sampler = TaskSampler(mix, seed=0)  # the eval set's own dataset seed
+    sampler.counter = EVAL_INDEX_START - 2
+    indices = [t.spec.index for t in sampler.sample(4)]
+    assert indices == [EVAL_INDEX_START - 2, EVAL_INDEX_START - 1, 0, 1]  # wraps below the reserved range
+    resumed = TaskSampler(mix, seed=0)
+    resumed.load_state_dict({"rng": sampler.state_dict()["rng"], "counter": EVAL_INDEX_START + 5})
+    assert resumed.counter < EVAL_INDEX_START
+    for task in eval_tasks(mix, 16):  # a peer publishing an eval task is refused, whatever its seed
+        assert not mix.allows(task.spec)
+    config = mix.datasets["count_bits"]["config"]
+    assert mix.allows(TaskSpec.make("count_bits", config, 0, EVAL_INDEX_START - 1))
+    assert not mix.allows(TaskSpec.make("count_bits", config, 7, DATASET_SIZE - 1))
+
+
+def test_evaluate_scores_greedy_answers_per_dataset(tiny):
+    model, tok = tiny
+    mix = PRESETS["smoke"]
+    prompter = Prompter(tok, mix)
+    tasks = eval_tasks(mix, 6)
+    state = torch.random.get_rng_state()
+    first = evaluate(model, tok, prompter, tasks, max_new_tokens=6, batch_size=4)
+    assert torch.equal(state, torch.random.get_rng_state())
+    again = evaluate(model, tok, prompter, tasks, max_new_tokens=6, batch_size=6)
+    assert first.size == 6 and set(first.by_dataset) == set(mix.datasets)
+    assert first.accuracy == again.accuracy and first.by_dataset == again.by_dataset  # greedy, batch-independent
+    rec = first.to_record()
+    assert {"eval_accuracy", "eval_s", "eval_size", "eval_accuracy/propositional_logic"} <= set(rec)
+
+
+def test_collapse_metrics_from_sampled_groups(tiny):
+    model, tok = tiny
+    mix = PRESETS["smoke"]
+    prompter = Prompter(tok, mix)
+    tasks = TaskSampler(mix, 1).sample(2)
+    torch.manual_seed(0)
+    sampled = sample_groups(model, tok, [prompter(t) for t in tasks], 3, SamplingConfig(max_new_tokens=5))
+    groups = [local_group(t, s, mix.answer_prefix) for t, s in zip(tasks, sampled)]
+    vocab_log = torch.log(torch.tensor(float(len(tok))))
+    for s in sampled:  # a random model samples from a near-uniform distribution: entropy near log |V|
+        assert all(0.5 * vocab_log < h <= vocab_log + 1e-4 for h in s.entropy)
+    groups[0].rewards, groups[1].rewards = [1.0, 0.0, 0.0], [0.5, 0.5, 0.5]
+    m = collapse_metrics(groups, [])
+    assert m["signal_frac"] == 0.5 and 0.5 * vocab_log < m["entropy_mean"] <= vocab_log + 1e-4
+
+
+async def test_a_run_with_eval_has_the_same_training_records_as_without(tmp_path, tiny):
+    records = {}
+    for every in (0, 1):
+        cfg = load_config(["--model", "tiny-random", "--tasks", "smoke", "--num-local", "2", "--generations", "3",
+                           "--max-new-tokens", "6", "--seed", "4", "--rounds", "3", "--eval-every", str(every),
+                           "--eval-size", "4", "--run-dir", str(tmp_path / str(every))], env={})
+        node = SapoNode(cfg, PRESETS["smoke"], copy.deepcopy(tiny[0]), tiny[1], Silo(), torch.device("cpu"))
+        records[every] = [(await node.run_round(r)).record for r in range(3)]
+        node.worker.shutdown()
+    keys = ("reward_mean", "loss", "tokens_generated", "clip_frac", "grad_norm", "entropy_mean", "signal_frac")
+    assert [{k: r[k] for k in keys} for r in records[0]] == [{k: r[k] for k in keys} for r in records[1]]
+    assert all("eval_accuracy" not in r for r in records[0])
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0 and r["eval_size"] == 4 and r["eval_s"] > 0 for r in records[1])
+    assert all("eval" in r["phase_s"] for r in records[1])

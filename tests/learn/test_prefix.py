@@ -1,0 +1,122 @@
+"""Shared-prefix GRPO: the same loss and the same gradients as the plain layout, in float64."""
+
+import copy
+import types
+
+import pytest
+import torch
+
+from node.learn.groups import Group, Prompter, local_group, to_sequences
+from node.learn.policy import SamplingConfig, Sequence, load_model, sample_groups, token_logprobs
+from node.learn.prefix import micro_batches, plan_units, supports_prefix_sharing
+from node.learn.tasks import PRESETS, TaskSampler
+from node.learn.trainer import TrainConfig, Trainer
+
+
+@pytest.fixture(scope="module")
+def tiny64():
+    """Tiny random model in float64; three local groups (prompts of different lengths) + one external."""
+    torch.manual_seed(0)
+    model, tok = load_model("tiny-random", torch.device("cpu"))
+    mix = PRESETS["cpu-easy"]
+    tasks = TaskSampler(mix, seed=11).sample(3)
+    prompter = Prompter(tok, mix)
+    sampled = sample_groups(model, tok, [prompter(t) for t in tasks], 4, SamplingConfig(max_new_tokens=10))
+    groups = [local_group(t, s, mix.answer_prefix) for t, s in zip(tasks, sampled)]
+    for g in groups:  # the random model earns nothing: give every group a learning signal
+        g.rewards = [1.0, 0.0, 0.5, 0.0]
+    extra = TaskSampler(mix, seed=12).sample(1)[0]
+    groups.append(Group(task=extra, responses=["<answer>7</answer>", "<answer>13", "x"], rewards=[1.0, 0.0, 0.2],
+                        source="ab" * 32))
+    model = model.double()
+    for module in model.modules():  # HF's RMSNorm rounds to float32 even in a float64 model: keep float64
+        if type(module).__name__ == "LlamaRMSNorm":
+            module.forward = types.MethodType(_rms_norm_float64, module)
+    seqs = to_sequences(groups, tok, prompter, scale_std=True)
+    assert len({len(s.prompt_ids) for s in seqs}) >= 3, "the test needs prompts of different lengths"
+    assert any(s.old_logp is None for s in seqs), "the test needs re-encoded external sequences"
+    return model, tok, seqs
+
+
+def _rms_norm_float64(self, hidden):
+    return self.weight * hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
+def _grads(model, tok, seqs, shared, **cfg):
+    m = copy.deepcopy(model)
+    trainer = Trainer(m, tok.pad_token_id, TrainConfig(lr=0.0, max_grad_norm=1e9,
+                                                       prefix_sharing="on" if shared else "off", **cfg))
+    seqs = copy.deepcopy(seqs)
+    trainer.fill_old_logp(seqs)
+    # pi_old made different from pi_theta, so the clipped branch is exercised too
+    for s in seqs:
+        s.old_logp = [x + 0.3 * ((i % 3) - 1) for i, x in enumerate(s.old_logp)]
+    stats = trainer._optimizer_step(seqs)
+    return torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]), stats
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("micro", [3, 5, 64])
+def test_shared_prefix_gradients_equal_plain(tiny64, loss_type, micro):
+    model, tok, seqs = tiny64
+    order = [seqs[i] for i in torch.randperm(len(seqs), generator=torch.Generator().manual_seed(micro)).tolist()]
+    plain, st_plain = _grads(model, tok, order, shared=False, loss_type=loss_type, micro_batch_size=micro)
+    shared, st_shared = _grads(model, tok, order, shared=True, loss_type=loss_type, micro_batch_size=micro)
+    assert plain.dtype == torch.float64 and plain.abs().max() > 1e-6
+    assert (plain - shared).abs().max() < 1e-9
+    assert abs(st_plain["loss"] - st_shared["loss"]) < 1e-9
+    assert abs(st_plain["clip_frac"] - st_shared["clip_frac"]) < 1e-9 and st_plain["clip_frac"] > 0
+
+
+def test_shared_prefix_gradients_equal_plain_with_kl(tiny64):
+    model, tok, seqs = tiny64
+    plain, _ = _grads(model, tok, seqs, shared=False, beta=0.1, micro_batch_size=4)
+    shared, _ = _grads(model, tok, seqs, shared=True, beta=0.1, micro_batch_size=4)
+    assert (plain - shared).abs().max() < 1e-9
+
+
+def test_shared_logprobs_equal_plain_per_sequence(tiny64):
+    model, tok, seqs = tiny64
+    with torch.no_grad():
+        plain, mask = token_logprobs(model, seqs, tok.pad_token_id, 0.7)
+        by_seq = {id(s): (row, m) for chunk, lp, mk in micro_batches(model, seqs, tok.pad_token_id, 0.7, 5, True)
+                  for s, row, m in zip(chunk, lp, mk)}
+    for s, row, m in zip(seqs, plain, mask):
+        n = int(m.sum())
+        other, other_mask = by_seq[id(s)]
+        assert int(other_mask.sum()) == n == len(s.completion_ids)
+        assert (row[:n] - other[:n]).abs().max() < 1e-10
+
+
+def test_units_keep_groups_whole_and_split_big_ones():
+    a, b, c = [1, 2], [1, 2, 3], [4]
+    seqs = [Sequence(p, [9], 0.0) for p in (a, b, a, c, b, a, a, a)]
+    units = plan_units(seqs, micro_batch_size=3)
+    assert [u.prompts for u in units] == [[tuple(a)], [tuple(b), tuple(c)]]
+    assert units[0].members == [[0, 2, 5, 6, 7]] and units[1].members == [[1, 4], [3]]
+    chunks = [len(ch) for ch, _, _ in micro_batches(load_model("tiny-random", torch.device("cpu"))[0], seqs, 0, 1.0, 3,
+                                                     True)]
+    assert chunks == [3, 2, 3]  # the five sequences of prompt a run in two micro-batches over one prefix
+
+
+def test_auto_picks_shared_for_llama_and_plain_for_a_model_without_a_cache(tiny64):
+    model, tok, _ = tiny64
+    assert supports_prefix_sharing(model, tok.pad_token_id)
+
+    class NoCache(torch.nn.Module):  # a causal LM whose forward has no past_key_values
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def get_input_embeddings(self):
+            return self.inner.get_input_embeddings()
+
+        def forward(self, input_ids, attention_mask, position_ids, use_cache=False, logits_to_keep=0):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False, logits_to_keep=logits_to_keep)
+
+    wrapped = NoCache(model)
+    assert not supports_prefix_sharing(wrapped, tok.pad_token_id)
+    assert Trainer(wrapped, tok.pad_token_id, TrainConfig()).shared_prefix is False
+    with pytest.raises(ValueError, match="cannot be shared"):
+        Trainer(wrapped, tok.pad_token_id, TrainConfig(prefix_sharing="on")).shared_prefix
