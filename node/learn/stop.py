@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the CLIs import this module before any model work
+    import torch
 
 
 class RoundAbandoned(Exception):
@@ -60,6 +61,7 @@ class StopRequest:
     def watch(self, model: torch.nn.Module, allowed: Callable[[], bool] = lambda: True) -> Iterator[None]:
         """While inside, every decoder layer's forward, and the backward through its output, first
         checks the request (when `allowed()`): a stop lands within one layer, not one whole pass."""
+        import torch
 
         def check() -> None:
             if self._event.is_set() and allowed():
@@ -86,5 +88,7 @@ class StopRequest:
 
 def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer's blocks: the longest ModuleList (decoder layers in every causal LM we load)."""
+    import torch
+
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
     return list(max(lists, key=len)) if lists else [model]
