@@ -152,7 +152,6 @@ def is_complete(path: Path) -> bool:
 class Stop:
     """The experiment's stop request; memory-mode nodes poll `node_stop` at their safe points."""
 
-    requested = False
     first_at: float | None = None
     node_stop = StopRequest()
 
@@ -188,9 +187,9 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
         nodes.append(node)
     del base_model
     try:
-        while any(n.pending for n in nodes) and not Stop.requested:
+        while any(n.pending for n in nodes) and not Stop.node_stop.is_set():
             for node in nodes:  # round-robin: the same interleaving every time
-                if node.pending and not Stop.requested:
+                if node.pending and not Stop.node_stop.is_set():
                     await node.step()
     except RoundAbandoned:  # the round in progress is redone on resume; completed ones are checkpointed below
         pass
@@ -233,7 +232,7 @@ def run_dht(spec: RunSpec, root: Path, poll_s: float = 1.0) -> bool:
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                           start_new_session=True))
         while any(p.poll() is None for p in procs):
-            if Stop.requested:
+            if Stop.node_stop.is_set():
                 for p in procs:
                     if p.poll() is None:
                         p.send_signal(signal.SIGINT)  # each node stops at a safe point and checkpoints
@@ -244,7 +243,7 @@ def run_dht(spec: RunSpec, root: Path, poll_s: float = 1.0) -> bool:
         codes = [p.returncode for p in procs]
         if any(c not in (0, None) for c in codes):
             log.warning("%s seed %d: peer exit codes %s (see peer*/node.log)", spec.config_name, spec.seed, codes)
-        return not Stop.requested and all(c == 0 for c in codes)
+        return not Stop.node_stop.is_set() and all(c == 0 for c in codes)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -303,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("stopping: each peer abandons its round at a safe point and checkpoints its last "
                         "completed one (seconds); run the same command to resume. Ctrl-C again after %.0f s "
                         "aborts.", REPEAT_WINDOW_S)
-            Stop.first_at, Stop.requested = time.monotonic(), True
+            Stop.first_at = time.monotonic()
             Stop.node_stop.set(signal.Signals(signum).name)
         elif time.monotonic() - Stop.first_at > REPEAT_WINDOW_S:
             raise KeyboardInterrupt
@@ -337,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                 if freed:
                     log.info("%s seed %d: removed its checkpoints (%.1f GB; --keep-run-checkpoints keeps them)",
                              name, seed, freed / 1e9)
-            if Stop.requested:
+            if Stop.node_stop.is_set():
                 log.warning("interrupted; resume with the same command")
                 return 130
     log.info("all runs complete; report: sapo-report %s", exp)
