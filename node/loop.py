@@ -297,6 +297,7 @@ class SapoNode(RoundRecords):
         self.ij.load_state_dict(s["ij_policy"])
         self.totals = NodeTotals(**s["totals"])
 
+
 def _ignore_outcome(task: asyncio.Future) -> None:
     """A network call given up on (timeout or stop): fetch its outcome so asyncio does not warn about it."""
     if not task.cancelled():

@@ -1,7 +1,8 @@
 """What a round leaves behind: its metrics.jsonl record, its log line, the I/J controller's observation,
 and the status snapshot that /status, /metrics and the dashboard render.
 
-Kept out of node/loop.py so that the loop reads as the algorithm; everything here only reads the node.
+Kept out of node/loop.py so that the loop reads as the algorithm. Nothing here changes what the node learns:
+it reads the node's state and keeps its running totals.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class NodeTotals:
 
 
 class RoundRecords:
-    """SapoNode's reporting side (a mixin): it reads the node's state and never changes what it learns."""
+    """SapoNode's reporting side (a mixin): reads the node's state, updates only its totals."""
 
     def _record(self, r, timer, local, selection, stats: StepStats, num_local, num_external, sampled) -> dict:
         rewards = [x for g in local for x in g.rewards]

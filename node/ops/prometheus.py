@@ -206,8 +206,3 @@ def learning_health(m, snap: dict) -> None:
                   num(value), {"dataset": key.split("/", 1)[1]})
     m.add("sapo_eval_round", "gauge", "Round of the last held-out evaluation.", num(ev.get("round")))
     m.add("sapo_eval_duration_seconds", "gauge", "Seconds the last held-out evaluation took.", num(ev.get("eval_s")))
-
-
-# --------------------------------------------------------------------------------------------------
-# Health
-# --------------------------------------------------------------------------------------------------

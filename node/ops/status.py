@@ -31,7 +31,6 @@ from aiohttp import web
 
 from node.ops.prometheus import (
     METRICS_CONTENT_TYPE,
-    PHASES,
     as_dict,
     num,
     render_metrics,
@@ -43,7 +42,6 @@ __all__ = [
     "ThreadedStatusServer",
     "start_status_server_in_thread",
     "health_check",
-    "PHASES",
     "DEFAULT_STALE_AFTER_S",
 ]
 
