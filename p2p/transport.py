@@ -35,7 +35,7 @@ from p2p.pow import DEFAULT_POW_DIFFICULTY, MAX_POW_DIFFICULTY
 from p2p.validators import DEFAULT_PRESENCE_SHARDS, MAX_PRESENCE_SHARDS, MAX_RECORD_TTL_S, SapoRecordValidator, \
     batch_key, keep_valid_subkeys, owner_subkey, presence_key, presence_shard
 from p2p.wire import MAX_PRESENCE_BYTES, WIRE_VERSION, PresenceRecord, WireCaps, WireError, decode_presence, \
-    encode_presence, open_envelope
+    encode_presence, open_envelope, presence_fits
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,9 @@ class TransportConfig:
             raise ValueError(f"presence_shards must be in [1, {MAX_PRESENCE_SHARDS}]")
         if self.fetch_max < 1:
             raise ValueError("fetch_max must be >= 1")
+        if not presence_fits(self.swarm):
+            raise ValueError(f"swarm name too long ({len(self.swarm.encode())} bytes): its presence records would "
+                             f"exceed {MAX_PRESENCE_BYTES} bytes and no peer would ever find this node")
         if self.presence_sample <= 0:
             self.presence_sample = 2 * self.fetch_max
 

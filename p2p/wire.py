@@ -178,6 +178,14 @@ def encode_presence(rec: PresenceRecord, identity: Identity) -> bytes:
     return seal(canonical_json(presence_to_dict(rec)), identity)
 
 
+def presence_fits(swarm: str) -> bool:
+    """Whether this swarm's presence records stay under MAX_PRESENCE_BYTES at every round and time: the
+    name is the only free-length field, and a record over the cap is refused by every peer, ours included."""
+    longest_time = math.nextafter(MAX_TIMESTAMP, 0)  # 17 significant digits: the longest a time can print
+    worst = PresenceRecord(WIRE_VERSION, swarm, bytes(PUBLIC_KEY_LEN), MAX_ROUND, longest_time)
+    return HEADER_LEN + len(canonical_json(presence_to_dict(worst))) <= MAX_PRESENCE_BYTES
+
+
 # ---------------------------------------------------------------- decoding
 
 

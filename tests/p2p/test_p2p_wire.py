@@ -238,3 +238,22 @@ def test_proof_of_work_is_checked_before_the_signature():
     assert reason_of(bytes(data), pow_difficulty=10) == "weak_identity"
     data[-5] ^= 1  # a forged payload by a key without work is refused for the work, before any signature check
     assert reason_of(bytes(data), pow_difficulty=10) == "weak_identity"
+
+
+def test_a_swarm_name_is_refused_up_front_unless_its_presence_records_always_fit(tmp_path):
+    """A presence record over the cap is refused by every peer, ours included: the node would publish
+    batches nobody ever finds. So the longest name that fits must fit at the largest round and the longest
+    time, and one byte more must be refused when the transport is configured."""
+    import math
+
+    from p2p.transport import TransportConfig
+    from p2p.wire import MAX_ROUND, MAX_TIMESTAMP, PresenceRecord, decode_presence, encode_presence, presence_fits
+
+    ident = Identity.generate()
+    longest = max(n for n in range(1, 300) if presence_fits("s" * n))
+    rec = PresenceRecord(WIRE_VERSION, "s" * longest, ident.public_key_bytes, MAX_ROUND,
+                         math.nextafter(MAX_TIMESTAMP, 0))
+    assert decode_presence(encode_presence(rec, ident)).swarm == "s" * longest
+    TransportConfig(identity_dir=tmp_path, swarm="s" * longest)
+    with pytest.raises(ValueError, match="swarm name too long"):
+        TransportConfig(identity_dir=tmp_path, swarm="s" * (longest + 1))
