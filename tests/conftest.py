@@ -15,6 +15,7 @@ import pytest
 from node.learn.groups import score_responses
 from node.learn.tasks import PRESETS, TaskSampler
 from p2p.identity import KEY_FILENAME, Identity
+from p2p.transport import SwarmTransport, TransportConfig
 from p2p.wire import TaskSpecWire, WireGroup
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -217,3 +218,10 @@ def smoke_group(seed: int, index_shift: int = 0, claimed=None) -> WireGroup:
     assert true[0] != true[1], "the test group needs a learning signal"
     rewards = true if claimed is None else claimed(true)
     return WireGroup(TaskSpecWire(**task.spec.to_wire()), completions, rewards)
+
+
+def transport(tmp: Path, name: str, swarm: str, peers: list[str], **kw) -> SwarmTransport:
+    """A bare SwarmTransport on loopback with the test swarm's (low) proof-of-work difficulty."""
+    kw.setdefault("pow_difficulty", int(os.environ["SAPO_POW_DIFFICULTY"]))
+    return SwarmTransport(TransportConfig(identity_dir=tmp / name, swarm=swarm, host_maddrs=[LOOPBACK],
+                                          initial_peers=peers, **kw))

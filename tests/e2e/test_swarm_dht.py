@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from hivemind.utils import get_dht_time
 
-from conftest import LOOPBACK, Proc, await_for, free_port, prefix_of, reasons, smoke_group, sources, start_bootstrap, \
-    start_node, stop_all, stored_eventually, wait_for
+from conftest import Proc, await_for, free_port, prefix_of, reasons, smoke_group, sources, start_bootstrap, \
+    start_node, stop_all, stored_eventually, transport, wait_for
 from conftest import live_metrics as rounds
 from p2p.identity import KEY_FILENAME, Identity
-from p2p.transport import SwarmTransport, TransportConfig, _store_from_file
+from p2p.transport import SwarmTransport, _store_from_file
 from p2p.validators import DEFAULT_PRESENCE_SHARDS, batch_key, owner_subkey, presence_key, presence_shard
 from p2p.wire import HEADER_LEN, WIRE_VERSION, PresenceRecord, RolloutBatch, TaskSpecWire, WireGroup, encode_presence, \
     encode_signed
@@ -37,12 +37,6 @@ def up_line(run_dir: Path) -> list[tuple[str, list[str]]]:
     """(peer name, visible maddrs) from every 'DHT peer ... up at [...]' line in node.log."""
     text = (run_dir / "node.log").read_text()
     return [(m.group(1), re.findall(r"'([^']+)'", m.group(2))) for m in UP_RE.finditer(text)]
-
-
-def transport(tmp: Path, name: str, swarm: str, peers: list[str], **kw) -> SwarmTransport:
-    kw.setdefault("pow_difficulty", int(os.environ["SAPO_POW_DIFFICULTY"]))  # the nodes' (tests/conftest.py)
-    return SwarmTransport(TransportConfig(identity_dir=tmp / name, swarm=swarm, host_maddrs=[LOOPBACK],
-                                          initial_peers=peers, **kw))
 
 
 async def raw_store(t: SwarmTransport, key: str, value: bytes, ttl: float = 300) -> bool:

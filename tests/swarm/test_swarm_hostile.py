@@ -20,7 +20,7 @@ import pytest
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from conftest import LOOPBACK, prefix_of, reasons, smoke_group, sources, start_bootstrap, start_node, \
+from conftest import LOOPBACK, transport, prefix_of, reasons, smoke_group, sources, start_bootstrap, start_node, \
     stop_all, wait_for
 from conftest import live_metrics as rounds
 from node.learn.tasks import PRESETS, TaskSampler
@@ -28,7 +28,6 @@ from node.swarm.exchange import ExchangeStats
 from node.swarm.verify import Verifier, VerifyConfig
 from p2p.identity import Identity
 from p2p.pow import check_pow
-from p2p.transport import SwarmTransport, TransportConfig
 from p2p.validators import DEFAULT_PRESENCE_SHARDS, RECORD_SIG_MAGIC, SapoRecordValidator, batch_key, \
     key_id_bytes, owner_subkey, presence_key, presence_shard, record_message
 from p2p.wire import HEADER_LEN, MAX_ROUND, WIRE_VERSION, PresenceRecord, RolloutBatch, TaskSpecWire, WireGroup, \
@@ -36,12 +35,6 @@ from p2p.wire import HEADER_LEN, MAX_ROUND, WIRE_VERSION, PresenceRecord, Rollou
 
 POW = int(os.environ["SAPO_POW_DIFFICULTY"])  # tests/conftest.py: low, so that hundreds of keys are cheap
 pytestmark = pytest.mark.timeout(600)
-
-
-def transport(tmp: Path, name: str, swarm: str, peers: list[str], **kw) -> SwarmTransport:
-    kw.setdefault("pow_difficulty", POW)
-    return SwarmTransport(TransportConfig(identity_dir=tmp / name, swarm=swarm, host_maddrs=[LOOPBACK],
-                                          initial_peers=peers, **kw))
 
 
 def batch(ident: Identity, swarm: str, rnd: int, groups: list[WireGroup], model: str = "m") -> bytes:
