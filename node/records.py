@@ -16,6 +16,7 @@ import torch
 
 from node import __version__
 from node.learn.groups import Group
+from node.learn.grpo import group_advantages
 from node.learn.trainer import StepStats
 from node.ops.metrics import peak_memory_mb
 from node.swarm.ij_policy import RoundObservation
@@ -152,8 +153,6 @@ def _count_sources(groups: list[Group]) -> dict[str, int]:
 
 
 def _mean_abs_adv(groups: list[Group]) -> float:
-    from node.learn.grpo import group_advantages
-
     values = []
     for g in groups:
         values.extend(abs(a) for a in group_advantages(torch.tensor(g.rewards, dtype=torch.float64)).tolist())

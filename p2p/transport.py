@@ -120,7 +120,6 @@ def start_dht(
     caps: WireCaps = WireCaps(),
     pow_difficulty: int = DEFAULT_POW_DIFFICULTY,
     presence_shards: int = DEFAULT_PRESENCE_SHARDS,
-    also_sign_for: tuple[Identity, ...] = (),
 ) -> hivemind.DHT:
     """Fork a DHT process with our validator and persistent libp2p identity (not yet awaited)."""
     p2p_path = libp2p_identity_path(identity_dir)
@@ -142,7 +141,7 @@ def start_dht(
         start=True,
         await_ready=False,
         record_validators=[SapoRecordValidator(identity, swarm, caps, pow_difficulty=pow_difficulty,
-                                               presence_shards=presence_shards, also_sign_for=also_sign_for)],
+                                               presence_shards=presence_shards)],
         **kwargs,
     )
 

@@ -53,6 +53,7 @@ PIDS=()
 BOOT_PID=""
 PROGRESS_PID=""
 STOP_REASON=""
+SIGNALLED=0  # peers (the first N of PIDS) already asked to stop
 on_stop_signal() {
   if [ -n "$STOP_REASON" ]; then
     say "$1 again: already stopping; waiting for the peers to checkpoint (${#PIDS[@]} peers)"
@@ -61,6 +62,7 @@ on_stop_signal() {
   STOP_REASON="$1"
   say "$1: asking each peer once to stop at a safe point and checkpoint its last completed round..."
   for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  SIGNALLED=${#PIDS[@]}
 }
 trap 'on_stop_signal SIGINT' INT
 trap 'on_stop_signal SIGTERM' TERM
@@ -115,6 +117,11 @@ for i in $(seq 0 $((PEERS - 1))); do
     --host-maddrs /ip4/127.0.0.1/tcp/0 --peers "${MADDRS[@]}" "${extra[@]}" "$@" \
     >>"$dir/console.log" 2>&1 </dev/null &
   PIDS+=($!)
+  # a stop that landed after this peer started but before it was recorded did not reach it
+  if [ -n "$STOP_REASON" ] && [ "$SIGNALLED" -lt "${#PIDS[@]}" ]; then
+    kill -TERM "$!" 2>/dev/null || true
+    SIGNALLED=${#PIDS[@]}
+  fi
 done
 
 if [ "${SAPO_PROGRESS:-1}" = 1 ] && [ -z "$STOP_REASON" ]; then

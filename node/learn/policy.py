@@ -171,11 +171,12 @@ class _BehaviourRecorder(LogitsProcessor):
         # The warpers after us return new tensors, so keeping a reference (no copy) is safe. Only the
         # log-normaliser is computed per step; the full log-softmax is never materialised.
         scaled = scores if self.temperature == 1.0 else scores / self.temperature
-        lse = torch.logsumexp(scaled.float(), dim=-1)
+        x = scaled.float()  # one float32 view per step (a copy under bf16), shared by all three uses
+        lse = torch.logsumexp(x, dim=-1)
         self.pending = (scaled, lse)
         # H = lse - sum p * x: one more pass over the vocabulary per step, no [B, V] log-softmax kept
-        probs = torch.exp(scaled.float() - lse.unsqueeze(1))
-        self.entropies.append(lse - (probs * torch.nan_to_num(scaled.float(), neginf=0.0)).sum(dim=-1))
+        probs = torch.exp(x - lse.unsqueeze(1))
+        self.entropies.append(lse - (probs * torch.nan_to_num(x, neginf=0.0)).sum(dim=-1))
         return scores
 
     def _collect(self, last_tokens: torch.Tensor) -> None:
