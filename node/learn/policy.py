@@ -341,6 +341,8 @@ def completion_logprobs(logits: torch.Tensor, comp_ids: torch.Tensor, comp_mask:
     lifted to float32 for the softmax, float64 stays float64 (the gradient tests run in it)."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    logp = torch.log_softmax(logits / temperature, dim=-1).gather(2, comp_ids.unsqueeze(-1)).squeeze(-1)
+    if temperature != 1.0:  # skipped at 1: a full pass over [B, C, vocab] for nothing
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1).gather(2, comp_ids.unsqueeze(-1)).squeeze(-1)
     comp_mask = comp_mask.to(logp.dtype)
     return logp * comp_mask, comp_mask

@@ -47,18 +47,31 @@ class Unit:
     members: list[list[int]]  # per prompt: indices into the caller's sequence list
 
 
-def plan_units(seqs: list[Sequence], micro_batch_size: int) -> list[Unit]:
+def token_budget(seqs: list[Sequence], micro_batch_size: int) -> int:
+    """Tokens one shared-path micro-batch may hold: what the plain path's worst micro-batch of
+    `micro_batch_size` padded sequences holds, so sharing never needs more activation memory per pass
+    (and a whole group usually fits in one pass, which is where the speed comes from)."""
+    return micro_batch_size * max(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
+
+
+def _padded_cost(prompts: list[tuple[int, ...]], completions: list[int]) -> int:
+    """Tokens of a prefix batch (left-padded prompts) plus its completions (right-padded)."""
+    return len(prompts) * max(map(len, prompts), default=0) + len(completions) * max(completions, default=0)
+
+
+def plan_units(seqs: list[Sequence], budget: int) -> list[Unit]:
     """Buckets sequences by prompt (first-appearance order) and packs whole buckets into units of at most
-    `micro_batch_size` sequences; a bucket larger than that is a unit of its own (its completions then
-    run in several micro-batches over one prefix)."""
+    `budget` padded tokens (each prompt once, each completion once); a bucket larger than that is a unit of
+    its own (its completions then run in several micro-batches over one prefix)."""
     buckets: dict[tuple[int, ...], list[int]] = {}
     for i, s in enumerate(seqs):
         buckets.setdefault(tuple(s.prompt_ids), []).append(i)
     units: list[Unit] = []
     current = Unit([], [])
     for prompt, members in buckets.items():
-        size = sum(len(m) for m in current.members)
-        if current.prompts and size + len(members) > micro_batch_size:
+        prompts = current.prompts + [prompt]
+        lengths = [len(seqs[i].completion_ids) for m in current.members + [members] for i in m]
+        if current.prompts and _padded_cost(prompts, lengths) > budget:
             units.append(current)
             current = Unit([], [])
         current.prompts.append(prompt)
@@ -66,6 +79,20 @@ def plan_units(seqs: list[Sequence], micro_batch_size: int) -> list[Unit]:
     if current.prompts:
         units.append(current)
     return units
+
+
+def split_completions(lengths: list[int], budget: int) -> list[int]:
+    """Sizes of consecutive micro-batches of completions with these lengths, each at most `budget` padded
+    tokens (at least one completion each)."""
+    sizes: list[int] = []
+    start = 0
+    for end in range(1, len(lengths) + 1):
+        if end - start > 1 and (end - start) * max(lengths[start:end]) > budget:
+            sizes.append(end - 1 - start)
+            start = end - 1
+    if start < len(lengths):
+        sizes.append(len(lengths) - start)
+    return sizes
 
 
 class SharedPrefix:
@@ -105,6 +132,7 @@ class SharedPrefix:
             comp_mask[i, : len(s.completion_ids)] = 1.0
         comp_ids, comp_mask = comp_ids.to(device), comp_mask.to(device)
         first = self.leaves[0].index_select(0, index).unsqueeze(1)  # predicts completion token 0
+        logp, _ = completion_logprobs(first, comp_ids[:, :1], comp_mask[:, :1], temperature)
         if C > 1:  # the last completion token is only ever a target, never an input
             kv = [t.index_select(0, index) for t in self.leaves[1:]]
             cache = DynamicCache(list(zip(kv[0::2], kv[1::2])))
@@ -112,10 +140,10 @@ class SharedPrefix:
             positions = self.lengths.index_select(0, index).unsqueeze(1) + torch.arange(C - 1, device=device)
             rest = self.model(input_ids=comp_ids[:, : C - 1], attention_mask=attn, position_ids=positions,
                               past_key_values=cache, use_cache=True).logits
-            logits = torch.cat([first, rest], dim=1)
-        else:
-            logits = first
-        return completion_logprobs(logits, comp_ids, comp_mask, temperature)
+            # log-probs of the two parts joined, not their [B, C, vocab] logits (a copy the size of the batch)
+            rest_logp, _ = completion_logprobs(rest, comp_ids[:, 1:], comp_mask[:, 1:], temperature)
+            logp = torch.cat([logp, rest_logp], dim=1)
+        return logp, comp_mask.to(logp.dtype)
 
     def backward(self) -> None:
         """Pushes the gradients the completions left on the leaves through the prompt's graph, once."""
@@ -127,7 +155,8 @@ class SharedPrefix:
 
 def micro_batches(model: torch.nn.Module, seqs: list[Sequence], pad_id: int, temperature: float,
                   micro_batch_size: int, shared: bool) -> Iterator[tuple[list[Sequence], torch.Tensor, torch.Tensor]]:
-    """(sequences, [B, C] logp, [B, C] mask) per micro-batch of at most `micro_batch_size` sequences.
+    """(sequences, [B, C] logp, [B, C] mask) per micro-batch: plain, `micro_batch_size` sequences; shared,
+    as many groups or completions as fit in the same number of tokens (`token_budget`).
 
     The consumer may call `.backward()` on a loss of each yielded logp before asking for the next one;
     with `shared`, the prompt's part of those gradients is added when the unit is finished, so the
@@ -139,11 +168,18 @@ def micro_batches(model: torch.nn.Module, seqs: list[Sequence], pad_id: int, tem
             logp, mask = token_logprobs(model, chunk, pad_id, temperature)
             yield chunk, logp, mask
         return
-    for unit in plan_units(seqs, micro_batch_size):
+    if not seqs:
+        return
+    budget = token_budget(seqs, micro_batch_size)
+    for unit in plan_units(seqs, budget):
         prefix = SharedPrefix(model, unit.prompts, pad_id)
         flat = [(row, i) for row, members in enumerate(unit.members) for i in members]
-        for start in range(0, len(flat), micro_batch_size):
-            part = flat[start: start + micro_batch_size]
+        flat.sort(key=lambda ri: -len(seqs[ri[1]].completion_ids))  # like lengths together: less padding
+        room = budget - _padded_cost(unit.prompts, [])  # the prefix's activations live as long as the unit
+        start = 0
+        for size in split_completions([len(seqs[i].completion_ids) for _, i in flat], room):
+            part = flat[start: start + size]
+            start += size
             chunk = [seqs[i] for _, i in part]
             logp, mask = prefix.logprobs([row for row, _ in part], chunk, temperature)
             yield chunk, logp, mask

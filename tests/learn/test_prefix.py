@@ -8,7 +8,7 @@ import torch
 
 from node.learn.groups import Group, Prompter, local_group, to_sequences
 from node.learn.policy import SamplingConfig, Sequence, load_model, sample_groups, token_logprobs
-from node.learn.prefix import micro_batches, plan_units, supports_prefix_sharing
+from node.learn.prefix import micro_batches, plan_units, split_completions, supports_prefix_sharing, token_budget
 from node.learn.tasks import PRESETS, TaskSampler
 from node.learn.trainer import TrainConfig, Trainer
 
@@ -56,7 +56,7 @@ def _grads(model, tok, seqs, shared, **cfg):
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
-@pytest.mark.parametrize("micro", [3, 5, 64])
+@pytest.mark.parametrize("micro", [1, 3, 5, 64])
 def test_shared_prefix_gradients_equal_plain(tiny64, loss_type, micro):
     model, tok, seqs = tiny64
     order = [seqs[i] for i in torch.randperm(len(seqs), generator=torch.Generator().manual_seed(micro)).tolist()]
@@ -91,12 +91,19 @@ def test_shared_logprobs_equal_plain_per_sequence(tiny64):
 def test_units_keep_groups_whole_and_split_big_ones():
     a, b, c = [1, 2], [1, 2, 3], [4]
     seqs = [Sequence(p, [9], 0.0) for p in (a, b, a, c, b, a, a, a)]
-    units = plan_units(seqs, micro_batch_size=3)
+    units = plan_units(seqs, budget=9)  # a: 2 + 5 x 1 tokens; b + c: 2 x 3 (padded prompts) + 3 x 1
     assert [u.prompts for u in units] == [[tuple(a)], [tuple(b), tuple(c)]]
     assert units[0].members == [[0, 2, 5, 6, 7]] and units[1].members == [[1, 4], [3]]
-    chunks = [len(ch) for ch, _, _ in micro_batches(load_model("tiny-random", torch.device("cpu"))[0], seqs, 0, 1.0, 3,
+    assert split_completions([1, 1, 5, 1], 6) == [2, 1, 1]  # padded: 3 x 5 > 6
+    assert split_completions([7], 6) == [1]  # one completion always runs, even past the budget
+
+    seqs = [Sequence(p, [9] * (3 if p is a else 1), 0.0) for p in (a, b, a, c, b, a, a, a)]
+    assert token_budget(seqs, 2) == 10  # two plain sequences of the longest: 2 x (2 + 3)
+    chunks = [len(ch) for ch, _, _ in micro_batches(load_model("tiny-random", torch.device("cpu"))[0], seqs, 0, 1.0, 2,
                                                      True)]
-    assert chunks == [3, 2, 3]  # the five sequences of prompt a run in two micro-batches over one prefix
+    # a (2 + 5 x 3 > 10) is a unit of its own: 8 tokens of room for its completions, two at a time;
+    # b and c share one unit and one pass (2 x 3 + 3 x 1 <= 10)
+    assert chunks == [2, 2, 1, 3]
 
 
 def test_auto_picks_shared_for_llama_and_plain_for_a_model_without_a_cache(tiny64):
