@@ -19,12 +19,14 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    DynamicCache,
     LogitsProcessor,
     LogitsProcessorList,
     PreTrainedTokenizerBase,
     TemperatureLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.cache_utils import DynamicLayer
 
 from node.learn.stop import StopRequest
 
@@ -213,6 +215,33 @@ def prompt_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str
     return text + answer_prefix
 
 
+def is_full_attention_cache(cache) -> bool:
+    """A plain DynamicCache of full-attention layers: rows can be selected, repeated and extended freely
+    (sliding windows, recurrent state or encoder-decoder caches cannot)."""
+    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def shared_prompt_cache(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, group_size: int):
+    """Each prompt but its last token run once, the KV cache repeated over its group: `generate` then
+    continues from the last prompt token. Without it every prompt is prefilled `group_size` times, which
+    on short-answer mixes is most of a round's generation. None when the model's cache cannot be shared."""
+    if group_size < 2 or ids.shape[1] < 2:
+        return None
+    positions = (attn.cumsum(dim=1) - 1).masked_fill(attn == 0, 1)  # what generate uses for left padding
+    try:
+        cache = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=positions[:, :-1],
+                      use_cache=True, logits_to_keep=1).past_key_values
+    except (TypeError, ValueError) as exc:  # a model whose forward takes no cache this way
+        log.debug("prompt prefill not shared: %s", exc)
+        return None
+    if not is_full_attention_cache(cache):
+        return None
+    for layer in cache.layers:
+        layer.keys = layer.keys.repeat_interleave(group_size, dim=0)
+        layer.values = layer.values.repeat_interleave(group_size, dim=0)
+    return cache
+
+
 @torch.no_grad()
 def sample_groups(
     model: torch.nn.Module,
@@ -221,8 +250,10 @@ def sample_groups(
     group_size: int,
     cfg: SamplingConfig,
     stop: StopRequest | None = None,
+    share_prompt: bool = True,
 ) -> list[SampledGroup]:
-    """Batched sampling of `group_size` completions for each prompt, KV cache on. With `stop`, raises
+    """Batched sampling of `group_size` completions for each prompt, KV cache on, each prompt prefilled
+    once for its whole group (`shared_prompt_cache`; off only to compare). With `stop`, raises
     RoundAbandoned between two tokens once a stop is requested."""
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
@@ -238,14 +269,21 @@ def sample_groups(
     watch = stop.watch(model) if stop is not None else contextlib.nullcontext()
     try:
         with watch:
+            inputs = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+                      "num_return_sequences": group_size}
+            cache = shared_prompt_cache(model, enc["input_ids"], enc["attention_mask"], group_size) if share_prompt \
+                else None
+            if cache is not None:  # rows already in group order: prompt p's completions at p*G ... p*G + G-1
+                inputs = {"input_ids": enc["input_ids"].repeat_interleave(group_size, dim=0),
+                          "attention_mask": enc["attention_mask"].repeat_interleave(group_size, dim=0),
+                          "past_key_values": cache}
             out = model.generate(
-                **enc,
+                **inputs,
                 do_sample=True,
                 temperature=1.0,
                 top_p=1.0,
                 top_k=0,
                 max_new_tokens=cfg.max_new_tokens,
-                num_return_sequences=group_size,
                 logits_processor=processors,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,

@@ -30,9 +30,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-from node.learn.policy import Sequence, completion_logprobs, token_logprobs
+from node.learn.policy import Sequence, completion_logprobs, is_full_attention_cache, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +112,7 @@ class SharedPrefix:
         out = model(input_ids=ids.to(device), attention_mask=self.attn, position_ids=positions, use_cache=True,
                     logits_to_keep=1)
         cache = out.past_key_values
-        if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        if not is_full_attention_cache(cache):
             raise TypeError(f"prefix sharing needs a DynamicCache of full-attention layers, got {type(cache).__name__}")
         self.graph = [out.logits[:, -1]] + [t for layer in cache.layers for t in (layer.keys, layer.values)]
         grad = torch.is_grad_enabled()

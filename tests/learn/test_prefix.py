@@ -127,3 +127,30 @@ def test_auto_picks_shared_for_llama_and_plain_for_a_model_without_a_cache(tiny6
     assert Trainer(wrapped, tok.pad_token_id, TrainConfig()).shared_prefix is False
     with pytest.raises(ValueError, match="cannot be shared"):
         Trainer(wrapped, tok.pad_token_id, TrainConfig(prefix_sharing="on")).shared_prefix
+
+
+def test_generation_prefills_each_prompt_once_with_the_same_samples(tiny64):
+    """Prompts of different lengths (left padding): one prefill per prompt, the same tokens and behaviour
+    log-probs as prefilling every completion's own copy, for the same seed."""
+    model, tok, _ = tiny64
+    mix = PRESETS["cpu-easy"]
+    prompter = Prompter(tok, mix)
+    prompts = [prompter(t) for t in TaskSampler(mix, seed=21).sample(3)]
+    assert len({len(tok(p)["input_ids"]) for p in prompts}) > 1
+    calls = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: calls.append(tuple(i[0].shape)))
+    try:
+        runs = {}
+        for share in (True, False):
+            calls.clear()
+            torch.manual_seed(3)
+            runs[share] = (sample_groups(model, tok, prompts, 4, SamplingConfig(max_new_tokens=6), share_prompt=share),
+                           list(calls))
+    finally:
+        hook.remove()
+    (shared, shared_calls), (plain, plain_calls) = runs[True], runs[False]
+    assert shared_calls[0][0] == 3 and plain_calls[0][0] == 12  # prefill batch: prompts, not completions
+    for a, b in zip(shared, plain):
+        assert a.completion_ids == b.completion_ids and a.prompt_ids == b.prompt_ids
+        for x, y in zip(a.behaviour_logp, b.behaviour_logp):
+            assert max(abs(u - v) for u, v in zip(x, y)) < 1e-9
