@@ -202,8 +202,8 @@ class SapoNode(RoundRecords):
         self.live.last_eval = {"round": r, **result.to_record()}
         record.update(result.to_record(), t_end=time.time(), round_s=round(time.time() - timer.t0, 4))
         record["phase_s"]["eval"] = round(timer.seconds["eval"], 4)
-        log.info("held-out accuracy %.3f after round %d (%d tasks, greedy, %.1fs)", result.accuracy, r,
-                 result.size, result.seconds)
+        log.info("held-out accuracy %.3f after round %d (%d tasks, greedy, %.1fs; one constant answer per "
+                 "dataset scores %.3f)", result.accuracy, r, result.size, result.seconds, result.baseline or 0.0)
 
     def train(self, groups: list[Group]) -> StepStats:
         seqs = to_sequences(groups, self.tokenizer, self.prompter, self.cfg.scale_std)

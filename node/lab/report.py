@@ -257,6 +257,10 @@ def heldout_section(summary: dict) -> list[str]:
                  "Per seed: the swarm mean over agents at the last evaluation (final), and the area under the "
                  "swarm-mean curve divided by its round span (the mean accuracy over the run). % vs baseline, "
                  "95% bootstrap CI over seeds and the paired sign test as for the cumulative reward below.\n")
+        if math.isfinite(summary.get("eval_baseline", math.nan)):
+            L.append(f"Constant-answer baseline: **{summary['eval_baseline']:.4f}**, what one fixed answer per "
+                     "dataset scores on this set (e.g. always \"True\"). A policy that collapsed onto such answers "
+                     "scores about this; only accuracy above it shows the model answering the question.\n")
         L.append("| config | final (mean ± std) | vs baseline | 95% CI | seeds ahead (p) | area (mean ± std) "
                  "| vs baseline | 95% CI | seeds ahead (p) |")
         L.append("|---|---|---|---|---|---|---|---|---|")

@@ -35,6 +35,7 @@ class PeerSeries:
     eval_acc: np.ndarray = field(default_factory=lambda: np.array([]))  # held-out accuracy, NaN if not evaluated
     entropy: np.ndarray = field(default_factory=lambda: np.array([]))  # mean token entropy of the samples
     signal_frac: np.ndarray = field(default_factory=lambda: np.array([]))  # share of groups with signal
+    eval_baseline: float = float("nan")  # constant-answer accuracy on the evaluation set (logged since v0.3)
 
 
 @dataclass
@@ -156,6 +157,7 @@ def _read_metrics(path: Path, peer: str) -> tuple[PeerSeries | None, int, int]:
             round_s=col("round_s"),
             ij_policy=pol,
             eval_acc=col("eval_accuracy"),
+            eval_baseline=float(np.nanmax(b)) if np.isfinite(b := col("eval_baseline")).any() else float("nan"),
             entropy=col("entropy_mean"),
             # older runs logged only the local share
             signal_frac=np.where(np.isnan(sf := col("signal_frac")), col("local_signal_frac"), sf),

@@ -350,6 +350,8 @@ def summarize(
         "warnings": warnings,
         "per_config": per,
         "has_eval": any(d["eval_final_by_seed"] for d in per.values()),
+        "eval_baseline": next((p.eval_baseline for r in runs for p in r.peers if math.isfinite(p.eval_baseline)),
+                              math.nan),
     }
 
 

@@ -15,7 +15,7 @@ import torch
 
 from node.learn.groups import Prompter, score_responses
 from node.learn.stop import StopRequest
-from node.learn.tasks import Task, TaskMix, eval_tasks
+from node.learn.tasks import Task, TaskMix, eval_tasks, score
 
 
 @dataclass
@@ -24,12 +24,30 @@ class EvalResult:
     by_dataset: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
     size: int = 0
+    baseline: float | None = None  # what the best constant answer per dataset scores on this set
 
     def to_record(self) -> dict[str, float]:
-        """Keys of a metrics.jsonl row: eval_accuracy, eval_accuracy/<dataset>, eval_s, eval_size."""
+        """Keys of a metrics.jsonl row: eval_accuracy, eval_accuracy/<dataset>, eval_s, eval_size and
+        eval_baseline (the constant-answer yardstick)."""
         out = {"eval_accuracy": self.accuracy, "eval_s": round(self.seconds, 4), "eval_size": self.size}
         out.update({f"eval_accuracy/{name}": acc for name, acc in sorted(self.by_dataset.items())})
+        if self.baseline is not None:
+            out["eval_baseline"] = self.baseline
         return out
+
+
+def constant_answer_baseline(tasks: list[Task]) -> float:
+    """Accuracy of the best policy that ignores the question: one fixed answer per dataset (the one that
+    scores best on this set, e.g. always "True", always "1"). On short-answer mixes a collapsed policy
+    lands exactly here, so held-out accuracy only shows learning where it is above this line."""
+    by_dataset: dict[str, list[Task]] = {}
+    for task in tasks:
+        by_dataset.setdefault(task.spec.dataset, []).append(task)
+    total = 0.0
+    for group in by_dataset.values():
+        candidates = {str(t.answer) for t in group}
+        total += max(sum(score(t, answer) for t in group) for answer in candidates)
+    return total / len(tasks) if tasks else 0.0
 
 
 @torch.no_grad()
@@ -85,6 +103,7 @@ class HeldOutEval:
     def __init__(self, mix: TaskMix, size: int, every: int, rounds: int):
         self.mix, self.size, self.every, self.rounds = mix, size, every, rounds
         self.tasks: list[Task] | None = None  # built on first use, in the worker thread
+        self.baseline: float | None = None  # constant_answer_baseline of those tasks
 
     def due(self, r: int) -> bool:
         return self.every > 0 and (r % self.every == 0 or r == self.rounds - 1)
@@ -93,4 +112,7 @@ class HeldOutEval:
             stop: StopRequest | None = None) -> EvalResult:
         if self.tasks is None:
             self.tasks = eval_tasks(self.mix, self.size)
-        return evaluate(model, tokenizer, prompter, self.tasks, max_new_tokens, stop=stop)
+            self.baseline = constant_answer_baseline(self.tasks)
+        result = evaluate(model, tokenizer, prompter, self.tasks, max_new_tokens, stop=stop)
+        result.baseline = self.baseline
+        return result

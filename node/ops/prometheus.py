@@ -204,5 +204,7 @@ def learning_health(m, snap: dict) -> None:
         if key.startswith("eval_accuracy/"):
             m.add("sapo_eval_accuracy_by_dataset", "gauge", "Held-out accuracy at the last evaluation, by dataset.",
                   num(value), {"dataset": key.split("/", 1)[1]})
+    m.add("sapo_eval_constant_baseline", "gauge", "Accuracy of one fixed answer per dataset on the evaluation "
+          "set: a collapsed policy scores about this.", num(ev.get("eval_baseline")))
     m.add("sapo_eval_round", "gauge", "Round of the last held-out evaluation.", num(ev.get("round")))
     m.add("sapo_eval_duration_seconds", "gauge", "Seconds the last held-out evaluation took.", num(ev.get("eval_s")))

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from node.learn.evaluate import evaluate
+from node.learn.evaluate import HeldOutEval, constant_answer_baseline, evaluate
 from node.learn.groups import Prompter, collapse_metrics, local_group
 from node.learn.policy import SamplingConfig, load_model, sample_groups
 from node.learn.tasks import (DATASET_SIZE, EVAL_INDEX_START, PRESETS, TaskSampler, TaskSpec, eval_tasks,
@@ -28,6 +28,35 @@ def test_eval_set_is_fixed_weighted_and_in_the_reserved_range():
     counts = {name: sum(t.spec.dataset == name for t in tasks) for name in mix.datasets}
     assert counts == {"count_bits": 19, "letter_counting": 13, "ransom_note": 19, "syllogism": 13}
     assert len({t.spec for t in tasks}) == 64
+
+
+def test_constant_answer_baseline_is_the_best_fixed_answer_per_dataset(tiny):
+    """The yardstick a collapsed policy lands on: no fixed answer per dataset beats it, the best one
+    reaches it, and it is what a "model" that always gives those answers scores through evaluate()."""
+    from collections import Counter
+
+    from node.learn.tasks import score
+
+    tasks = eval_tasks(PRESETS["cpu-easy"], 64)
+    baseline = constant_answer_baseline(tasks)
+    by_dataset = {}
+    for t in tasks:
+        by_dataset.setdefault(t.spec.dataset, []).append(t)
+    best = {}
+    for name, group in by_dataset.items():
+        answers = Counter(t.answer for t in group)
+        for answer in answers:  # every fixed answer found in the set
+            total = sum(score(t, answer) for t in group)
+            if total > best.get(name, (None, -1.0))[1]:
+                best[name] = (answer, total)
+        assert best[name][1] == max(answers.values())  # exact-match scorers: the most common answer
+    assert baseline == pytest.approx(sum(total for _, total in best.values()) / len(tasks))
+    assert 0.3 < baseline < 1.0  # short-answer tasks are partly guessable, not entirely
+
+    held_out = HeldOutEval(PRESETS["smoke"], 4, every=1, rounds=1)
+    model, tok = tiny
+    result = held_out.run(model, tok, Prompter(tok, PRESETS["smoke"]), max_new_tokens=4)
+    assert result.to_record()["eval_baseline"] == constant_answer_baseline(held_out.tasks)
 
 
 def test_training_never_draws_or_accepts_an_eval_task():
