@@ -270,6 +270,18 @@ def heldout_section(summary: dict) -> list[str]:
                      + " | ".join(_vs(d, "eval_final")) + f" | {_f(d['eval_area_mean'], '.4f')} ± "
                      f"{_f(d['eval_area_std'], '.4f')} | " + " | ".join(_vs(d, "eval_area")) + " |")
         L.append("")
+        L.append("Paired effect over seeds (config − baseline, same seeds): mean difference in accuracy points, "
+                 "Cohen's d_z (mean / sd of the differences) and the two-sided exact permutation p.\n")
+        L.append("| config | final: mean diff | d_z | p | area: mean diff | d_z | p |")
+        L.append("|---|---|---|---|---|---|---|")
+        for c in summary["configs"]:
+            cells = []
+            for key in ("eval_final", "eval_area"):
+                v = per[c].get(f"{key}_vs_base") or {}
+                cells += [_f(v.get("mean_diff", math.nan), '+.4f'), _f(v.get("d_z", math.nan), '+.2f'),
+                          _f(v.get("p_perm", math.nan), '.3f')] if v else ["baseline", "—", "—"]
+            L.append(f"| {c} | " + " | ".join(cells) + " |")
+        L.append("")
     L.append("## Collapse signs\n")
     L.append("Share of groups (local and external) whose rewards differ, and the mean token entropy (nats) of "
              "the sampled completions: over all rounds and over each agent's last quarter of rounds.\n")

@@ -6,6 +6,7 @@ Definitions are in `node.lab.report`'s docstring, which is also what the report 
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Sequence
 
@@ -113,6 +114,24 @@ def paired_sign_test(cfg: dict[str, float], base: dict[str, float]) -> tuple[int
     return wins, len(common), p
 
 
+def paired_effect(cfg: dict[str, float], base: dict[str, float]) -> dict[str, float]:
+    """Paired effect over common seeds: mean difference, Cohen's d_z (mean / sd of the differences) and
+    the two-sided exact permutation p (every sign flip of the differences; no normality assumed, unlike a
+    t-test on 5 seeds). With n seeds the smallest p is 2 / 2**n: 5 seeds can reach 0.0625, 6 reach 0.03."""
+    common = [k for k in cfg if k in base and math.isfinite(cfg[k]) and math.isfinite(base[k])]
+    diffs = np.array([cfg[k] - base[k] for k in common], dtype=float)
+    n = len(diffs)
+    if n == 0:
+        return {"mean_diff": math.nan, "d_z": math.nan, "p_perm": math.nan, "n": 0}
+    sd = float(diffs.std(ddof=1)) if n > 1 else math.nan
+    observed = abs(diffs.mean())
+    signs = np.array(list(itertools.product((1.0, -1.0), repeat=n))) if n <= 16 else \
+        np.random.default_rng(0).choice((1.0, -1.0), size=(65536, n))
+    p = float(np.mean(np.abs((signs * diffs).mean(axis=1)) >= observed - 1e-12))
+    return {"mean_diff": float(diffs.mean()), "d_z": float(diffs.mean() / sd) if sd and sd > 0 else math.nan,
+            "p_perm": p, "n": n}
+
+
 def _steep_drops(curve: np.ndarray, window: int, drop: float) -> int:
     n = curve.size // max(window, 1)
     if n < 2 or not math.isfinite(drop):
@@ -186,7 +205,8 @@ def compare_heldout(d: dict, base: dict, n_boot: int, boot_seed: int) -> None:
         cfg_v, base_v = d[f"{key}_by_seed"], base[f"{key}_by_seed"]
         pt, lo, hi, note = bootstrap_improvement(list(cfg_v.values()), list(base_v.values()), n_boot, boot_seed)
         wins, n, p = paired_sign_test(cfg_v, base_v)
-        d[f"{key}_vs_base"] = {"pct": pt, "ci": [lo, hi], "note": note, "wins": wins, "seeds": n, "p": p}
+        d[f"{key}_vs_base"] = {"pct": pt, "ci": [lo, hi], "note": note, "wins": wins, "seeds": n, "p": p,
+                               **paired_effect(cfg_v, base_v)}
 
 
 def _pick_baseline(by_cfg: dict[str, list[Run]], requested: str | None) -> tuple[str | None, str]:

@@ -49,7 +49,8 @@ class NodeConfig:
     scale_std: bool = opt(True, "divide advantages by the group's reward std (off = Dr. GRPO)")
     epochs: int = opt(1, "passes over the round's sequences")
     minibatches: int = opt(1, "optimizer steps per epoch")
-    micro_batch_size: int = opt(4, "sequences per forward/backward (memory bound)")
+    micro_batch_size: int = opt(4, "sequences per forward/backward (memory bound); with prefix sharing, as many "
+                                   "tokens as that many of the longest sequences")
     max_grad_norm: float = opt(1.0, "gradient clipping norm")
     prefix_sharing: str = opt("auto", "train each group's prompt once under its G completions: auto (when the "
                                       "model's KV cache allows it), on, off")

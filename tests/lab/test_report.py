@@ -212,3 +212,18 @@ def test_moving_average_and_bootstrap_helpers():
     assert pt == lo == hi == pytest.approx(100.0)
     pt, lo, hi, note = bootstrap_improvement([1.0, 3.0], [1.0, 1.0], n_boot=500)
     assert pt == pytest.approx(100.0) and lo == pytest.approx(0.0) and hi == pytest.approx(200.0)
+
+
+def test_paired_effect_exact_permutation_and_d_z():
+    from node.lab.stats import paired_effect
+
+    base = {str(k): 0.5 for k in range(5)}
+    up = {str(k): 0.5 + d for k, d in enumerate([0.1, 0.2, 0.15, 0.05, 0.1])}
+    eff = paired_effect(up, base)
+    diffs = np.array([0.1, 0.2, 0.15, 0.05, 0.1])
+    assert eff["n"] == 5 and eff["mean_diff"] == pytest.approx(diffs.mean())
+    assert eff["d_z"] == pytest.approx(diffs.mean() / diffs.std(ddof=1))
+    assert eff["p_perm"] == pytest.approx(2 / 32)  # all five ahead: only the all-plus and all-minus flips tie
+    mixed = paired_effect({k: base[k] + d for k, d in zip(base, [0.1, -0.1, 0.05, -0.05, 0.0])}, base)
+    assert mixed["mean_diff"] == pytest.approx(0.0) and mixed["p_perm"] == 1.0
+    assert math.isnan(paired_effect({"9": 1.0}, base)["p_perm"])  # no common seed: no test
