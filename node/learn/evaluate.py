@@ -53,23 +53,29 @@ def constant_answer_baseline(tasks: list[Task]) -> float:
 @torch.no_grad()
 def greedy_texts(model: torch.nn.Module, tokenizer, prompts: list[str], max_new_tokens: int,
                  batch_size: int, stop: StopRequest | None = None) -> list[str]:
-    """Greedy completions, `batch_size` prompts per generate call, decoded without special tokens.
+    """Greedy completions, `batch_size` prompts per generate call, decoded without special tokens, in the
+    order of `prompts`. Batches hold prompts of similar length (sorted), so little of a batch is padding.
     A stop request ends it within one decoder layer (RoundAbandoned)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    texts: list[str] = []
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    order = sorted(range(len(prompts)), key=lambda i: lengths[i])
+    texts: list[str] = [""] * len(prompts)
     try:
         for start in range(0, len(prompts), batch_size):
             if stop is not None:
                 stop.check()
-            enc = tokenizer(prompts[start: start + batch_size], return_tensors="pt", padding=True,
+            batch = order[start: start + batch_size]
+            enc = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True,
                             add_special_tokens=False).to(device)
             with stop.watch(model) if stop is not None else nullcontext():
                 out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, use_cache=True,
                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                                      temperature=None, top_p=None, top_k=None)
-            texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            for i, text in zip(batch, tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:],
+                                                             skip_special_tokens=True)):
+                texts[i] = text
     finally:
         model.train(was_training)
     return texts

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from node.learn.evaluate import HeldOutEval, constant_answer_baseline, evaluate
+from node.learn.evaluate import HeldOutEval, constant_answer_baseline, evaluate, greedy_texts
 from node.learn.groups import Prompter, collapse_metrics, local_group
 from node.learn.policy import SamplingConfig, load_model, sample_groups
 from node.learn.tasks import (DATASET_SIZE, EVAL_INDEX_START, PRESETS, TaskSampler, TaskSpec, eval_tasks,
@@ -120,3 +120,22 @@ async def test_a_run_with_eval_has_the_same_training_records_as_without(tmp_path
     assert all("eval_accuracy" not in r for r in records[0])
     assert all(0.0 <= r["eval_accuracy"] <= 1.0 and r["eval_size"] == 4 and r["eval_s"] > 0 for r in records[1])
     assert all("eval" in r["phase_s"] for r in records[1])
+
+
+def test_greedy_texts_come_back_in_prompt_order(tiny):
+    """Batches are formed from length-sorted prompts; each text must still land on its own prompt."""
+    _, tok = tiny
+
+    class Echo(torch.nn.Module):  # "generates" the first real token of its prompt: text identifies prompt
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def generate(self, input_ids, attention_mask, **_):
+            first = input_ids.gather(1, attention_mask.argmax(dim=1, keepdim=True))
+            return torch.cat([input_ids, first, first], dim=1)
+
+    prompts = ["z" * 9, "a", "q" * 5, "m" * 2, "k" * 7, "b"]
+    texts = greedy_texts(Echo(), tok, prompts, max_new_tokens=2, batch_size=4)
+    assert texts == [tok.decode(tok(p, add_special_tokens=False)["input_ids"][:1] * 2) for p in prompts]
+    assert len(set(texts)) == len(prompts)
