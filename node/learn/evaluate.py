@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from node.learn.groups import Prompter, score_responses
+from node.learn.policy import CommonPrefix
 from node.learn.stop import StopRequest
 from node.learn.tasks import Task, TaskMix, eval_tasks, score
 
@@ -59,21 +60,27 @@ def greedy_texts(model: torch.nn.Module, tokenizer, prompts: list[str], max_new_
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
-    order = sorted(range(len(prompts)), key=lambda i: lengths[i])
+    ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    order = sorted(range(len(prompts)), key=lambda i: len(ids[i]))
     texts: list[str] = [""] * len(prompts)
     try:
+        with stop.watch(model) if stop is not None else nullcontext():
+            prefix = CommonPrefix.build(model, ids)  # the chat template and system prompt, run once
         for start in range(0, len(prompts), batch_size):
             if stop is not None:
                 stop.check()
             batch = order[start: start + batch_size]
-            enc = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True,
-                            add_special_tokens=False).to(device)
+            if prefix is not None:
+                input_ids, attn, cache = prefix.batch([ids[i] for i in batch], tokenizer.pad_token_id)
+                inputs = {"input_ids": input_ids, "attention_mask": attn, "past_key_values": cache}
+            else:
+                inputs = dict(tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True,
+                                        add_special_tokens=False).to(device))
             with stop.watch(model) if stop is not None else nullcontext():
-                out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, use_cache=True,
+                out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, use_cache=True,
                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                                      temperature=None, top_p=None, top_k=None)
-            for i, text in zip(batch, tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:],
+            for i, text in zip(batch, tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:],
                                                              skip_special_tokens=True)):
                 texts[i] = text
     finally:

@@ -139,3 +139,26 @@ def test_greedy_texts_come_back_in_prompt_order(tiny):
     texts = greedy_texts(Echo(), tok, prompts, max_new_tokens=2, batch_size=4)
     assert texts == [tok.decode(tok(p, add_special_tokens=False)["input_ids"][:1] * 2) for p in prompts]
     assert len(set(texts)) == len(prompts)
+
+
+def test_common_prompt_prefix_runs_once_with_the_same_next_token_scores(tiny):
+    """[prefix | pad | rest] on a cached prefix gives the scores of the plain left-padded layout."""
+    from node.learn.policy import CommonPrefix
+
+    model, tok = tiny
+    mix = PRESETS["cpu-easy"]
+    prompter = Prompter(tok, mix)
+    prompts = [prompter(t) for t in eval_tasks(mix, 5)]
+    ids = tok(prompts, add_special_tokens=False)["input_ids"]
+    assert len({len(x) for x in ids}) > 1
+    prefix = CommonPrefix.build(model, ids)
+    assert prefix is not None and len(prefix.ids) >= CommonPrefix.MIN_TOKENS
+    assert all(x[: len(prefix.ids)] == prefix.ids for x in ids)
+    input_ids, attn, cache = prefix.batch(ids, tok.pad_token_id)
+    gen = {"do_sample": False, "max_new_tokens": 3, "output_scores": True, "return_dict_in_generate": True,
+           "pad_token_id": tok.pad_token_id, "eos_token_id": None, "temperature": None, "top_p": None, "top_k": None}
+    shared = model.generate(input_ids=input_ids, attention_mask=attn, past_key_values=cache, **gen)
+    plain = model.generate(**tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False), **gen)
+    for a, b in zip(shared.scores, plain.scores):
+        assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+    assert CommonPrefix.build(model, [[1, 2, 3], [4, 5, 6]]) is None  # nothing in common
