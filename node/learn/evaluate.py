@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from node.learn.groups import Prompter, score_responses
-from node.learn.policy import CommonPrefix
+from node.learn.kvcache import CommonPrefix
 from node.learn.stop import StopRequest
 from node.learn.tasks import Task, TaskMix, eval_tasks, score
 

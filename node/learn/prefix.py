@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from node.learn.policy import Sequence, completion_logprobs, is_full_attention_cache, token_logprobs
+from node.learn.kvcache import is_full_attention_cache
+from node.learn.policy import Sequence, completion_logprobs, token_logprobs
 
 log = logging.getLogger(__name__)
 

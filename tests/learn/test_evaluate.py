@@ -143,7 +143,7 @@ def test_greedy_texts_come_back_in_prompt_order(tiny):
 
 def test_common_prompt_prefix_runs_once_with_the_same_next_token_scores(tiny):
     """[prefix | pad | rest] on a cached prefix gives the scores of the plain left-padded layout."""
-    from node.learn.policy import CommonPrefix
+    from node.learn.kvcache import CommonPrefix
 
     model, tok = tiny
     mix = PRESETS["cpu-easy"]
