@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--micro-batch-size", type=int, default=4, help="sequences per forward/backward (node default 4)")
-    ap.add_argument("--eval-every", type=int, default=5, help="evaluation cadence the overhead is computed for")
+    ap.add_argument("--eval-every", type=int, default=10, help="evaluation cadence the overhead is computed for")
     ap.add_argument("--eval-size", type=int, default=64)
     ap.add_argument("--skip-generation", action="store_true", help="skip figure 2 (sampler vs bare generate)")
     ap.add_argument("--json", default="", help="write the figures to this JSON file")

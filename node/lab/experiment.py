@@ -75,7 +75,7 @@ class RunSpec:
     mode: str
     threads: int
     extra_args: list[str] = field(default_factory=list)
-    eval_every: int = 5  # held-out evaluation cadence and size, passed to every peer
+    eval_every: int = 10  # held-out evaluation cadence and size, passed to every peer
     eval_size: int = 64
 
     def peer_seed(self, p: int) -> int:
@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=0, help="CPU threads per peer (0 = cores / peers)")
     ap.add_argument("--keep-run-checkpoints", action="store_true",
                     help="keep the peers' checkpoints of finished runs (default: delete them; metrics stay)")
-    ap.add_argument("--eval-every", type=int, default=5, help="held-out evaluation every N rounds (0 = off)")
+    ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every N rounds (0 = off)")
     ap.add_argument("--eval-size", type=int, default=64, help="tasks in the held-out evaluation set")
     ap.add_argument("--node-arg", action="append", default=[], help="extra sapo-node flag (repeatable)")
     return ap
