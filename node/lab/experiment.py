@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="default")
     ap.add_argument("--tasks", default="cpu-easy")
     ap.add_argument("--max-new-tokens", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=3e-6)
+    ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--mode", choices=("dht", "memory"), default="dht")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads per peer (0 = cores / peers)")
     ap.add_argument("--keep-run-checkpoints", action="store_true",

@@ -41,7 +41,7 @@ class NodeConfig:
     temperature: float = opt(1.0, "sampling temperature")
     top_p: float = opt(1.0, "nucleus sampling p")
     # GRPO
-    lr: float = opt(3e-6, "Adam learning rate (chosen by 200-round solo runs: docs/RESULTS.md section 4)")
+    lr: float = opt(1e-6, "Adam learning rate (chosen by 200-round solo runs: docs/RESULTS.md section 4)")
     loss_type: str = opt("grpo", "loss aggregation: grpo, dr_grpo, dapo")
     eps_low: float = opt(0.2, "lower clip range")
     eps_high: float = opt(0.28, "upper clip range")
