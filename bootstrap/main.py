@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any, Callable, Optional
 
 from node import __version__
 from node.ops.status import ThreadedStatusServer, start_status_server_in_thread
+from p2p.files import write_atomically
 from p2p.identity import KEY_FILENAME, Identity, IdentityError
 from p2p.pow import DEFAULT_POW_DIFFICULTY, MAX_POW_DIFFICULTY
 from p2p.transport import die_with_parent, keep_valid_subkeys_in, routing_peers, start_dht
@@ -51,21 +51,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--log-interval", type=float, default=60.0, help="seconds between peer-count log lines")
     p.add_argument("--start-timeout", type=float, default=60.0)
     return p.parse_args(argv)
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Readers never see a half-written file: write a temp file in the same dir, then rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 class PeerCounter:

@@ -9,8 +9,9 @@ never changes for a key, so it is minted once and stored beside the key (`identi
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
+
+from p2p.files import write_atomically
 
 POW_DOMAIN = b"sapo-pow-v1\x00"
 NONCE_LEN = 8
@@ -78,11 +79,5 @@ def load_or_mint_pow(path: Path, public_key: bytes, difficulty: int) -> bytes:
         if check_pow(public_key, nonce, difficulty):
             return nonce
     nonce = mint_pow(public_key, difficulty)  # missing, or minted for a lower difficulty than the swarm's
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(nonce.hex() + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomically(path, nonce.hex() + "\n")
     return nonce

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from p2p.files import write_atomically
+
 log = logging.getLogger("sapo.swarm")
 
 REPUTATION_FILE = "reputation.json"
@@ -233,18 +235,8 @@ class Reputation:
         path = Path(path)
         if not body["peers"] and not path.exists():
             return False
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
-            with open(tmp, "w") as f:
-                json.dump(body, f, separators=(",", ":"))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_atomically(path, json.dumps(body, separators=(",", ":")))
         except OSError as exc:
             log.warning("could not save %s: %s", path, exc)
             return False

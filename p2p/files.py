@@ -1,0 +1,30 @@
+"""Files that readers and crashes never see half-written: temp file in the same directory, fsync, rename."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` so a reader or a crash sees the old file or the new one, never a mix: a
+    private (0600) temp file beside it, fsync, rename over `path`, fsync of the directory. Creates the
+    parent directory; the temp file is removed if anything fails."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
