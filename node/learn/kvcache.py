@@ -23,6 +23,29 @@ def is_full_attention_cache(cache) -> bool:
     return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
+def left_padded(rows: list[list[int]] | list[tuple[int, ...]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows right-aligned in one [B, longest] batch: (ids, attention mask), on the CPU."""
+    width = max(map(len, rows), default=0)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row):] = torch.tensor(row)
+            attn[i, width - len(row):] = 1
+    return ids, attn
+
+
+def _reusable_cache(model: torch.nn.Module, what: str, **inputs):
+    """The KV cache of one forward over `inputs`, or None when the model takes no cache this way or
+    returns one whose rows cannot be repeated and extended."""
+    try:
+        cache = model(**inputs, use_cache=True, logits_to_keep=1).past_key_values
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        log.debug("%s not shared: %s", what, exc)
+        return None
+    return cache if is_full_attention_cache(cache) else None
+
+
 def shared_prompt_cache(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, group_size: int):
     """Each prompt but its last token run once, the KV cache repeated over its group: `generate` then
     continues from the last prompt token. Without it every prompt is prefilled `group_size` times, which
@@ -30,13 +53,9 @@ def shared_prompt_cache(model: torch.nn.Module, ids: torch.Tensor, attn: torch.T
     if group_size < 2 or ids.shape[1] < 2:
         return None
     positions = (attn.cumsum(dim=1) - 1).masked_fill(attn == 0, 1)  # what generate uses for left padding
-    try:
-        cache = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=positions[:, :-1],
-                      use_cache=True, logits_to_keep=1).past_key_values
-    except (TypeError, ValueError) as exc:  # a model whose forward takes no cache this way
-        log.debug("prompt prefill not shared: %s", exc)
-        return None
-    if not is_full_attention_cache(cache):
+    cache = _reusable_cache(model, "prompt prefill", input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
+                            position_ids=positions[:, :-1])
+    if cache is None:
         return None
     for layer in cache.layers:
         layer.keys = layer.keys.repeat_interleave(group_size, dim=0)
@@ -67,28 +86,17 @@ class CommonPrefix:
         if n < cls.MIN_TOKENS:
             return None
         device = next(model.parameters()).device
-        try:
-            cache = model(input_ids=torch.tensor([prompts[0][:n]], device=device), use_cache=True,
-                          logits_to_keep=1).past_key_values
-        except (TypeError, ValueError, NotImplementedError) as exc:
-            log.debug("common prompt prefix not shared: %s", exc)
-            return None
-        if not is_full_attention_cache(cache):
+        cache = _reusable_cache(model, "common prompt prefix", input_ids=torch.tensor([prompts[0][:n]], device=device))
+        if cache is None:
             return None
         return cls(prompts[0][:n], [(layer.keys, layer.values) for layer in cache.layers])
 
     def batch(self, prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, DynamicCache]:
         """(input ids, attention mask, a fresh cache of the prefix for every row) for `generate`."""
         n, B = len(self.ids), len(prompts)
-        width = n + max(len(p) - n for p in prompts)
-        ids = torch.full((B, width), pad_id, dtype=torch.long)
-        attn = torch.zeros((B, width), dtype=torch.long)
-        ids[:, :n] = torch.tensor(self.ids)
-        attn[:, :n] = 1
-        for i, p in enumerate(prompts):
-            rest = p[n:]
-            ids[i, width - len(rest):] = torch.tensor(rest)
-            attn[i, width - len(rest):] = 1
+        rest_ids, rest_attn = left_padded([p[n:] for p in prompts], pad_id)
+        ids = torch.cat([torch.tensor([self.ids]).expand(B, n), rest_ids], dim=1)
+        attn = torch.cat([torch.ones((B, n), dtype=torch.long), rest_attn], dim=1)
         device = self.layers[0][0].device
         cache = DynamicCache([(k.expand(B, -1, -1, -1).contiguous(), v.expand(B, -1, -1, -1).contiguous())
                               for k, v in self.layers])

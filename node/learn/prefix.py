@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from node.learn.kvcache import is_full_attention_cache
+from node.learn.kvcache import is_full_attention_cache, left_padded
 from node.learn.policy import Sequence, completion_logprobs, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -101,12 +101,7 @@ class SharedPrefix:
     def __init__(self, model: torch.nn.Module, prompts: list[tuple[int, ...]], pad_id: int):
         device = next(model.parameters()).device
         self.model = model
-        P = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
-        attn = torch.zeros((len(prompts), P), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, P - len(p):] = torch.tensor(p)
-            attn[i, P - len(p):] = 1
+        ids, attn = left_padded(prompts, pad_id)
         self.attn = attn.to(device)
         self.lengths = self.attn.sum(dim=1)
         positions = (self.attn.cumsum(dim=1) - 1).clamp(min=0)
