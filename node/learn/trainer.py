@@ -116,6 +116,7 @@ class Trainer:
 
     def _update(self, seqs: list[Sequence], stats: StepStats) -> StepStats:
         self.fill_old_logp(seqs)
+        refs = self._ref_logprobs(seqs)  # once per update: the reference model never changes
         order = list(range(len(seqs)))
         totals = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0, "grad_norm": 0.0}
         for _ in range(self.cfg.epochs):
@@ -123,7 +124,7 @@ class Trainer:
             per_mb = math.ceil(len(order) / self.cfg.minibatches)
             for start in range(0, len(order), per_mb):
                 minibatch = [seqs[i] for i in order[start : start + per_mb]]
-                mb = self._optimizer_step(minibatch)
+                mb = self._optimizer_step(minibatch, refs)
                 for key in totals:
                     totals[key] += mb[key]
                 stats.optimizer_steps += 1
@@ -134,12 +135,11 @@ class Trainer:
         release_freed_memory()
         return stats
 
-    def _optimizer_step(self, minibatch: list[Sequence]) -> dict[str, float]:
+    def _optimizer_step(self, minibatch: list[Sequence], refs: dict[int, list[float]] | None) -> dict[str, float]:
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = sum(len(s.completion_ids) for s in minibatch)
         acc = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0, "tokens": 0.0}
-        refs = self._ref_logprobs(minibatch)
         with sparse_embedding_grads(self.model):
             acc = self._accumulate(minibatch, refs, acc, total_tokens)
         self._safe_point()
@@ -184,6 +184,7 @@ class Trainer:
             return None
         out = {}
         for chunk, logp, mask in self._micro_batches(self.ref_model, seqs):
+            self._safe_point()  # the reference model has no stop hooks of its own
             for s, row, m in zip(chunk, logp, mask):
                 out[id(s)] = row[: int(m.sum())].tolist()
         return out

@@ -51,7 +51,7 @@ def _grads(model, tok, seqs, shared, **cfg):
     # pi_old made different from pi_theta, so the clipped branch is exercised too
     for s in seqs:
         s.old_logp = [x + 0.3 * ((i % 3) - 1) for i, x in enumerate(s.old_logp)]
-    stats = trainer._optimizer_step(seqs)
+    stats = trainer._optimizer_step(seqs, trainer._ref_logprobs(seqs))
     return torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]), stats
 
 
