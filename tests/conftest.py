@@ -11,8 +11,10 @@ from pathlib import Path
 
 import orjson
 import pytest
+import torch
 
-from node.learn.groups import score_responses
+from node.learn.groups import Prompter, local_group, score_responses
+from node.learn.policy import SamplingConfig, load_model, sample_groups
 from node.learn.tasks import PRESETS, TaskSampler
 from p2p.identity import KEY_FILENAME, Identity
 from p2p.transport import SwarmTransport, TransportConfig
@@ -225,3 +227,20 @@ def transport(tmp: Path, name: str, swarm: str, peers: list[str], **kw) -> Swarm
     kw.setdefault("pow_difficulty", int(os.environ["SAPO_POW_DIFFICULTY"]))
     return SwarmTransport(TransportConfig(identity_dir=tmp / name, swarm=swarm, host_maddrs=[LOOPBACK],
                                           initial_peers=peers, **kw))
+
+
+def tiny_signal_groups(seed: int, max_new_tokens: int):
+    """The tiny random model and three cpu-easy groups of four completions it sampled, with rewards set so
+    every group carries a learning signal (a random model earns nothing): (model, tok, prompter, tasks,
+    groups)."""
+    torch.manual_seed(0)
+    model, tok = load_model("tiny-random", torch.device("cpu"))
+    mix = PRESETS["cpu-easy"]
+    prompter = Prompter(tok, mix)
+    tasks = TaskSampler(mix, seed=seed).sample(3)
+    sampled = sample_groups(model, tok, [prompter(t) for t in tasks], 4, SamplingConfig(max_new_tokens=max_new_tokens))
+    groups = [local_group(t, s, mix.answer_prefix) for t, s in zip(tasks, sampled)]
+    for g in groups:
+        g.rewards = [1.0, 0.0, 0.5, 0.0]
+    return model, tok, prompter, tasks, groups
+

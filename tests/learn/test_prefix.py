@@ -6,25 +6,20 @@ import types
 import pytest
 import torch
 
-from node.learn.groups import Group, Prompter, local_group, to_sequences
+from node.learn.groups import Group, Prompter, to_sequences
 from node.learn.policy import SamplingConfig, Sequence, load_model, sample_groups, token_logprobs
 from node.learn.prefix import micro_batches, plan_units, split_completions, supports_prefix_sharing, token_budget
 from node.learn.tasks import PRESETS, TaskSampler
 from node.learn.trainer import TrainConfig, Trainer
 
+from conftest import tiny_signal_groups
+
 
 @pytest.fixture(scope="module")
 def tiny64():
     """Tiny random model in float64; three local groups (prompts of different lengths) + one external."""
-    torch.manual_seed(0)
-    model, tok = load_model("tiny-random", torch.device("cpu"))
+    model, tok, prompter, _, groups = tiny_signal_groups(seed=11, max_new_tokens=10)
     mix = PRESETS["cpu-easy"]
-    tasks = TaskSampler(mix, seed=11).sample(3)
-    prompter = Prompter(tok, mix)
-    sampled = sample_groups(model, tok, [prompter(t) for t in tasks], 4, SamplingConfig(max_new_tokens=10))
-    groups = [local_group(t, s, mix.answer_prefix) for t, s in zip(tasks, sampled)]
-    for g in groups:  # the random model earns nothing: give every group a learning signal
-        g.rewards = [1.0, 0.0, 0.5, 0.0]
     extra = TaskSampler(mix, seed=12).sample(1)[0]
     groups.append(Group(task=extra, responses=["<answer>7</answer>", "<answer>13", "x"], rewards=[1.0, 0.0, 0.2],
                         source="ab" * 32))

@@ -6,11 +6,12 @@ import threading
 import pytest
 import torch
 
-from node.learn.groups import Prompter, local_group, to_sequences
-from node.learn.policy import SamplingConfig, load_model, sample_groups
+from node.learn.groups import to_sequences
+from node.learn.policy import SamplingConfig, sample_groups
 from node.learn.stop import RoundAbandoned, StopRequest
-from node.learn.tasks import PRESETS, TaskSampler
 from node.learn.trainer import TrainConfig, Trainer
+
+from conftest import tiny_signal_groups
 
 
 class StopAfter(StopRequest):
@@ -34,16 +35,7 @@ class StopAfter(StopRequest):
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    model, tok = load_model("tiny-random", torch.device("cpu"))
-    mix = PRESETS["cpu-easy"]
-    prompter = Prompter(tok, mix)
-    tasks = TaskSampler(mix, seed=5).sample(3)
-    sampled = sample_groups(model, tok, [prompter(t) for t in tasks], 4, SamplingConfig(max_new_tokens=8))
-    groups = [local_group(t, s, mix.answer_prefix) for t, s in zip(tasks, sampled)]
-    for g in groups:  # a learning signal for the random model's groups
-        g.rewards = [1.0, 0.0, 0.5, 0.0]
-    return model, tok, prompter, tasks, groups
+    return tiny_signal_groups(seed=5, max_new_tokens=8)
 
 
 def test_generation_is_abandoned_between_two_tokens(tiny):

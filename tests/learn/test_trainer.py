@@ -5,23 +5,16 @@ import copy
 import pytest
 import torch
 
-from node.learn.groups import Group, Prompter, local_group, to_sequences
-from node.learn.policy import SamplingConfig, load_model, sample_groups, token_logprobs
-from node.learn.tasks import PRESETS, TaskSampler
+from node.learn.groups import Group, to_sequences
+from node.learn.policy import token_logprobs
 from node.learn.trainer import TrainConfig, Trainer
+
+from conftest import tiny_signal_groups
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    model, tok = load_model("tiny-random", torch.device("cpu"))
-    mix = PRESETS["cpu-easy"]
-    tasks = TaskSampler(mix, seed=5).sample(3)
-    prompter = Prompter(tok, mix)
-    sampled = sample_groups(model, tok, [prompter(t) for t in tasks], 4, SamplingConfig(max_new_tokens=8))
-    groups = [local_group(t, s, mix.answer_prefix) for t, s in zip(tasks, sampled)]
-    for i, g in enumerate(groups):  # the random model earns nothing: give the groups a learning signal
-        g.rewards = [1.0, 0.0, 0.5, 0.0][: len(g.rewards)]
+    model, tok, prompter, _, groups = tiny_signal_groups(seed=5, max_new_tokens=8)
     return model, tok, prompter, groups
 
 
