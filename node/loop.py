@@ -184,7 +184,7 @@ class SapoNode(RoundRecords):
         record.update(collapse_metrics(local, external))
         if self.held_out.due(r) and not self.stop_requested:
             await self._evaluate(r, timer, record)
-        self.ij.update(self._observation(r, local, external, selection, record))
+        self.ij.update(self._observation(r, selection, record))
         self.metrics.write(record)
         self._log_round(record)
         return RoundResult(r, record)

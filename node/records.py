@@ -80,7 +80,7 @@ class RoundRecords:
             "ij_policy": self.cfg.ij_policy,
         }
 
-    def _observation(self, r, local, external, selection, record) -> RoundObservation:
+    def _observation(self, r, selection, record) -> RoundObservation:
         return RoundObservation(
             round=r,
             reward_mean=record["reward_mean"],
@@ -88,7 +88,7 @@ class RoundRecords:
             num_external=record["num_external"],
             external_available=selection.external_available,
             local_signal_frac=record["local_signal_frac"],
-            external_signal_frac=selection.external_available / len(external) if external else 0.0,
+            external_signal_frac=record["external_signal_frac"],  # collapse_metrics, already on the record
             external_adv_abs_mean=_mean_abs_adv(selection.external),
             local_adv_abs_mean=_mean_abs_adv(selection.local),
         )
