@@ -35,8 +35,9 @@ def _env_int(name: str, default: int) -> int:
         raise SystemExit(f"sapo-bootstrap: ${name} must be an integer (got {raw!r})") from None
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sapo-bootstrap", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/31337"], help="listen multiaddrs")
     p.add_argument("--announce-maddrs", nargs="*", default=[], help="public multiaddrs to announce (explicit ports)")
     p.add_argument("--identity-dir", type=Path, default=Path("./bootstrap-identity"))
@@ -49,8 +50,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="serve /status, /metrics, /healthz on this port (0 = any free port)")
     p.add_argument("--status-host", default="127.0.0.1", help="status server bind address")
     p.add_argument("--log-interval", type=float, default=60.0, help="seconds between peer-count log lines")
-    p.add_argument("--start-timeout", type=float, default=60.0)
-    return p.parse_args(argv)
+    p.add_argument("--start-timeout", type=float, default=60.0, help="seconds to wait for the DHT to start")
+    return p
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 class PeerCounter:

@@ -16,7 +16,7 @@ import sys
 import time
 
 from node.learn.stop import StopRequest
-from node.ops.config import ConfigError, NodeConfig, load_config
+from node.ops.config import ConfigError, NodeConfig, build_parser, load_config  # noqa: F401 (build_parser: the parser of sapo-node)
 from node.ops.metrics import METRICS_FILE, setup_logging
 from node.ops.runlock import RunDirBusy, RunDirLock
 

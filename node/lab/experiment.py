@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from node import __version__
 from node.cli import REPEAT_WINDOW_S
 from node.learn.stop import RoundAbandoned, StopRequest
 
@@ -261,6 +262,7 @@ def run_dht(spec: RunSpec, root: Path, poll_s: float = 1.0) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="sapo-experiment", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     ap.add_argument("configs", nargs="+", help=f"presets: {', '.join(PRESETS)}")
     ap.add_argument("--out", default="experiments/default", help="experiment directory")
     ap.add_argument("--rounds", type=int, default=100)

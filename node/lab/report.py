@@ -61,6 +61,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from node import __version__
 from node.lab.figures import (
     fig_cumulative,
     fig_j_trajectory,
@@ -318,8 +319,9 @@ def _console_table(summary: dict) -> str:
     return "\n".join(rows)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="sapo-report", description="Compare SAPO I/J configurations from metrics.jsonl files.")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     ap.add_argument("experiments", nargs="+", metavar="EXPERIMENT_DIR")
     ap.add_argument("--out", type=Path, default=None, help="output dir (default: FIRST_EXPERIMENT_DIR/report)")
     ap.add_argument("--threshold", type=float, default=None, help="reward threshold (default 0.5 × max observed MA)")
@@ -328,7 +330,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--drop", type=float, default=None, help="steep-drop size X (default 0.1 × max observed MA)")
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default 2000)")
     ap.add_argument("--boot-seed", type=int, default=0, help="bootstrap RNG seed (default 0)")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
 
     missing = [p for p in a.experiments if not Path(p).exists()]
     if missing:

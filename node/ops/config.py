@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from node import __version__
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -84,6 +86,7 @@ class NodeConfig:
     # status
     status_port: int = opt(0, "serve /status, /metrics, / on this port (0 = off)")
     status_host: str = opt("127.0.0.1", "status server bind address")
+    tensorboard: bool = opt(True, "write per-round scalars as TensorBoard event files under RUN_DIR/tb/")
     config: str = opt("", "TOML config file (flags > SAPO_* env > file > defaults)")
 
     @property
@@ -191,19 +194,23 @@ def build_parser(prog: str = "sapo-node") -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     defaults = NodeConfig()
     for f in fields(NodeConfig):
-        help_text = f.metadata.get("help", "")
         env = f"env SAPO_{f.name.upper()}"
         default = getattr(defaults, f.name)
+        if f.type in ("list", list):
+            text = f"{f.metadata.get('help', '')} [{env}]"
+        else:
+            text = f"{f.metadata.get('help', '')} [{env}; default {default if f.type in ('bool', bool) else repr(default)}]"
+        text = text.replace("%", "%%")  # argparse %-formats help: a bare "6%" made --help crash
         if f.type in ("bool", bool):
-            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction,
-                                help=f"{help_text} [{env}; default {default}]")
+            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, help=text)
         elif f.type in ("list", list):
-            parser.add_argument(flag(f.name), nargs="+", metavar="MADDR", help=f"{help_text} [{env}]")
+            parser.add_argument(flag(f.name), nargs="+", metavar="MADDR", help=text)
         else:
             kind = {"int": int, "float": float}.get(f.type, str)
-            parser.add_argument(flag(f.name), type=kind, help=f"{help_text} [{env}; default {default!r}]")
+            parser.add_argument(flag(f.name), type=kind, help=text)
     return parser
 
 

@@ -1,0 +1,153 @@
+"""A newcomer's first commands: `--help` and `--version` of every console script, and the README's promises.
+
+The scripts run as real subprocesses (argparse formats help lazily: a bare `%` in one help string only
+fails when --help is printed). The README's configuration table and its `SAPO_<NAME>` variables are
+parsed here, so a later edit of the README or of a parser that makes them disagree fails a test.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from node import __version__
+from node.ops.config import CHOICES, NodeConfig, build_parser, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+SCRIPTS = PYPROJECT["project"]["scripts"]  # name -> "module:function"
+README = (REPO / "README.md").read_text()
+
+
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    """The console script as a new process, importing this checkout (as an editable install would)."""
+    module, func = SCRIPTS[name].split(":")
+    code = f"import sys; sys.argv[0] = {name!r}; from {module} import {func}; sys.exit({func}())"
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", COLUMNS="100")
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def parser_of(name: str):
+    """Each console script's module exposes build_parser(): the parser its main() uses."""
+    module = importlib.import_module(SCRIPTS[name].split(":")[0])
+    assert hasattr(module, "build_parser"), f"{name}: its module has no build_parser() for this test to check"
+    return module.build_parser()
+
+
+def test_every_console_script_is_checked():
+    assert {"sapo-node", "sapo-bootstrap", "sapo-experiment", "sapo-report"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_help_exits_0_and_lists_every_option(name):
+    done = run_script(name, "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: {name}"), done.stdout[:200]
+    options = [s for action in parser_of(name)._actions for s in action.option_strings]
+    assert "--version" in options
+    missing = [o for o in options if o not in done.stdout]
+    assert not missing, f"{name} --help does not show {missing}"
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_version_exits_0(name):
+    done = run_script(name, "--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"{name} {__version__}"
+    assert __version__ == PYPROJECT["project"]["version"]
+
+
+# --- the README's configuration table ---------------------------------------------------------------------
+
+# Prose the table uses for a default, and the values it stands for.
+WORDS = {"off": (False, 0, ""), "on": (True,), "–": ([], ""), "all cores": (0,), "mix default": (0,),
+         "`--net-timeout`/3": (0.0,)}
+
+
+def config_table() -> list[tuple[list[str], list[str]]]:
+    """(flags, defaults) of each row of the table under '### Configuration'."""
+    section = README.split("### Configuration", 1)[1].split("\n### ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `--")]
+    out = []
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        flags = re.findall(r"`(--[a-z0-9-]+)`", cells[0])
+        sep = " / " if " / " in cells[1] and " / " in cells[0] else ", "
+        defaults = [d.strip() for d in cells[1].split(sep)] if len(flags) > 1 else [cells[1].strip()]
+        out.append((flags, defaults))
+    return out
+
+
+def stated(text: str) -> tuple:
+    """The values a README default stands for: a word, or a number (units dropped), or a `literal`."""
+    if text in WORDS:
+        return WORDS[text]
+    plain = text.strip("`").removesuffix(" s")
+    try:
+        return (float(plain),)
+    except ValueError:
+        return (plain,)
+
+
+def test_readme_table_is_parsed():
+    rows = config_table()
+    assert len(rows) >= 15 and sum(len(flags) for flags, _ in rows) >= 30
+
+
+@pytest.mark.parametrize("flags,defaults", config_table(), ids=lambda v: ",".join(v) if isinstance(v, list) else v)
+def test_readme_config_flags_exist_with_their_default(flags, defaults):
+    options = {s for action in build_parser()._actions for s in action.option_strings}
+    config = NodeConfig()
+    names = {f.name for f in fields(NodeConfig)}
+    assert len(flags) == len(defaults), f"{flags}: the table states {len(defaults)} defaults: {defaults}"
+    for flag, text in zip(flags, defaults):
+        assert flag in options, f"README names {flag}, which sapo-node does not have"
+        name = flag[2:].replace("-", "_")
+        assert name in names
+        actual = getattr(config, name)
+        if isinstance(actual, list) and text.startswith("`"):
+            actual = " ".join(actual)
+        assert any(actual == v and type(actual) is not bool or actual is v for v in stated(text)), \
+            f"README says {flag} defaults to {text!r}; the parser's default is {actual!r}"
+
+
+def other_value(name: str) -> str:
+    """A valid value for option `name` that differs from its default, as an env var would spell it."""
+    default = getattr(NodeConfig(), name)
+    if name in CHOICES:
+        return next(c for c in CHOICES[name] if c != default)
+    if isinstance(default, bool):
+        return "0" if default else "1"
+    if isinstance(default, list):
+        return "/ip4/127.0.0.1/tcp/1"
+    if isinstance(default, (int, float)):
+        return str(default + 3)
+    return "cpu" if name == "device" else default + "-x"
+
+
+def test_readme_env_vars_are_read():
+    """Every SAPO_<NAME> the README names is a node option that load_config reads, or a setting that
+    scripts/local_swarm.sh reads."""
+    script = (REPO / "scripts" / "local_swarm.sh").read_text()
+    names = sorted(set(re.findall(r"\bSAPO_[A-Z][A-Z0-9_]*\b", README)))
+    assert "SAPO_NUM_LOCAL" in names and "SAPO_RUN_ROOT" in names
+    option = {f"SAPO_{f.name.upper()}": f.name for f in fields(NodeConfig)}
+    for env in names:
+        if re.search(r"\$\{?" + env + r"\b", script):
+            continue
+        assert env in option, f"README names {env}; neither sapo-node nor scripts/local_swarm.sh reads it"
+        name = option[env]
+        raw = other_value(name)
+        assert getattr(load_config([], env={env: raw}), name) != getattr(NodeConfig(), name), env
+    for name in ("num_local", "tensorboard", "peers", "model"):  # the reading itself, for every kind of option
+        env = f"SAPO_{name.upper()}"
+        assert getattr(load_config([], env={env: other_value(name)}), name) != getattr(NodeConfig(), name), env
