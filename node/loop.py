@@ -37,6 +37,7 @@ from node.learn.evaluate import HeldOutEval
 from node.learn.groups import Group, Prompter, collapse_metrics, local_group, select_groups, to_sequences
 from node.swarm.ij_policy import make_ij_policy
 from node.ops.metrics import MetricsWriter
+from node.ops.tensorboard import TensorBoardLog
 from node.learn.policy import SamplingConfig, sample_groups
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.learn.tasks import TaskMix, TaskSampler
@@ -77,6 +78,7 @@ class SapoNode(RoundRecords):
         self.ij = make_ij_policy(cfg.ij_policy, total=total, initial_j=cfg.num_external)
         self.store = CheckpointStore(self.run_dir, keep=cfg.keep_checkpoints)
         self.metrics = MetricsWriter(self.run_dir)
+        self.tensorboard = TensorBoardLog(self.run_dir, enabled=cfg.tensorboard)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.next_round = 0
         self.rounds_this_run = 0
@@ -120,6 +122,8 @@ class SapoNode(RoundRecords):
         await self.exchange.start()
         if self.cfg.resume:
             await self._in_worker(self.resume)
+        # after resume's truncation: the curves hold each round of metrics.jsonl once, new rounds follow
+        await self._in_worker(self.tensorboard.rebuild, self.metrics.path)
 
     @property
     def pending(self) -> bool:
@@ -149,7 +153,8 @@ class SapoNode(RoundRecords):
                 await self._in_worker(self._save_reputation)
         finally:
             await self.exchange.close()
-            self.worker.shutdown(wait=True)
+            self.worker.shutdown(wait=True)  # after the last queued TensorBoard write
+            self.tensorboard.close()
             self.live.phase = "stopped"
 
     async def run_round(self, r: int) -> RoundResult:
@@ -186,6 +191,7 @@ class SapoNode(RoundRecords):
             await self._evaluate(r, timer, record)
         self.ij.update(self._observation(r, selection, record))
         self.metrics.write(record)
+        self.worker.submit(self.tensorboard.write, dict(record))  # model thread, before the next round's work
         self._log_round(record)
         return RoundResult(r, record)
 

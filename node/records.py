@@ -71,6 +71,7 @@ class RoundRecords:
             "verify_s": round(ex_stats.round_verify_s, 4),
             "external_sources": _count_sources(selection.external),
             "loss": stats.loss,
+            "kl": stats.kl,
             "clip_frac": stats.clip_frac,
             "ratio_mean": stats.ratio_mean,
             "grad_norm": stats.grad_norm,

@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             if Stop.node_stop.is_set():
                 log.warning("interrupted; resume with the same command")
                 return 130
-    log.info("all runs complete; report: sapo-report %s", exp)
+    log.info("all runs complete; report: sapo-report %s; curves: tensorboard --logdir %s", exp, exp)
     return 0
 
 
