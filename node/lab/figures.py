@@ -120,19 +120,20 @@ def fig_cumulative(summary: dict, path: Path) -> None:
     top = max([m + s for m, s in zip(means, stds) if math.isfinite(m)] or [1.0])
     for xi, c, m, s in zip(x, configs, means, stds):
         imp = per[c]["improvement_pct"]
-        if c == summary["baseline"]:
-            tag = "baseline"
-        elif math.isfinite(imp):
-            tag = f"{imp:+.1f}%"
+        if summary["baseline"] is None:
+            tag = ""  # nothing to compare with
+        elif c == summary["baseline"]:
+            tag = "\nbaseline"
         else:
-            tag = "n/a"
-        ax.text(xi, (m if math.isfinite(m) else 0) + s + 0.02 * top, f"{m:.1f}\n{tag}", ha="center", va="bottom", fontsize=9)
+            tag = f"\n{imp:+.1f}%" if math.isfinite(imp) else "\nn/a"
+        ax.text(xi, (m if math.isfinite(m) else 0) + s + 0.02 * top, f"{m:.1f}{tag}", ha="center", va="bottom", fontsize=9)
     ax.set_xticks(x)
     ax.set_xticklabels(configs)
     ax.set_ylim(0, top * 1.2 if top > 0 else 1)
     ax.set_xlabel("configuration (I/J)")
     ax.set_ylabel("cumulative reward (sum over agents and rounds)")
-    ax.set_title(f"Cumulative reward, mean ± std over seeds; % vs baseline {summary['baseline']}")
+    ax.set_title("Cumulative reward, mean ± std over seeds"
+                 + (f"; % vs baseline {summary['baseline']}" if summary["baseline"] is not None else ""))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
@@ -216,6 +217,9 @@ def fig_learning_health(runs: Sequence[Run], summary: dict, path: Path) -> None:
             if mat.size and np.isfinite(mat).any():
                 short = max(1, min(w, rounds.size // 4))  # a short run keeps a curve, not one point
                 ax.plot(rounds, moving_average(nanmean_rows(mat), short), color=cols[i], lw=1.5, label=cfg)
+    base = summary.get("eval_baseline", math.nan)
+    if axes[0].lines and math.isfinite(base):  # what accuracy must beat: one fixed answer per dataset
+        axes[0].axhline(base, color="grey", ls="--", lw=1.2, label=f"constant-answer baseline {base:.3f}")
     titles = ("Held-out accuracy (greedy); band = min/max over seeds", "Groups with signal (moving average)",
               "Token entropy of the samples, nats (moving average)")
     for ax, title in zip(axes, titles):

@@ -9,7 +9,9 @@ Input layout (discovered leniently): every ``metrics.jsonl`` below an experiment
 (peer) of one run.  A run is identified by the nearest ``run.json`` above the file (fields
 ``config_name``, ``seed``, ``num_local``, ``num_external``, ``ij_policy``, ``peers``, ``rounds``),
 e.g. ``EXP/<config>/seed<k>/run.json`` + ``EXP/<config>/seed<k>/peer<p>/metrics.jsonl``.  Without a
-``run.json`` the config and seed come from the directory names (``.../<config>/seed<k>/<peer>/``).
+``run.json`` the config and seed come from the directory names (``.../<config>/seed<k>/<peer>/``);
+``DIR/peer<i>/metrics.jsonl`` (``scripts/local_swarm.sh``'s layout) is one run of one configuration,
+named after DIR, with each peer an agent.  Comparisons with a baseline need two configurations or more.
 Runs with the same config name are pooled across all experiment dirs given.
 
 Each metrics line is a JSON object with ``round`` (int) and ``reward_mean`` (float, or null when
@@ -71,6 +73,7 @@ from node.lab.figures import (
 )
 from node.lab.runs import PeerSeries, Run, load_runs
 from node.lab.stats import summarize
+from node.lab.tables import FIGURES, agents_table, console_table, heldout_section, num, pct
 
 __all__ = [
     "PeerSeries",
@@ -80,16 +83,6 @@ __all__ = [
     "write_report",
     "main",
 ]
-
-
-def _f(x: Any, fmt: str = ".2f", na: str = "n/a") -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return na
-    return format(x, fmt)
-
-
-def _pct(x: float) -> str:
-    return "n/a" if not math.isfinite(x) else f"{x:+.2f}%"
 
 
 def _jsonable(x: Any) -> Any:
@@ -104,13 +97,6 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
-FIGURES = {
-    "per_agent": "per_agent_rewards.png",
-    "ma_band": "moving_average_band.png",
-    "cumulative": "cumulative_reward.png",
-    "j_trajectory": "j_trajectory.png",
-    "health": "heldout_and_collapse.png",
-}
 
 
 def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence[str] = ()) -> Path:
@@ -130,6 +116,12 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
     L.append("# SAPO I/J experiment report\n")
     if inputs:
         L.append("Inputs: " + ", ".join(f"`{p}`" for p in inputs) + "\n")
+    if len(cfgs) == 1:
+        d = per[cfgs[0]]
+        L.append(f"One configuration, **{cfgs[0]}**: {d['n_seeds']} run(s) with "
+                 f"{', '.join(map(str, d['peers']))} agents; per-agent curves and the mean over agents with its "
+                 "min/max band below. Comparisons with a baseline need two configurations or more.\n")
+        L += agents_table(runs, summary["window"])
     L.append(
         f"Baseline: **{base if base else 'none'}** ({summary['baseline_reason']}). "
         f"Moving-average window: {summary['window']} rounds. Bootstrap: {summary['n_boot']} resamples of seeds, "
@@ -148,7 +140,7 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
         L.append(
             f"| {c} | {d['ij_policy']}{' (adaptive)' if d['adaptive'] else ''} | {d['n_seeds']} | "
             f"{', '.join(map(str, d['peers']))} | {', '.join(map(str, d['rounds']))} | "
-            f"{_f(d['mean_num_local'])} | {_f(d['mean_num_external'])} |"
+            f"{num(d['mean_num_local'])} | {num(d['mean_num_external'])} |"
         )
     L.append("")
 
@@ -157,25 +149,33 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
     L.append("## Cumulative reward" + (" (training reward, the second view)" if summary.get("has_eval") else "")
              + "\n")
     L.append("Sum over agents and rounds of `reward_mean`, per seed; mean ± sample std over seeds.\n")
-    L.append("Seeds ahead: in how many seeds the configuration beat the baseline with the same seed (peer p of "
-             "seed k has the same node seed in every configuration), with the one-sided exact sign-test p; "
-             "with n seeds p cannot go below 0.5^n.\n")
-    L.append("| config | cumulative reward (mean ± std) | per seed | reward per agent-round | vs baseline | 95% CI (bootstrap over seeds) | seeds ahead (sign-test p) | note |")
-    L.append("|---|---|---|---|---|---|---|---|")
+    if base is None:
+        L.append("| config | cumulative reward (mean ± std) | per seed | reward per agent-round |")
+        L.append("|---|---|---|---|")
+    else:
+        L.append("Seeds ahead: in how many seeds the configuration beat the baseline with the same seed (peer p "
+                 "of seed k has the same node seed in every configuration), with the one-sided exact sign-test p; "
+                 "with n seeds p cannot go below 0.5^n.\n")
+        L.append("| config | cumulative reward (mean ± std) | per seed | reward per agent-round | vs baseline | 95% CI (bootstrap over seeds) | seeds ahead (sign-test p) | note |")
+        L.append("|---|---|---|---|---|---|---|---|")
     for c in cfgs:
         d = per[c]
-        seeds = ", ".join(f"s{s}: {_f(v)}" for s, v in d["cumulative_by_seed"].items())
+        seeds = ", ".join(f"s{s}: {num(v)}" for s, v in d["cumulative_by_seed"].items())
+        if base is None:
+            L.append(f"| {c} | {num(d['cumulative_mean'])} ± {num(d['cumulative_std'])} | {seeds} | "
+                     f"{num(d['reward_per_agent_round'], '.4f')} |")
+            continue
         if c == base:
             vs, ci, ahead = "baseline", "—", "—"
         else:
             ahead = ("n/a" if not d["paired_seeds"] else
-                     f"{d['paired_wins']}/{d['paired_seeds']} (p = {_f(d['sign_test_p'], '.3f')})")
-            vs = _pct(d["improvement_pct"])
+                     f"{d['paired_wins']}/{d['paired_seeds']} (p = {num(d['sign_test_p'], '.3f')})")
+            vs = pct(d["improvement_pct"])
             lo, hi = d["improvement_ci"]
             ci = "n/a" if not (math.isfinite(lo) and math.isfinite(hi)) else f"[{lo:+.2f}%, {hi:+.2f}%]"
         L.append(
-            f"| {c} | {_f(d['cumulative_mean'])} ± {_f(d['cumulative_std'])} | {seeds} | "
-            f"{_f(d['reward_per_agent_round'], '.4f')} | {vs} | {ci} | {ahead} | "
+            f"| {c} | {num(d['cumulative_mean'])} ± {num(d['cumulative_std'])} | {seeds} | "
+            f"{num(d['reward_per_agent_round'], '.4f')} | {vs} | {ci} | {ahead} | "
             f"{d['improvement_note'] if c != base else ''} |"
         )
     L.append("")
@@ -183,7 +183,7 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
 
     L.append("## Learning speed\n")
     L.append(
-        f"Threshold: {_f(summary['threshold'], '.4f')} ({summary['threshold_source']}). "
+        f"Threshold: {num(summary['threshold'], '.4f')} ({summary['threshold_source']}). "
         "Rounds to threshold = first logged round at which the swarm-mean reward's moving average "
         "reaches the threshold.\n"
     )
@@ -192,7 +192,7 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
     for c in cfgs:
         d = per[c]
         ps = ", ".join(f"s{s}: {v if v is not None else 'never'}" for s, v in d["rounds_to_threshold_by_seed"].items())
-        L.append(f"| {c} | {_f(d['rounds_to_threshold_mean'], '.1f', 'never')} | {d['seeds_reaching_threshold']}/{d['n_seeds']} | {ps} |")
+        L.append(f"| {c} | {num(d['rounds_to_threshold_mean'], '.1f', 'never')} | {d['seeds_reaching_threshold']}/{d['n_seeds']} | {ps} |")
     L.append("")
     L.append(f"![moving average with min/max band]({FIGURES['ma_band']})\n")
     L.append(f"![per-agent reward curves]({FIGURES['per_agent']})\n")
@@ -201,14 +201,14 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
     L.append(
         f"Std over rounds of the swarm-mean reward (mean over seeds; includes the learning trend). "
         f"Steep drop: the mean over a block of {summary['window']} consecutive rounds is lower than the previous "
-        f"block's by more than X = {_f(summary['drop'], '.4f')} ({summary['drop_source']}). "
+        f"block's by more than X = {num(summary['drop'], '.4f')} ({summary['drop_source']}). "
         "Max drawdown: largest fall of the moving average below its running maximum (mean over seeds).\n"
     )
     L.append("| config | reward std | steep drops per seed (mean) | max drawdown |")
     L.append("|---|---|---|---|")
     for c in cfgs:
         d = per[c]
-        L.append(f"| {c} | {_f(d['reward_std_mean'], '.4f')} | {_f(d['steep_drops_mean'])} | {_f(d['max_drawdown_mean'], '.4f')} |")
+        L.append(f"| {c} | {num(d['reward_std_mean'], '.4f')} | {num(d['steep_drops_mean'])} | {num(d['max_drawdown_mean'], '.4f')} |")
     L.append("")
 
     L.append("## External groups and J\n")
@@ -218,9 +218,9 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
         d = per[c]
         rate = d["acceptance_rate"]
         L.append(
-            f"| {c} | {_f(d['external_accepted'], 'd')} | {_f(d['external_rejected'], 'd')} | "
-            f"{'n/a' if not math.isfinite(rate) else f'{100 * rate:.1f}%'} | {_f(d['mean_target_j'])} | "
-            f"{_f(d['final_target_j_mean'])} | {_f(d['mean_round_s'])} |"
+            f"| {c} | {num(d['external_accepted'], 'd')} | {num(d['external_rejected'], 'd')} | "
+            f"{'n/a' if not math.isfinite(rate) else f'{100 * rate:.1f}%'} | {num(d['mean_target_j'])} | "
+            f"{num(d['final_target_j_mean'])} | {num(d['mean_round_s'])} |"
         )
     L.append("")
     if has_adaptive:
@@ -236,87 +236,6 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
     path = out / "report.md"
     path.write_text("\n".join(L))
     return path
-
-
-def _vs(d: dict, key: str) -> tuple[str, str, str]:
-    """(% vs baseline, CI, seeds ahead with p) of one held-out measure, or dashes for the baseline."""
-    v = d.get(f"{key}_vs_base")
-    if not v:
-        return "baseline", "—", "—"
-    lo, hi = v["ci"]
-    ci = "n/a" if not (math.isfinite(lo) and math.isfinite(hi)) else f"[{lo:+.2f}%, {hi:+.2f}%]"
-    ahead = "n/a" if not v["seeds"] else f"{v['wins']}/{v['seeds']} (p = {_f(v['p'], '.3f')})"
-    return _pct(v["pct"]), ci, ahead
-
-
-def heldout_section(summary: dict) -> list[str]:
-    """The primary comparison when the runs logged held-out accuracy; collapse signs either way."""
-    per, L = summary["per_config"], []
-    if summary.get("has_eval"):
-        L.append("## Held-out accuracy\n")
-        L.append("Greedy answers to the task mix's fixed evaluation set (never trained on), scored like training. "
-                 "Per seed: the swarm mean over agents at the last evaluation (final), and the area under the "
-                 "swarm-mean curve divided by its round span (the mean accuracy over the run). % vs baseline, "
-                 "95% bootstrap CI over seeds and the paired sign test as for the cumulative reward below.\n")
-        if math.isfinite(summary.get("eval_baseline", math.nan)):
-            L.append(f"Constant-answer baseline: **{summary['eval_baseline']:.4f}**, what one fixed answer per "
-                     "dataset scores on this set (e.g. always \"True\"). A policy that collapsed onto such answers "
-                     "scores about this; only accuracy above it shows the model answering the question.\n")
-        L.append("| config | final (mean ± std) | vs baseline | 95% CI | seeds ahead (p) | area (mean ± std) "
-                 "| vs baseline | 95% CI | seeds ahead (p) |")
-        L.append("|---|---|---|---|---|---|---|---|---|")
-        for c in summary["configs"]:
-            d = per[c]
-            L.append(f"| {c} | {_f(d['eval_final_mean'], '.4f')} ± {_f(d['eval_final_std'], '.4f')} | "
-                     + " | ".join(_vs(d, "eval_final")) + f" | {_f(d['eval_area_mean'], '.4f')} ± "
-                     f"{_f(d['eval_area_std'], '.4f')} | " + " | ".join(_vs(d, "eval_area")) + " |")
-        L.append("")
-        L.append("Paired effect over seeds (config − baseline, same seeds): mean difference in accuracy points, "
-                 "Cohen's d_z (mean / sd of the differences) and the two-sided exact permutation p.\n")
-        L.append("| config | final: mean diff | d_z | p | area: mean diff | d_z | p |")
-        L.append("|---|---|---|---|---|---|---|")
-        for c in summary["configs"]:
-            cells = []
-            for key in ("eval_final", "eval_area"):
-                v = per[c].get(f"{key}_vs_base") or {}
-                cells += [_f(v.get("mean_diff", math.nan), '+.4f'), _f(v.get("d_z", math.nan), '+.2f'),
-                          _f(v.get("p_perm", math.nan), '.3f')] if v else ["baseline", "—", "—"]
-            L.append(f"| {c} | " + " | ".join(cells) + " |")
-        L.append("")
-    L.append("## Collapse signs\n")
-    L.append("Share of groups (local and external) whose rewards differ, and the mean token entropy (nats) of "
-             "the sampled completions: over all rounds and over each agent's last quarter of rounds.\n")
-    L.append("| config | groups with signal | … last quarter | token entropy | … last quarter |")
-    L.append("|---|---|---|---|---|")
-    for c in summary["configs"]:
-        d = per[c]
-        L.append(f"| {c} | {_f(d['signal_frac_mean'], '.3f')} | {_f(d['signal_frac_last_quarter'], '.3f')} | "
-                 f"{_f(d['entropy_mean'], '.3f')} | {_f(d['entropy_last_quarter'], '.3f')} |")
-    L.append("")
-    L.append(f"![held-out accuracy and collapse signs]({FIGURES['health']})\n")
-    return L
-
-
-def _console_table(summary: dict) -> str:
-    if summary.get("has_eval"):
-        rows = [f"{'config':<16}{'seeds':>6}{'held-out final':>18}{'vs base':>11}  95% CI"]
-        for c in summary["configs"]:
-            d = summary["per_config"][c]
-            vs, ci, _ = _vs(d, "eval_final")
-            rows.append(f"{c:<16}{d['n_seeds']:>6}{_f(d['eval_final_mean'], '.3f'):>18}{vs:>11}  "
-                        f"{'' if vs == 'baseline' else ci}")
-        rows.append("")
-    else:
-        rows = []
-    rows += [f"{'config':<16}{'seeds':>6}{'cumulative':>22}{'vs base':>11}  95% CI"]
-    for c in summary["configs"]:
-        d = summary["per_config"][c]
-        cum = f"{_f(d['cumulative_mean'])} ± {_f(d['cumulative_std'])}"
-        lo, hi = d["improvement_ci"]
-        ci = "" if c == summary["baseline"] else ("n/a" if not math.isfinite(lo) else f"[{lo:+.1f}%, {hi:+.1f}%]")
-        vs = "baseline" if c == summary["baseline"] else _pct(d["improvement_pct"])
-        rows.append(f"{c:<16}{d['n_seeds']:>6}{cum:>22}{vs:>11}  {ci}")
-    return "\n".join(rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -358,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     out = a.out if a.out is not None else Path(a.experiments[0]) / "report"
     path = write_report(runs, summary, out, a.experiments)
-    print(_console_table(summary))
+    print(console_table(summary))
     if summary["skipped_lines"]:
         print(f"skipped {summary['skipped_lines']} corrupt metrics line(s)")
     for w in summary["warnings"]:

@@ -14,6 +14,7 @@ import orjson
 
 _SEED_RE = re.compile(r"^seed[_-]?(\w+)$", re.IGNORECASE)
 IJ_RE = re.compile(r"^(\d+)\s*[/_-]\s*(\d+)$")
+PEER_RE = re.compile(r"^peer[-_]?\w*$", re.IGNORECASE)  # a peer's run dir: scripts/local_swarm.sh's ROOT/peer<i>
 
 
 
@@ -195,6 +196,8 @@ def _identify(metrics: Path, root: Path) -> tuple[str, str, str, str, dict]:
         fb_config = "/".join(rel[:seed_idx]) or root.name
         fb_seed = _SEED_RE.match(rel[seed_idx]).group(1)  # type: ignore[union-attr]
         fb_run_dir = root.joinpath(*rel[: seed_idx + 1])
+    elif rel and PEER_RE.match(rel[0]):  # ROOT/peer<i>/: one swarm run, its peers are agents, not configurations
+        fb_config, fb_seed, fb_run_dir = root.name, "0", root
     elif rel:
         fb_config, fb_seed, fb_run_dir = rel[0], "0", root / rel[0]
     else:

@@ -265,6 +265,8 @@ def summarize(
         drp, drp_src = float(drop), "given with --drop"
 
     base_name, base_reason = _pick_baseline(by_cfg, baseline) if by_cfg else (None, "no runs")
+    if len(by_cfg) == 1:  # e.g. one local swarm: its peers are agents of one configuration, not rivals
+        base_name, base_reason = None, "one configuration: nothing to compare it with"
 
     per: dict[str, dict] = {}
     for cfg, rs in by_cfg.items():

@@ -227,3 +227,65 @@ def test_paired_effect_exact_permutation_and_d_z():
     mixed = paired_effect({k: base[k] + d for k, d in zip(base, [0.1, -0.1, 0.05, -0.05, 0.0])}, base)
     assert mixed["mean_diff"] == pytest.approx(0.0) and mixed["p_perm"] == 1.0
     assert math.isnan(paired_effect({"9": 1.0}, base)["p_perm"])  # no common seed: no test
+
+
+def write_local_swarm(root, peers=5, rounds=12):
+    """scripts/local_swarm.sh's layout: ROOT/bootstrap/, ROOT/peer<i>/ (metrics, logs, tb/), ROOT/local_swarm.log;
+    no run.json. Peer i's reward at round t: 0.1 + 0.01 i + 0.02 t; held-out every 5 rounds and at the end."""
+    (root / "bootstrap").mkdir(parents=True)
+    (root / "bootstrap" / "maddrs.txt").write_text("/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWabc\n")
+    (root / "bootstrap" / "bootstrap.log").write_text("bootstrap up\n")
+    (root / "local_swarm.log").write_text("finished\n")
+    for i in range(peers):
+        d = root / f"peer{i}"
+        (d / "tb").mkdir(parents=True)
+        (d / "node.log").write_text("round 0 | ...\n")
+        (d / "console.log").write_text("")
+        lines = []
+        for t in range(rounds):
+            rec = {"round": t, "reward_mean": 0.1 + 0.01 * i + 0.02 * t, "num_local": 2, "num_external": 2,
+                   "target_external": 2, "external_accepted": 4, "external_rejected": 0, "ij_policy": "fixed",
+                   "signal_frac": 0.5, "entropy_mean": 1.0}
+            if t % 5 == 0 or t == rounds - 1:
+                rec.update(eval_accuracy=0.5 + 0.01 * t, eval_baseline=0.5625, eval_size=64)
+            lines.append(json.dumps(rec))
+        (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_local_swarm_dir_is_one_configuration_with_five_agents(tmp_path, capsys):
+    root = write_local_swarm(tmp_path / "runs" / "local-swarm")
+    runs = load_runs([root])
+    assert [(r.config, r.seed, len(r.peers)) for r in runs] == [("local-swarm", "0", 5)]
+    assert [p.peer for p in runs[0].peers] == [f"peer{i}" for i in range(5)]
+
+    # the command local_swarm.sh suggests when it finishes: sapo-report ROOT (report into ROOT/report)
+    assert main([str(root)]) == 0
+    printed = capsys.readouterr().out
+    md = (root / "report" / "report.md").read_text()
+    s = json.loads((root / "report" / "summary.json").read_text())
+    assert s["configs"] == ["local-swarm"] and s["baseline"] is None
+    assert s["per_config"]["local-swarm"]["peers"] == [5]
+    assert "One configuration, **local-swarm**: 1 run(s) with 5 agents" in md
+    for i in range(5):  # one row per agent; mean reward = 0.1 + 0.01 i + 0.02 * 5.5
+        assert f"| seed 0 | peer{i} | 12 | {0.21 + 0.01 * i:.4f} |" in md
+    assert "vs baseline" not in md and "seeds ahead" not in md and "baseline" not in printed
+    # cumulative = sum over 5 peers and 12 rounds: 60 * 0.1 + 12 * 0.01 * (0 + 1 + 2 + 3 + 4) + 5 * 0.02 * 66 = 13.8
+    assert "| local-swarm | 13.80 ± 0.00 | s0: 13.80 | 0.2300 |" in md
+    assert "Constant-answer baseline: **0.5625**" in md
+    for name in ("per_agent_rewards.png", "moving_average_band.png", "heldout_and_collapse.png"):
+        assert (root / "report" / name).stat().st_size > 1000
+
+
+def test_held_out_plot_draws_the_constant_answer_baseline(tmp_path, monkeypatch):
+    """The baseline is a line in the held-out panel (what accuracy must beat), labelled with its value."""
+    from matplotlib.axes import Axes
+
+    from node.lab import figures
+
+    drawn = []
+    real = Axes.axhline
+    monkeypatch.setattr(Axes, "axhline", lambda ax, y=0, *a, **k: drawn.append((y, k.get("label"))) or real(ax, y, *a, **k))
+    runs = load_runs([write_local_swarm(tmp_path / "ls")])
+    figures.fig_learning_health(runs, summarize(runs), tmp_path / "h.png")
+    assert (0.5625, "constant-answer baseline 0.562") in drawn

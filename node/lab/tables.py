@@ -1,0 +1,141 @@
+"""The report's text: number formats, the held-out and collapse sections, the per-agent table, the console
+table. Kept apart from `report` (which writes the files) so that each stays short."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from node.lab.runs import Run
+from node.lab.stats import moving_average
+
+FIGURES = {
+    "per_agent": "per_agent_rewards.png",
+    "ma_band": "moving_average_band.png",
+    "cumulative": "cumulative_reward.png",
+    "j_trajectory": "j_trajectory.png",
+    "health": "heldout_and_collapse.png",
+}
+
+
+def num(x: Any, fmt: str = ".2f", na: str = "n/a") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return na
+    return format(x, fmt)
+
+
+def pct(x: float) -> str:
+    return "n/a" if not math.isfinite(x) else f"{x:+.2f}%"
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A markdown table and the blank line after it."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(row) + " |" for row in rows), ""]
+
+
+def vs_cells(d: dict, key: str) -> tuple[str, str, str]:
+    """(% vs baseline, CI, seeds ahead with p) of one held-out measure, or dashes for the baseline."""
+    v = d.get(f"{key}_vs_base")
+    if not v:
+        return "baseline", "—", "—"
+    lo, hi = v["ci"]
+    ci = "n/a" if not (math.isfinite(lo) and math.isfinite(hi)) else f"[{lo:+.2f}%, {hi:+.2f}%]"
+    ahead = "n/a" if not v["seeds"] else f"{v['wins']}/{v['seeds']} (p = {num(v['p'], '.3f')})"
+    return pct(v["pct"]), ci, ahead
+
+
+def heldout_section(summary: dict) -> list[str]:
+    """The primary comparison when the runs logged held-out accuracy; collapse signs either way."""
+    per, L = summary["per_config"], []
+    if summary.get("has_eval"):
+        L.append("## Held-out accuracy\n")
+        L.append("Greedy answers to the task mix's fixed evaluation set (never trained on), scored like training. "
+                 "Per seed: the swarm mean over agents at the last evaluation (final), and the area under the "
+                 "swarm-mean curve divided by its round span (the mean accuracy over the run)."
+                 + (" % vs baseline, 95% bootstrap CI over seeds and the paired sign test as for the cumulative "
+                    "reward below." if summary["baseline"] is not None else "") + "\n")
+        if math.isfinite(summary.get("eval_baseline", math.nan)):
+            L.append(f"Constant-answer baseline: **{summary['eval_baseline']:.4f}**, what one fixed answer per "
+                     "dataset scores on this set (e.g. always \"True\"). A policy that collapsed onto such answers "
+                     "scores about this; only accuracy above it shows the model answering the question.\n")
+        if summary["baseline"] is None:
+            L += md_table(["config", "final (mean ± std)", "area (mean ± std)"], [
+                [c, f"{num(per[c]['eval_final_mean'], '.4f')} ± {num(per[c]['eval_final_std'], '.4f')}",
+                 f"{num(per[c]['eval_area_mean'], '.4f')} ± {num(per[c]['eval_area_std'], '.4f')}"]
+                for c in summary["configs"]])
+        else:
+            L += heldout_comparison(summary)
+    L.append("## Collapse signs\n")
+    L.append("Share of groups (local and external) whose rewards differ, and the mean token entropy (nats) of "
+             "the sampled completions: over all rounds and over each agent's last quarter of rounds.\n")
+    L += md_table(["config", "groups with signal", "… last quarter", "token entropy", "… last quarter"], [
+        [c] + [num(per[c][k], ".3f") for k in ("signal_frac_mean", "signal_frac_last_quarter", "entropy_mean",
+                                                "entropy_last_quarter")] for c in summary["configs"]])
+    L.append(f"![held-out accuracy and collapse signs]({FIGURES['health']})\n")
+    return L
+
+
+def heldout_comparison(summary: dict) -> list[str]:
+    """Held-out accuracy of each configuration against the baseline: %, CI, sign test, paired effect."""
+    per, L = summary["per_config"], []
+    L.append("| config | final (mean ± std) | vs baseline | 95% CI | seeds ahead (p) | area (mean ± std) "
+             "| vs baseline | 95% CI | seeds ahead (p) |")
+    L.append("|---|---|---|---|---|---|---|---|---|")
+    for c in summary["configs"]:
+        d = per[c]
+        L.append(f"| {c} | {num(d['eval_final_mean'], '.4f')} ± {num(d['eval_final_std'], '.4f')} | "
+                 + " | ".join(vs_cells(d, "eval_final")) + f" | {num(d['eval_area_mean'], '.4f')} ± "
+                 f"{num(d['eval_area_std'], '.4f')} | " + " | ".join(vs_cells(d, "eval_area")) + " |")
+    L.append("")
+    L.append("Paired effect over seeds (config − baseline, same seeds): mean difference in accuracy points, "
+             "Cohen's d_z (mean / sd of the differences) and the two-sided exact permutation p.\n")
+    L.append("| config | final: mean diff | d_z | p | area: mean diff | d_z | p |")
+    L.append("|---|---|---|---|---|---|---|")
+    for c in summary["configs"]:
+        cells = []
+        for key in ("eval_final", "eval_area"):
+            v = per[c].get(f"{key}_vs_base") or {}
+            cells += [num(v.get("mean_diff", math.nan), '+.4f'), num(v.get("d_z", math.nan), '+.2f'),
+                      num(v.get("p_perm", math.nan), '.3f')] if v else ["baseline", "—", "—"]
+        L.append(f"| {c} | " + " | ".join(cells) + " |")
+    L.append("")
+    return L
+
+
+def console_table(summary: dict) -> str:
+    """Held-out (when logged) and cumulative reward per configuration; % vs baseline only when there is one."""
+    base, rows = summary["baseline"], []
+    head = f"{'config':<16}{'seeds':>6}{'agents':>8}"
+    vs_head = f"{'vs base':>11}  95% CI" if base is not None else ""
+    agents = {c: ",".join(map(str, d["peers"])) for c, d in summary["per_config"].items()}
+    if summary.get("has_eval"):
+        rows.append(f"{head}{'held-out final':>18}{vs_head}")
+        for c, d in summary["per_config"].items():
+            vs, ci, _ = vs_cells(d, "eval_final")
+            tail = "" if base is None else f"{vs:>11}  {'' if vs == 'baseline' else ci}"
+            rows.append(f"{c:<16}{d['n_seeds']:>6}{agents[c]:>8}{num(d['eval_final_mean'], '.3f'):>18}{tail}")
+        rows.append("")
+    rows.append(f"{head}{'cumulative':>22}{vs_head}")
+    for c, d in summary["per_config"].items():
+        cum = f"{num(d['cumulative_mean'])} ± {num(d['cumulative_std'])}"
+        lo, hi = d["improvement_ci"]
+        ci = "" if c == base else ("n/a" if not math.isfinite(lo) else f"[{lo:+.1f}%, {hi:+.1f}%]")
+        vs = "baseline" if c == base else pct(d["improvement_pct"])
+        rows.append(f"{c:<16}{d['n_seeds']:>6}{agents[c]:>8}{cum:>22}" + ("" if base is None else f"{vs:>11}  {ci}"))
+    return "\n".join(rows)
+
+
+def agents_table(runs: Sequence[Run], window: int = 10) -> list[str]:
+    """One row per agent: how each peer of a single configuration did (the curves are in the figures)."""
+    rows = []
+    for r in runs:
+        for p in r.peers:
+            ma = moving_average(p.reward, window)
+            acc = p.eval_acc[np.isfinite(p.eval_acc)] if p.eval_acc.size else p.eval_acc
+            rows.append([f"seed {r.seed}", p.peer, str(p.rounds.size), num(float(np.nanmean(p.reward)), ".4f"),
+                         num(float(ma[-1]) if ma.size else math.nan, ".4f"),
+                         num(float(acc[-1]) if acc.size else math.nan, ".4f")])
+    return md_table(["run", "agent", "rounds", "mean reward", "last moving average", "final held-out accuracy"], rows)
