@@ -7,6 +7,7 @@ import sys
 import time
 
 from conftest import REPO, live_metrics, node_env
+from tbread import read_scalars
 
 TINY = ["--model", "tiny-random", "--tasks", "smoke", "--generations", "4", "--max-new-tokens", "8",
         "--seeds", "0", "--peers", "2", "--threads", "1"]
@@ -79,6 +80,11 @@ def test_memory_mode_comparison_then_report(tmp_path):
     assert silo == [[0, 1, 2], [0, 1, 2]]
     assert external_used([exp / "2-2" / "seed0" / f"peer{p}" for p in range(2)]) > 0
     assert json.loads((exp / "2-2" / "seed0" / "run.json").read_text())["mode"] == "memory"
+    # `tensorboard --logdir EXP` finds every peer of every configuration, each round once
+    logdirs = sorted({str(f.parent.relative_to(exp)) for f in exp.rglob("events.out.tfevents.*")})
+    assert logdirs == [f"{c}/seed0/peer{p}/tb" for c in ("2-2", "4-0") for p in range(2)]
+    for logdir in logdirs:
+        assert [step for step, _ in read_scalars(exp / logdir)["reward/mean"]] == [0, 1, 2]
 
     report = subprocess.run([sys.executable, "-m", "node.lab.report", str(exp), "--out", str(tmp_path / "report")],
                             cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=120)
