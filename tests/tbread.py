@@ -33,3 +33,15 @@ def read_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
                 if value.HasField("simple_value"):
                     out.setdefault(value.tag, []).append((event.step, value.simple_value))
     return out
+
+
+def read_scalars_with_tensorboard(logdir: Path) -> dict[str, list[tuple[int, float]]] | None:
+    """The same, read by TensorBoard's own EventAccumulator when the `tensorboard` package is installed
+    (the viewer; the node does not need it), else None."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        return None
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})  # 0: keep every point
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}

@@ -8,7 +8,7 @@ import orjson
 
 from conftest import run_node
 from node.ops.tensorboard import scalars
-from tbread import read_scalars
+from tbread import read_scalars, read_scalars_with_tensorboard
 
 
 def test_event_files_match_metrics_across_a_resume(tmp_path, tiny_args):
@@ -37,6 +37,8 @@ def test_event_files_match_metrics_across_a_resume(tmp_path, tiny_args):
                 "eval/constant_answer_baseline"):
         assert tag in got, tag
     assert [s for s, _ in got["eval/accuracy"]] == [0, 2, 4]
+    viewer = read_scalars_with_tensorboard(run_dir / "tb")  # None unless the `tensorboard` package is installed
+    assert viewer is None or viewer == expected
 
 
 def test_no_tensorboard_writes_no_event_file(tmp_path, tiny_args):
