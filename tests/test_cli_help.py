@@ -12,11 +12,15 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 from node import __version__
 from node.ops.config import CHOICES, NodeConfig, build_parser, load_config
