@@ -97,8 +97,6 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
-
-
 def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence[str] = ()) -> Path:
     """Write figures, summary.json and report.md into `out`; returns the report path."""
     out.mkdir(parents=True, exist_ok=True)
