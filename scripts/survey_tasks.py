@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reasoning_gym  # noqa: E402
 import torch  # noqa: E402
 
-from node.lab.survey import EASIEST_OVERRIDES, FORMATS, Cell, load_records, run_cells, summarize  # noqa: E402
+from node.lab.survey import EASIEST_OVERRIDES, FORMATS, Cell, PresetRule, choose_preset, load_records, run_cells, summarize  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "data" / "survey"
 SCREEN_TASKS = 16
@@ -68,6 +68,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.summarize:
         print(summarize(args.log, OUT))
+        records = list(load_records(args.log).values())
+        for min_tasks in (64, SCREEN_TASKS):
+            fmt, cells = choose_preset(records, min_tasks=min_tasks)
+            print(f"preset rule {PresetRule()} on cells of >= {min_tasks} tasks: format {fmt}, "
+                  f"{[(c['dataset'], c['level']) for c in cells]}")
         return
     torch.set_num_threads(args.threads)
     from node.learn.policy import load_model, pick_device

@@ -291,3 +291,39 @@ def summarize(log_path: Path, out_dir: Path) -> str:
     text = "\n".join(lines) + ("\n\nFailed to build:\n" + "\n".join(errors) if errors else "") + "\n"
     (out_dir / "survey.md").write_text(text)
     return text
+
+
+@dataclass(frozen=True)
+class PresetRule:
+    """What makes a dataset worth RL on this model (docs/RESULTS.md section 6): guessing pays little,
+    sampling solves clearly more than greedy decoding (RL turns pass@k into pass@1), right answers are
+    spread over many values, and completions are short enough for a CPU."""
+
+    max_baseline: float = 0.15
+    min_gap: float = 0.20  # pass@8 - pass@1
+    min_distinct_correct: int = 8
+    max_median_tokens: float = 48
+
+    def admits(self, rec: dict[str, Any]) -> bool:
+        return ("error" not in rec and rec["baseline"] <= self.max_baseline
+                and rec[f"pass{rec['samples']}"] - rec["pass1"] >= self.min_gap
+                and rec["distinct_correct"] >= self.min_distinct_correct
+                and rec["median_tokens"] <= self.max_median_tokens)
+
+
+def choose_preset(records: list[dict[str, Any]], rule: PresetRule = PresetRule(), min_tasks: int = 64,
+                  max_datasets: int = 4) -> tuple[str | None, list[dict[str, Any]]]:
+    """(format, admitted cells) of the format whose admitted cells carry the most signal in total (one
+    format per mix: the prompt is the mix's), best cells first, one per dataset, at most `max_datasets`."""
+    best: tuple[float, str | None, list[dict[str, Any]]] = (0.0, None, [])
+    for fmt in sorted({r["fmt"] for r in records}):
+        cells = sorted((r for r in records if r["fmt"] == fmt and r["n_tasks"] >= min_tasks and rule.admits(r)),
+                       key=lambda r: r["signal_frac"], reverse=True)
+        chosen: list[dict[str, Any]] = []
+        for r in cells:
+            if r["dataset"] not in {c["dataset"] for c in chosen} and len(chosen) < max_datasets:
+                chosen.append(r)
+        total = sum(r["signal_frac"] for r in chosen)
+        if total > best[0]:
+            best = (total, fmt, chosen)
+    return best[1], best[2]
