@@ -51,7 +51,8 @@ def stage_cells(stage: str, names: list[str], records: dict, n_tasks: int, tempe
                                                                                         temperature, SCREEN_TASKS).key()]]
     passed = [n for n in names if passed_screen(records, n) or passed_screen(records, n, "reason")]
     level = "easiest" if stage == "full" else "harder"
-    return [Cell(n, level, fmt, temperature, n_tasks) for n in passed for fmt in FORMATS]
+    # format-major: the cheap direct cells of every dataset before the 3x longer reasoning ones
+    return [Cell(n, level, fmt, temperature, n_tasks) for fmt in FORMATS for n in passed]
 
 
 def main() -> None:
