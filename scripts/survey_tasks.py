@@ -42,9 +42,10 @@ def passed_screen(records: dict, name: str, fmt: str = "direct") -> bool | None:
     return "error" not in rec and rec.get("pass8", 0) > 0
 
 
-def stage_cells(stage: str, names: list[str], records: dict, n_tasks: int, temperature: float) -> list[Cell]:
+def stage_cells(stage: str, names: list[str], records: dict, n_tasks: int, temperature: float,
+                screen_formats: tuple[str, ...] = ("direct",)) -> list[Cell]:
     if stage == "screen":
-        return [Cell(n, "easiest", "direct", temperature, SCREEN_TASKS) for n in names]
+        return [Cell(n, "easiest", fmt, temperature, SCREEN_TASKS) for fmt in screen_formats for n in names]
     if stage == "rescreen":
         return [Cell(n, "easiest", "reason", temperature, SCREEN_TASKS) for n in names
                 if passed_screen(records, n) is False and "error" not in records[Cell(n, "easiest", "direct",
@@ -61,6 +62,8 @@ def main() -> None:
     ap.add_argument("--stages", nargs="+", default=["screen", "full", "harder", "rescreen"],
                     choices=["screen", "full", "harder", "rescreen"])
     ap.add_argument("--datasets", default="", help="comma list (default: every reasoning-gym dataset)")
+    ap.add_argument("--screen-formats", nargs="+", default=["direct"], choices=list(FORMATS),
+                    help="prompt formats of the screen stage (the plan screens direct only)")
     ap.add_argument("--tasks", type=int, default=64, help="held-out tasks per full cell")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=1)
@@ -83,7 +86,8 @@ def main() -> None:
     names = [n for n in (args.datasets.split(",") if args.datasets else everything) if n and n not in SKIP]
     model, tok = load_model(args.model, pick_device("auto"))
     for stage in args.stages:
-        cells = stage_cells(stage, names, load_records(args.log), args.tasks, args.temperature)
+        cells = stage_cells(stage, names, load_records(args.log), args.tasks, args.temperature,
+                            tuple(args.screen_formats))
         t0 = time.time()
         print(f"# stage {stage}: {len(cells)} cells", flush=True)
 
