@@ -196,6 +196,7 @@ PRESETS: dict[str, TaskMix] = {
             "basic_arithmetic": {"weight": 1.0, "config": {
                 "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
                 "allow_parentheses": False, "allow_negation": False}},
+            "chain_sum": {"weight": 1.0, "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}},
         },
         system_prompt=CPU_EASY_SYSTEM_PROMPT,
         answer_prefix="<answer>",
