@@ -9,7 +9,7 @@
 # The same holds under `| tee`, `nohup` and `&` (from a script, `&` leaves SIGINT ignored: use kill -TERM).
 # What happened is printed and appended to $SAPO_RUN_ROOT/local_swarm.log.
 #
-# Settings (environment): SAPO_PEERS=5 SAPO_MODEL=default SAPO_TASKS=cpu-easy (CPU) / paper (GPU)
+# Settings (environment): SAPO_PEERS=5 SAPO_MODEL=default SAPO_TASKS=cpu-learn (CPU) / paper (GPU)
 #   SAPO_LOCAL_ROUNDS=100 SAPO_NUM_LOCAL=2 SAPO_NUM_EXTERNAL=2 SAPO_GENERATIONS=6 SAPO_RUN_ROOT=runs/local-swarm
 #   SAPO_STATUS_BASE_PORT=0 (e.g. 8100: peer i serves its dashboard on 8100+i) SAPO_SKIP_SETUP=0
 #   SAPO_PROGRESS=1 (0: no live progress view). Arguments are passed on to every sapo-node.
@@ -25,7 +25,7 @@ MODEL="${SAPO_MODEL:-default}"
 ROOT="${SAPO_RUN_ROOT:-runs/local-swarm}"
 ROUNDS="${SAPO_LOCAL_ROUNDS:-100}"
 HAS_GPU=$(python -c "import torch; print(int(torch.cuda.is_available()))")
-if [ "$HAS_GPU" = 1 ]; then DEFAULT_TASKS=paper; else DEFAULT_TASKS=cpu-easy; fi
+if [ "$HAS_GPU" = 1 ]; then DEFAULT_TASKS=paper; else DEFAULT_TASKS=cpu-learn; fi
 TASKS="${SAPO_TASKS:-$DEFAULT_TASKS}"
 CORES=$(nproc)
 THREADS=$(( CORES / PEERS )); [ "$THREADS" -ge 1 ] || THREADS=1

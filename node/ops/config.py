@@ -28,7 +28,7 @@ class NodeConfig:
     # model and tasks
     model: str = opt("default", "HF model id, local dir, .gguf file, 'default' (embedded SmolLM2-135M-Instruct) "
                                 "or 'tiny-random' / 'tiny-random-smol'")
-    tasks: str = opt("paper", "task mix: a preset (paper, cpu-easy) or comma-separated reasoning-gym datasets")
+    tasks: str = opt("paper", "task mix: a preset (paper, cpu-learn, cpu-easy) or comma-separated reasoning-gym datasets")
     device: str = opt("auto", "auto, cpu, cuda, cuda:N")
     threads: int = opt(0, "torch CPU threads for this process (0 = all cores / local peers)")
     # SAPO round
@@ -57,7 +57,7 @@ class NodeConfig:
     prefix_sharing: str = opt("auto", "train each group's prompt once under its G completions: auto (when the "
                                       "model's KV cache allows it), on, off")
     # held-out evaluation
-    eval_every: int = opt(10, "greedy held-out evaluation every N rounds (0 = off; 10 keeps its cost near 6%)")
+    eval_every: int = opt(10, "greedy held-out evaluation every N rounds (0 = off; 10 keeps its cost near 6 percent)")
     eval_size: int = opt(64, "tasks in the held-out evaluation set (fixed per task mix, never trained on)")
     # run dir, checkpoints, logs
     run_dir: str = opt("runs/node", "where metrics, logs, identity and checkpoints live")

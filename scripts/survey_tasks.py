@@ -1,0 +1,103 @@
+#!/usr/bin/env python
+"""Task survey (issue 19): greedy pass@1, sampled pass@8, the constant-answer baseline and more for every
+reasoning-gym dataset, per config level and prompt format, on held-out tasks. Resumable: every finished
+cell is one line of docs/data/survey/cells.jsonl; cells already there are skipped. Stages, cheapest and
+most useful first:
+
+  screen   every dataset, easiest config, "direct" format, 16 tasks (does pass@8 > 0 at all?)
+  full     datasets that passed the screen: easiest config, both formats, 64 tasks
+  harder   the same datasets at their default config, both formats, 64 tasks
+  rescreen datasets that failed the screen, "reason" format, 16 tasks
+
+    nice -n 10 python scripts/survey_tasks.py --model default --stages screen full harder rescreen
+    python scripts/survey_tasks.py --summarize   # docs/data/survey/survey.json + survey.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import reasoning_gym  # noqa: E402
+import torch  # noqa: E402
+
+from node.lab.survey import EASIEST_OVERRIDES, FORMATS, Cell, PresetRule, choose_preset, load_records, run_cells, summarize  # noqa: E402
+
+OUT = Path(__file__).resolve().parents[1] / "docs" / "data" / "survey"
+SCREEN_TASKS = 16
+# composite needs a list of datasets; arc_agi / rearc / codeio read big data files: tried, not special-cased
+SKIP: dict[str, str] = {"composite": "a mix of other datasets, not a dataset"}
+
+
+def passed_screen(records: dict, name: str, fmt: str = "direct") -> bool | None:
+    rec = records.get(Cell(name, "easiest", fmt, 1.0, SCREEN_TASKS).key())
+    if rec is None:
+        return None
+    return "error" not in rec and rec.get("pass8", 0) > 0
+
+
+def stage_cells(stage: str, names: list[str], records: dict, n_tasks: int, temperature: float,
+                screen_formats: tuple[str, ...] = ("direct",)) -> list[Cell]:
+    if stage == "screen":
+        return [Cell(n, "easiest", fmt, temperature, SCREEN_TASKS) for fmt in screen_formats for n in names]
+    if stage == "rescreen":
+        return [Cell(n, "easiest", "reason", temperature, SCREEN_TASKS) for n in names
+                if passed_screen(records, n) is False and "error" not in records[Cell(n, "easiest", "direct",
+                                                                                        temperature, SCREEN_TASKS).key()]]
+    passed = [n for n in names if passed_screen(records, n) or passed_screen(records, n, "reason")]
+    level = "easiest" if stage == "full" else "harder"
+    # format-major: the cheap direct cells of every dataset before the 3x longer reasoning ones
+    return [Cell(n, level, fmt, temperature, n_tasks) for fmt in FORMATS for n in passed]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--stages", nargs="+", default=["screen", "full", "harder", "rescreen"],
+                    choices=["screen", "full", "harder", "rescreen"])
+    ap.add_argument("--datasets", default="", help="comma list (default: every reasoning-gym dataset)")
+    ap.add_argument("--screen-formats", nargs="+", default=["direct"], choices=list(FORMATS),
+                    help="prompt formats of the screen stage (the plan screens direct only)")
+    ap.add_argument("--tasks", type=int, default=64, help="held-out tasks per full cell")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--log", type=Path, default=OUT / "cells.jsonl")
+    ap.add_argument("--summarize", action="store_true", help="only write survey.json and survey.md")
+    args = ap.parse_args()
+    if args.summarize:
+        print(summarize(args.log, OUT))
+        records = list(load_records(args.log).values())
+        for min_tasks in (64, SCREEN_TASKS):
+            fmt, cells = choose_preset(records, min_tasks=min_tasks)
+            print(f"preset rule {PresetRule()} on cells of >= {min_tasks} tasks: format {fmt}, "
+                  f"{[(c['dataset'], c['level']) for c in cells]}")
+        return
+    torch.set_num_threads(args.threads)
+    from node.learn.policy import load_model, pick_device
+
+    # hand-tuned datasets (short answers, arithmetic and counting) first: the likely useful ones
+    everything = list(EASIEST_OVERRIDES) + sorted(set(reasoning_gym.factory.DATASETS) - set(EASIEST_OVERRIDES))
+    names = [n for n in (args.datasets.split(",") if args.datasets else everything) if n and n not in SKIP]
+    model, tok = load_model(args.model, pick_device("auto"))
+    for stage in args.stages:
+        cells = stage_cells(stage, names, load_records(args.log), args.tasks, args.temperature,
+                            tuple(args.screen_formats))
+        t0 = time.time()
+        print(f"# stage {stage}: {len(cells)} cells", flush=True)
+
+        def show(rec):
+            brief = rec.get("error") or " ".join(f"{k}={rec[k]}" for k in ("pass1", "pass8", "baseline",
+                                                                           "distinct_correct", "s_per_task"))
+            print(f"{time.time() - t0:7.0f}s {rec['key']}: {brief}", flush=True)
+
+        run_cells(model, tok, cells, args.log, on_record=show)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""The task survey on a tiny model and two datasets: records, resume, build failures, summary; and the
+CPU preset it chose builds, with its held-out set and constant-answer baseline."""
+
+import json
+
+import torch
+
+from node.lab.survey import Cell, easiest_config, load_records, run_cells, summarize
+from node.learn.evaluate import constant_answer_baseline
+from node.learn.policy import load_model
+from node.learn.tasks import EVAL_INDEX_START, PRESETS, eval_tasks, resolve_mix
+
+
+def test_survey_measures_resumes_and_lists_failures(tmp_path):
+    torch.set_num_threads(1)
+    model, tok = load_model("tiny-random", torch.device("cpu"))
+    log = tmp_path / "cells.jsonl"
+    cells = [Cell("basic_arithmetic", "easiest", "direct", 1.0, 3), Cell("syllogism", "harder", "reason", 1.0, 3),
+             Cell("not_a_dataset", "harder", "direct", 1.0, 3)]
+    seen = []
+    assert run_cells(model, tok, cells, log, samples=2, on_record=seen.append) == 3
+    records = load_records(log)
+    assert set(records) == {c.key() for c in cells}
+    arith = records[cells[0].key()]
+    assert arith["config"]["operators"] == ["+", "-"] and arith["config"]["allow_negation"] is False
+    for rec in (arith, records[cells[1].key()]):
+        assert 0 <= rec["pass1"] <= rec["greedy_acc"] + 1e-9 <= 1 + 1e-9
+        assert 0 <= rec["signal_frac"] <= rec["pass2"] <= 1
+        assert 0 < rec["baseline"] <= 1 and rec["distinct_gold"] >= 1 and rec["s_per_task"] > 0
+    assert "error" in records[cells[2].key()]
+    # resume: nothing left to do, nothing appended
+    lines = log.read_text().count("\n")
+    assert run_cells(model, tok, cells, log, samples=2) == 0
+    assert log.read_text().count("\n") == lines
+    table = summarize(log, tmp_path / "out")
+    assert "| basic_arithmetic | easiest | direct | 3 |" in table and "not_a_dataset" in table
+    assert len(json.loads((tmp_path / "out" / "survey.json").read_text())) == 3
+
+
+def test_easiest_config_shrinks_ranges_generically():
+    cfg = easiest_config("word_ladder")  # no override: generic rule or nothing
+    assert all(k.startswith(("max_", "difficulty")) for k in cfg)
+    assert easiest_config("bitwise_arithmetic") == {"difficulty": 1}
+
+
+def test_cpu_learn_preset_builds_with_eval_set_and_baseline():
+    mix = resolve_mix("cpu-learn")
+    assert mix is PRESETS["cpu-learn"]
+    tasks = eval_tasks(mix, 64)
+    assert len(tasks) == 64 and all(t.spec.index >= EVAL_INDEX_START for t in tasks)
+    assert set(t.spec.dataset for t in tasks) == set(mix.datasets)
+    assert 0 < constant_answer_baseline(tasks) <= 0.3
