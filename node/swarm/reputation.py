@@ -63,7 +63,10 @@ PENALTIES: dict[str, float] = {
     "bad_task": 2 * MODERATE,
     "from_future": MODERATE,
     "equivocation": MODERATE / 2,
+    "ghost": MODERATE / 2,
     "useless": MILD,
+    "duplicate": MILD,
+    "repeated": MILD,
     "task_not_allowed": MILD,
 }
 

@@ -20,22 +20,25 @@ import hashlib
 import logging
 import random
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from node.learn.groups import Group, score_responses
 from node.learn.tasks import TaskError, TaskMix, TaskSpec, regenerate
+from node.swarm.bandit import PublisherBandit
 from node.swarm.exchange import ExchangeStats
 from node.swarm.reputation import PENALTIES, Reputation, ReputationConfig
 from p2p.identity import Identity, peer_name_of
-from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireError, WireGroup, decode_signed, \
-    encode_signed, open_envelope
+from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireError, WireGroup, canonical_json, \
+    decode_signed, encode_signed, open_envelope
 
 log = logging.getLogger("sapo.swarm")
 
 UNKNOWN_PEER = "unknown"
 REWARD_TOLERANCE = 1e-6
 MAX_JUDGED = 100_000
+MAX_CONTENTS = 100_000  # group contents remembered (a window of rounds: ~100 rounds of 64 peers x 16 groups)
 
 
 @dataclass
@@ -66,12 +69,14 @@ class Verifier:
     tells the publisher's reputation what it provably did."""
 
     def __init__(self, own_key: bytes, mix: TaskMix, cfg: VerifyConfig, stats: ExchangeStats,
-                 reputation: Reputation | None = None):
+                 reputation: Reputation | None = None, bandit: PublisherBandit | None = None):
         self.own_key = own_key
         self.mix = mix
         self.cfg = cfg
         self.stats = stats
         self.reputation = reputation if reputation is not None else Reputation(cfg.reputation)
+        self.bandit = bandit if bandit is not None else PublisherBandit()
+        self.contents: OrderedDict[str, bytes] = OrderedDict()  # group content digest -> first publisher
         self.seen: set[tuple[bytes, int]] = set()  # (publisher, round) already taken
         self.newest: dict[bytes, int] = {}  # publisher -> newest round accepted
         self.judged: dict[str, None] = {}  # digests of every batch already judged (insertion-ordered)
@@ -112,10 +117,13 @@ class Verifier:
         except WireError:
             return None
 
-    def _offence(self, publisher: bytes, reason: str) -> None:
-        """A rejection the publisher provably caused (its signature holds): counted, and it costs reputation."""
+    def _offence(self, publisher: bytes, reason: str, batch: bool = False) -> None:
+        """A rejection the publisher provably caused (its signature holds): counted, and it costs reputation
+        (and, for a whole batch refused, one useless batch in the bandit)."""
         self.stats.reject(publisher.hex(), reason)
         self.reputation.penalize(publisher, reason)
+        if batch:
+            self.bandit.observe(publisher, useful=False)
 
     def _verify(self, data: bytes, now: float, hint: bytes | None) -> list[Group]:
         claimed = hint.hex() if hint else UNKNOWN_PEER
@@ -126,7 +134,7 @@ class Verifier:
             if signer is None:
                 self.stats.reject(claimed, exc.reason)
             else:
-                self._offence(signer, exc.reason)
+                self._offence(signer, exc.reason, batch=True)
             return []
         except Exception:  # a decoder bug must not become a node crash
             self.stats.reject(claimed, "malformed")
@@ -147,11 +155,11 @@ class Verifier:
             self.stats.reject(peer, "stale")
             return []
         if batch.created_at - now > self.cfg.max_clock_skew_s:
-            self._offence(batch.publisher, "from_future")
+            self._offence(batch.publisher, "from_future", batch=True)
             return []
         key = (batch.publisher, batch.round)
         if key in self.seen:  # a different batch for a round we already took from this publisher
-            self._offence(batch.publisher, "equivocation")
+            self._offence(batch.publisher, "equivocation", batch=True)
             return []
         newest = self.newest.get(batch.publisher, -1)
         if batch.round <= newest - self.cfg.window:
@@ -161,7 +169,24 @@ class Verifier:
         self.newest[batch.publisher] = max(newest, batch.round)
         self.stats.saw(peer, {"name": peer_name_of(batch.publisher), "last_round": self.newest[batch.publisher],
                               "last_seen": now})
-        return [g for g in (self._group(batch.publisher, wg) for wg in batch.groups) if g is not None]
+        groups = [g for g in (self._group(batch.publisher, wg) for wg in batch.groups) if g is not None]
+        self.bandit.observe(batch.publisher, useful=any(g.signal() for g in groups))
+        return groups
+
+    def _first_sight(self, publisher: bytes, wg: WireGroup) -> bool:
+        """Is this group's content (task spec and completions, exactly) new to us? Content is trained on
+        once: a copy re-signed by another key earns it nothing and counts against it (`duplicate`), and so does
+        the same content again from its first publisher (`repeated`): both cost what a useless group costs."""
+        digest = hashlib.sha256(canonical_json([wg.task.dataset, wg.task.config, wg.task.seed, wg.task.index,
+                                                wg.completions])).hexdigest()
+        first = self.contents.get(digest)
+        if first is None:
+            self.contents[digest] = publisher
+            while len(self.contents) > MAX_CONTENTS:
+                self.contents.popitem(last=False)
+            return True
+        self._offence(publisher, "repeated" if first == publisher else "duplicate")
+        return False
 
     def _group(self, publisher: bytes, wg: WireGroup) -> Group | None:
         spec = TaskSpec.make(wg.task.dataset, wg.task.config, wg.task.seed, wg.task.index)
@@ -179,6 +204,8 @@ class Verifier:
         rewards = score_responses(task, wg.completions)  # our reward function, our ground truth
         if len(wg.rewards) != len(rewards) or any(abs(a - b) > REWARD_TOLERANCE for a, b in zip(wg.rewards, rewards)):
             self._offence(publisher, "reward_mismatch")  # the sender lies, or scores differently: not trusted
+            return None
+        if not self._first_sight(publisher, wg):
             return None
         peer = publisher.hex()
         self.stats.accept(peer)
@@ -208,12 +235,33 @@ class SignedExchange:
         self.identity = identity
         self.stats = ExchangeStats()
         self.reputation = Reputation(verify_cfg.reputation)
-        self.verifier = Verifier(identity.public_key_bytes, mix, verify_cfg, self.stats, self.reputation)
+        self.bandit = PublisherBandit(rng=random.Random(verify_cfg.seed + 1))
+        self.verifier = Verifier(identity.public_key_bytes, mix, verify_cfg, self.stats, self.reputation,
+                                 self.bandit)
         self.swarm = verify_cfg.swarm
         self.model_name = model_name
         self.order_rng = random.Random(verify_cfg.seed)
         self.clock = time.monotonic  # the time budget's clock (tests replace it)
         self._skipped: set[bytes] = set()  # banned publishers the transport did not fetch this round
+        self._ghosts: list[bytes] = []  # announced batches the transport did not find this round
+
+    # --- the transport's FetchPolicy (p2p.transport): the bandit decides, reputation vetoes -------------
+
+    def preferred(self, limit: int) -> list[bytes]:
+        return [p for p in self.bandit.preferred(limit) if self.reputation.allowed(p)]
+
+    def fresh(self, publisher: bytes) -> bool:
+        return self.bandit.fresh(publisher)
+
+    def choose(self, candidates: dict[bytes, int], k: int) -> list[bytes]:
+        return self.bandit.choose(candidates, k)
+
+    def missing(self, publisher: bytes, round: int) -> None:
+        """A ghost: its presence announced a batch that a completed search did not find. One useless batch
+        for the bandit and a `ghost` penalty (counted with the round's verification)."""
+        self.bandit.observe(publisher, useful=False)
+        self.reputation.penalize(publisher, "ghost")
+        self._ghosts.append(publisher)
 
     def trusted(self, publisher: bytes) -> bool:
         """The transport's fetch hook: may we fetch this publisher? A banned one is skipped, and counted as
@@ -236,7 +284,7 @@ class SignedExchange:
         cfg, stats = self.verifier.cfg, self.stats
         order = list(range(len(records)))
         self.order_rng.shuffle(order)
-        order.sort(key=lambda i: self.reputation.tier(records[i][0]) if records[i][0] else 1)  # stable
+        order.sort(key=lambda i: self._rank(records[i][0]))  # stable: ties stay shuffled
         start = self.clock()
         by_record: dict[int, list[Group]] = {}
         for i in order:
@@ -253,9 +301,20 @@ class SignedExchange:
         stats.round_verify_s = self.clock() - start
         return [g for i in sorted(by_record) for g in by_record[i]]
 
+    def _rank(self, hint: bytes | None) -> tuple[int, float]:
+        """Verification order: reputation tier, then the higher score first, so that within a round the
+        proven publisher of a group is judged before a copy of it (content is credited to the first)."""
+        if hint is None:
+            return 1, 0.0
+        return self.reputation.tier(hint), -self.reputation.score(hint)
+
     async def _verify_off_loop(self, records: list[tuple[bytes | None, bytes]]) -> list[Group]:
         self.stats.new_round()
+        self.bandit.new_round()
         skipped, self._skipped = self._skipped, set()
         for publisher in skipped:
             self.stats.reject(publisher.hex(), "banned")
+        ghosts, self._ghosts = self._ghosts, []
+        for publisher in ghosts:
+            self.stats.reject(publisher.hex(), "ghost")
         return await asyncio.get_running_loop().run_in_executor(None, self._verify_all, records)
