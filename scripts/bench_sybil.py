@@ -6,12 +6,14 @@ Each row is a fresh swarm on 127.0.0.1: a bootstrap peer, `--honest` honest node
 tiny random model, `sapo-node` subprocesses), and one attacker process (a hivemind DHT client that
 holds all Sybil keys and signs for them). The honest nodes run until they have trained on each other;
 then the attack runs for `--attack-s` seconds, and `--newcomer-at` of the way in a new honest node
-joins. Attacks, each a new round for every key every `--period` seconds:
+joins (the attack goes on until the others have all trained on it, or `--newcomer-window-s` after its
+first round). Attacks, each a new round for every key every `--period` seconds:
 
 * ghost:   presence records announcing a round whose batch is never stored;
 * useless: valid batches whose groups carry no learning signal (every completion wrong);
 * copycat: every group of the honest peers' newest batches (the newcomer's too), re-signed by each Sybil;
-* liars:   `--liars-per-period` never-used keys per period, each publishing groups with inverted rewards.
+* liars:   `--liars-per-period` keys not used before per period (cycling once all were used), each
+           publishing a group with inverted rewards.
 
 The row with 0 Sybils (attack "none") is the yardstick: `honest_external_ratio` of a row is its
 `honest_external_per_round` (external groups from honest publishers trained on per honest round, over
@@ -84,8 +86,8 @@ class Attacker:
         exp = get_dht_time() + self.ttl
         items: list[tuple[str, bytes, bytes, float]] = []
         if self.kind == "liars":
-            keys = self.ids[self.next_liar:self.next_liar + self.liars_per_period]
-            self.next_liar += len(keys)
+            keys = [self.ids[(self.next_liar + i) % len(self.ids)] for i in range(self.liars_per_period)]
+            self.next_liar += len(keys)  # past the last key it starts again (those keys are banned by then)
         else:
             keys = self.ids
         copied = await self._copies() if self.kind == "copycat" else []
@@ -206,8 +208,18 @@ def run_row(n: int, attack: str, args: argparse.Namespace, tmp: Path) -> dict[st
         t_attack = time.time()
         stored = 0
         loop = asyncio.new_event_loop()
+        def newcomer_judged() -> bool:
+            """Past the newcomer's window, or trained on by every original honest node already."""
+            recs = live_metrics(newcomer_dir) if newcomer is not None else []
+            if not recs:
+                return False
+            if time.time() - recs[0]["t_end"] >= args.newcomer_window_s:
+                return True
+            key = prefix_of(newcomer_dir)
+            return all(any(key in r.get("external_sources", {}) for r in live_metrics(d)) for d in dirs)
+
         try:
-            while time.time() - t_attack < args.attack_s:
+            while time.time() - t_attack < args.attack_s or not newcomer_judged():
                 t0 = time.time()
                 if newcomer is None and t0 - t_attack >= args.newcomer_at * args.attack_s:
                     newcomer = start_node(newcomer_dir, maddrs, swarm, *honest_args(args), seed=199)
@@ -297,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--honest", type=int, default=3)
     p.add_argument("--attack-s", type=float, default=150.0)
     p.add_argument("--newcomer-at", type=float, default=0.5, help="fraction of the attack after which it joins")
+    p.add_argument("--newcomer-window-s", type=float, default=60.0,
+                   help="the attack goes on at least this long after the newcomer's first round")
     p.add_argument("--warmup-s", type=float, default=300.0)
     p.add_argument("--period", type=float, default=4.0, help="seconds between attack rounds")
     p.add_argument("--liars-per-period", type=int, default=20)
