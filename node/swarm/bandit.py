@@ -89,6 +89,15 @@ class PublisherBandit:
             while len(self._table) > cfg.max_tracked:
                 self._table.popitem(last=False)
 
+    def copied(self, publisher: bytes) -> None:
+        """Caught serving another key's content: its useful batches may have been copies too. It loses
+        them and counts one failure (so it is unproven, and parked like any failed key)."""
+        with self._lock:
+            r = self._table.get(publisher)
+            if r is not None:
+                r.ok = 0.0
+        self.observe(publisher, useful=False)
+
     def new_round(self) -> None:
         with self._lock:
             self.round += 1

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from node.learn.groups import Group, score_responses
+from node.learn.groups import Group, has_signal, score_responses
 from node.learn.tasks import TaskError, TaskMix, TaskSpec, regenerate
 from node.swarm.bandit import PublisherBandit
 from node.swarm.exchange import ExchangeStats
@@ -77,6 +77,7 @@ class Verifier:
         self.reputation = reputation if reputation is not None else Reputation(cfg.reputation)
         self.bandit = bandit if bandit is not None else PublisherBandit()
         self.contents: OrderedDict[str, bytes] = OrderedDict()  # group content digest -> first publisher
+        self._original_useful = False
         self.seen: set[tuple[bytes, int]] = set()  # (publisher, round) already taken
         self.newest: dict[bytes, int] = {}  # publisher -> newest round accepted
         self.judged: dict[str, None] = {}  # digests of every batch already judged (insertion-ordered)
@@ -169,14 +170,19 @@ class Verifier:
         self.newest[batch.publisher] = max(newest, batch.round)
         self.stats.saw(peer, {"name": peer_name_of(batch.publisher), "last_round": self.newest[batch.publisher],
                               "last_seen": now})
+        self._original_useful = False  # set by _group: a useful group of ours that a copier showed us first
         groups = [g for g in (self._group(batch.publisher, wg) for wg in batch.groups) if g is not None]
-        self.bandit.observe(batch.publisher, useful=any(g.signal() for g in groups))
+        self.bandit.observe(batch.publisher, useful=self._original_useful or any(g.signal() for g in groups))
         return groups
 
-    def _first_sight(self, publisher: bytes, wg: WireGroup) -> bool:
+    def _first_sight(self, publisher: bytes, wg: WireGroup) -> bool | None:
         """Is this group's content (task spec and completions, exactly) new to us? Content is trained on
-        once: a copy re-signed by another key earns it nothing and counts against it (`duplicate`), and so does
-        the same content again from its first publisher (`repeated`): both cost what a useless group costs."""
+        once. The same content again from its first publisher is `repeated`. From another key it is a copy,
+        and the copier is presumed to be the one of the two with the lower reputation: it is charged a
+        `duplicate` (what a useless group costs) and loses its record of useful batches in the bandit, even
+        when it was seen first (the copy was trained on then; from now on it earns nothing). Equal
+        reputations (two unknown keys): nobody is charged, and the later one earns nothing.
+        True: new content; None: a copy whose original this publisher is presumed to be; False: otherwise."""
         digest = hashlib.sha256(canonical_json([wg.task.dataset, wg.task.config, wg.task.seed, wg.task.index,
                                                 wg.completions])).hexdigest()
         first = self.contents.get(digest)
@@ -185,7 +191,19 @@ class Verifier:
             while len(self.contents) > MAX_CONTENTS:
                 self.contents.popitem(last=False)
             return True
-        self._offence(publisher, "repeated" if first == publisher else "duplicate")
+        if first == publisher:
+            self._offence(publisher, "repeated")
+            return False
+        mine, theirs = self.reputation.score(publisher), self.reputation.score(first)
+        copier = publisher if mine < theirs else first if theirs < mine else None
+        if copier is None:
+            self.stats.reject(publisher.hex(), "duplicate")
+        else:
+            self._offence(copier, "duplicate")
+            self.bandit.copied(copier)
+        if copier == first:
+            self.stats.reject(publisher.hex(), "copied_from")  # its own content, seen first under a copier's key
+            return None
         return False
 
     def _group(self, publisher: bytes, wg: WireGroup) -> Group | None:
@@ -205,7 +223,9 @@ class Verifier:
         if len(wg.rewards) != len(rewards) or any(abs(a - b) > REWARD_TOLERANCE for a, b in zip(wg.rewards, rewards)):
             self._offence(publisher, "reward_mismatch")  # the sender lies, or scores differently: not trusted
             return None
-        if not self._first_sight(publisher, wg):
+        new = self._first_sight(publisher, wg)
+        if not new:
+            self._original_useful = self._original_useful or (new is None and has_signal(rewards))
             return None
         peer = publisher.hex()
         self.stats.accept(peer)

@@ -152,3 +152,31 @@ def test_a_ghost_is_evidence_against_its_publisher():
     for r in range(40):  # repeated, it ends in a ban through the reputation machinery
         ex.missing(ghost, 4 + r)
     assert not ex.reputation.allowed(ghost)
+
+
+def test_a_copy_seen_before_its_proven_original_is_charged_to_the_copier():
+    ex = exchange()
+    honest, thief = Identity.generate(), Identity.generate()
+    for r, seed in ((1, 3), (3, 7)):  # proven, with a history longer than one batch
+        ex._verify_all([(honest.public_key_bytes, make_batch(honest, "s", r, "m", groups(seed)))])
+    original = make_batch(honest, "s", 4, "m", groups(4))
+    assert len(ex._verify_all([(thief.public_key_bytes, recopy(original, thief, 2))])) == 2  # first sight: used
+    assert ex.bandit.record(thief.public_key_bytes).ok == 1
+    assert ex._verify_all([(honest.public_key_bytes, original)]) == []  # never trained on twice
+    assert ex.stats.rejected[thief.public_key_hex]["duplicate"] == 2
+    assert ex.stats.rejected[honest.public_key_hex] == {"copied_from": 2}  # no penalty for the original
+    assert ex.bandit.record(thief.public_key_bytes).ok == 0 and not ex.bandit.fresh(thief.public_key_bytes)
+    assert ex.bandit.record(honest.public_key_bytes).bad == 0  # its batch still counts as useful
+    assert ex.reputation.score(thief.public_key_bytes) < ex.reputation.score(honest.public_key_bytes)
+
+
+def test_a_copy_between_keys_of_equal_standing_charges_nobody():
+    ex = exchange()
+    c, d = Identity.generate(), Identity.generate()
+    data = make_batch(c, "s", 1, "m", groups(6))
+    ex._verify_all([(c.public_key_bytes, data)])  # c earns 2 x 0.1 for its two groups
+    ex.reputation.credit(d.public_key_bytes)
+    ex.reputation.credit(d.public_key_bytes)  # d stands where c stands: no one can tell the copier
+    assert ex._verify_all([(d.public_key_bytes, recopy(data, d, 1))]) == []
+    assert ex.stats.rejected[d.public_key_hex] == {"duplicate": 2}  # counted, not charged
+    assert abs(ex.reputation.score(c.public_key_bytes) - ex.reputation.score(d.public_key_bytes)) < 1e-9
