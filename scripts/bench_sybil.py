@@ -56,7 +56,8 @@ def honest_args(args: argparse.Namespace) -> list[str]:
 
 
 class Attacker:
-    """One DHT client holding every Sybil key; each `step` publishes one attack round."""
+    """One DHT client holding every Sybil key; each `step` publishes one attack round. `kind` is one of
+    ATTACKS, or several joined by "+" (key i then runs the (i mod n)-th: a mixed attack, as in the tests)."""
 
     def __init__(self, kind: str, n: int, swarm: str, maddrs: list[str], pow_bits: int, tmp: Path,
                  victims: list[bytes], ttl: float, liars_per_period: int):
@@ -66,9 +67,10 @@ class Attacker:
         from p2p.identity import Identity
         from p2p.validators import SapoRecordValidator
 
-        self.kind, self.swarm, self.tmp, self.ttl = kind, swarm, tmp, ttl
+        self.kinds, self.swarm, self.tmp, self.ttl = kind.split("+"), swarm, tmp, ttl
         self.victims = victims  # honest keys the copycat copies (the bench tells it; presence would too)
         self.ids = [Identity.generate(pow_bits) for _ in range(n)]
+        self.kind_of = {ident.public_key_bytes: self.kinds[i % len(self.kinds)] for i, ident in enumerate(self.ids)}
         self.sampler = TaskSampler(PRESETS["smoke"], seed=987_654)
         self.liars_per_period = liars_per_period
         self.next_liar = 0
@@ -85,17 +87,18 @@ class Attacker:
         self.round += 1
         exp = get_dht_time() + self.ttl
         items: list[tuple[str, bytes, bytes, float]] = []
-        if self.kind == "liars":
+        if self.kinds == ["liars"]:  # a few keys not used before each round
             keys = [self.ids[(self.next_liar + i) % len(self.ids)] for i in range(self.liars_per_period)]
             self.next_liar += len(keys)  # past the last key it starts again (those keys are banned by then)
         else:
             keys = self.ids
-        copied = await self._copies() if self.kind == "copycat" else []
+        copied = await self._copies() if "copycat" in self.kinds else []
         for ident in keys:
-            groups = copied if self.kind == "copycat" else self._groups(self.kind)
-            if self.kind != "ghost" and not groups:
-                continue
-            if self.kind != "ghost":
+            kind = self.kind_of[ident.public_key_bytes]
+            if kind != "ghost":
+                groups = copied if kind == "copycat" else self._groups(kind)
+                if not groups:
+                    continue
                 items.append(self._batch_item(ident, groups, exp))
             items.append(self._presence_item(ident, exp))
         if not items:
