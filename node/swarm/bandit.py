@@ -13,9 +13,11 @@ A round has K fetch slots:
   a sample of a crowded presence.
 * **Explore.** At least E = max(1, K // 4) slots, plus every exploit slot left free, go to keys that
   are not proven: never-seen keys first (in random order), and a quarter of them (at least one) to
-  keys that failed before and whose cool-down is over, best usefulness first. Each consecutive
+  keys that failed before and whose cool-down is over, fewest failures in a row first. Each consecutive
   failure of an unproven key doubles its cool-down (1, 2, 4 … `max_cooldown` rounds), so a key
-  found useless once stays out of the way while the unexplored keys are tried.
+  found useless once stays out of the way while the unexplored keys are tried. A ghost or a caught
+  copy counts as STRONG failures at once (8 rounds): honest software never makes one, while a batch
+  without signal is what a weak honest model also publishes, so it parks a key for one round only.
 
 Why this bound holds for a new honest peer (PROTOCOL.md states it): with U never-seen live keys in a
 reader's view, the reader tries at least min(U, E_new) of them per round, so the newcomer is tried
@@ -34,6 +36,9 @@ import random
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+
+
+STRONG = 4  # failures in a row a ghost or a caught copy counts: parked 8 rounds at once
 
 
 @dataclass
@@ -69,8 +74,10 @@ class PublisherBandit:
 
     # --- evidence (verifier thread and event loop) -----------------------------------------------------
 
-    def observe(self, publisher: bytes, useful: bool) -> None:
-        """One fetched batch (or a ghost: useful=False) of this publisher, judged."""
+    def observe(self, publisher: bytes, useful: bool, strikes: int = 1) -> None:
+        """One fetched batch of this publisher, judged. A failure counts `strikes` failures in a row toward
+        the cool-down: STRONG for what honest software never does (a ghost, a caught copy), 1 for a batch
+        without a useful group (a weak honest model publishes those too)."""
         cfg = self.cfg
         with self._lock:
             r = self._table.pop(publisher, None) or Record()
@@ -81,7 +88,7 @@ class PublisherBandit:
                 r.next_try = 0
             else:
                 r.bad += 1
-                r.fails_in_row += 1
+                r.fails_in_row += strikes
                 r.next_try = self.round + min(cfg.max_cooldown, 2 ** (r.fails_in_row - 1))
             total = r.ok + r.bad
             if total > cfg.memory:
@@ -96,7 +103,7 @@ class PublisherBandit:
             r = self._table.get(publisher)
             if r is not None:
                 r.ok = 0.0
-        self.observe(publisher, useful=False)
+        self.observe(publisher, useful=False, strikes=STRONG)
 
     def new_round(self) -> None:
         with self._lock:

@@ -144,6 +144,7 @@ def test_a_ghost_is_evidence_against_its_publisher():
     ghost = Identity.generate().public_key_bytes
     ex.missing(ghost, 3)
     assert not ex.fresh(ghost) and ex.reputation.score(ghost) < 0
+    assert ex.bandit.record(ghost).next_try - ex.bandit.round == 8  # honest software never makes one
     ex.stats.new_round()
     import asyncio
 
