@@ -225,7 +225,9 @@ class Verifier:
             return None
         new = self._first_sight(publisher, wg)
         if not new:
-            self._original_useful = self._original_useful or (new is None and has_signal(rewards))
+            if new is None and has_signal(rewards):  # our useful content, shown us first by a copier
+                self._original_useful = True
+                self.reputation.credit(publisher)  # so that from now on it is judged before fresh copiers
             return None
         peer = publisher.hex()
         self.stats.accept(peer)
