@@ -163,7 +163,9 @@ def test_a_copy_seen_before_its_proven_original_is_charged_to_the_copier():
     original = make_batch(honest, "s", 4, "m", groups(4))
     assert len(ex._verify_all([(thief.public_key_bytes, recopy(original, thief, 2))])) == 2  # first sight: used
     assert ex.bandit.record(thief.public_key_bytes).ok == 1
+    before = ex.reputation.score(honest.public_key_bytes)
     assert ex._verify_all([(honest.public_key_bytes, original)]) == []  # never trained on twice
+    assert ex.reputation.score(honest.public_key_bytes) > before  # its useful groups still earn it credit
     assert ex.stats.rejected[thief.public_key_hex]["duplicate"] == 2
     assert ex.stats.rejected[honest.public_key_hex] == {"copied_from": 2}  # no penalty for the original
     assert ex.bandit.record(thief.public_key_bytes).ok == 0 and not ex.bandit.fresh(thief.public_key_bytes)
