@@ -102,10 +102,11 @@ async def _inject(_dht, node, key: str, subkey: bytes) -> bool:
 def test_sybils_that_follow_the_rules_do_not_dilute_honest_peers(tmp_path):
     """200 valid Sybil keys from one process, a quarter of each class of issue 20: presence records whose
     batch never exists (ghosts), batches without learning signal, the honest peers' groups copied and
-    re-signed, lying rewards. Against their own rounds before the attack, the two honest nodes keep most of
-    their external groups from each other (the benchmark's 0.8 over longer runs: docs/BENCHMARKS.md; 0.7
-    here, where about 60 rounds a phase leave sampling noise), train on next to nothing from the Sybils, keep
-    their rounds within budget, and every class is caught."""
+    re-signed, lying rewards. Against their own rounds before the attack, each honest node still trains on
+    most of the useful groups the other one publishes (the benchmark's 0.8 over longer runs with three
+    honest nodes: docs/BENCHMARKS.md; 0.7 here, where about 30 rounds a phase leave sampling noise), trains
+    on little from the Sybils (copies it saw before their original), keeps its rounds within budget, and
+    every class is caught."""
     swarm, n_sybils, net_timeout, per_phase = "hostile-sybil", 200, 4.0, 30
     boot, maddrs = start_bootstrap(tmp_path, swarm)
     run_dirs = [tmp_path / "honest0", tmp_path / "honest1"]
@@ -132,19 +133,25 @@ def test_sybils_that_follow_the_rules_do_not_dilute_honest_peers(tmp_path):
         asyncio.run(asyncio.wait_for(attack(), 420))
         t_end = time.time()
 
-        def honest_per_round(recs: list[dict]) -> float:
-            return sum(v for r in recs for k, v in r["external_sources"].items() if k in keys) / len(recs)
+        def share(reader: Path, publisher: Path, key: str, lo: float, hi: float) -> float:
+            """Of the useful groups (with signal) `publisher` made in [lo, hi), the share `reader` trained on:
+            unlike groups per round, it does not move when the publisher's model drifts between phases."""
+            got = sum(r["external_sources"].get(key, 0) for r in after(reader, lo) if r["t_start"] < hi)
+            made = sum(round(r["local_signal_frac"] * r["target_local"]) for r in after(publisher, lo)
+                       if r["t_start"] < hi)
+            return got / max(made, 1)
 
         for i, d in enumerate(run_dirs):
-            before = [r for r in after(d, t_proven) if r["t_start"] < t_attack]
             under = [r for r in after(d, t_attack) if r["t_start"] <= t_end]
             for r in under:
                 assert r["swarm_io_s"] <= net_timeout + 1, r  # budgets hold: no flood stretches a round
-            ratio = honest_per_round(under) / honest_per_round(before)
+            other, key = run_dirs[1 - i], keys[1 - i]
+            before_share = share(d, other, key, t_proven, t_attack)
+            under_share = share(d, other, key, t_attack, t_end)
+            assert under_share >= 0.7 * before_share, (i, before_share, under_share)
             sybil = sum(v for r in under for k, v in r["external_sources"].items() if k not in keys)
             honest = sum(v for r in under for k, v in r["external_sources"].items() if k in keys)
-            assert ratio >= 0.7, (i, ratio, honest_per_round(before), honest_per_round(under))
-            assert sybil <= 0.1 * honest, (i, sybil, honest)
+            assert sybil <= 0.2 * honest, (i, sybil, honest)  # copies of honest groups seen before the original
             got = reasons(under)
             for reason in ("ghost", "reward_mismatch", "duplicate"):  # every class was fetched and caught
                 assert got.get(reason, 0) > 0, (reason, got)
