@@ -3,9 +3,11 @@
 Protocol v2 (docs/PROTOCOL.md): a batch lives alone under its (publisher, round) key, and a presence
 record ("I am alive, my latest round is R") under one of `presence_shards` keys chosen by a hash of
 the publisher. Rounds are not synchronized across peers, so a reader learns rounds from presence.
-One fetch reads presence shards in random order until it holds a bounded sample of candidates,
-then fetches at most `fetch_max` batches chosen uniformly among the candidates it trusts: its cost
-is bounded by constants, not by the swarm size. Network trouble never raises out of publish/fetch:
+One fetch reads presence shards (first those of the publishers the caller's `FetchPolicy` prefers,
+then the others in random order) until it holds a bounded sample of candidates, then fetches at most
+`fetch_max` batches chosen by the policy (uniformly by default) among the candidates it trusts: its
+cost is bounded by constants, not by the swarm size. An announced batch that is not there (a "ghost")
+is reported to the policy. Network trouble never raises out of publish/fetch:
 it returns what it has and logs.
 
 Why this module is long: it is the one place that knows the DHT layout (start, publish, sampled
@@ -24,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import hivemind
 from hivemind.p2p import PeerID
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 MAX_KNOWN = 10_000  # publishers remembered for known_peers() and the fetched-round memory
 FIRST_WAVE_SHARDS = 1  # then as many as the density seen says are needed: each answer stays small
+MAX_WAVE_SHARDS = 8  # shards asked in one search at most (a replica answers all the keys it holds at once)
 
 
 class TransportError(RuntimeError):
@@ -102,11 +105,48 @@ class FetchStats:
     bytes_received: int = 0  # values received (presence + batches), before any budget is applied
     largest_answer_bytes: int = 0
     over_budget: int = 0  # batches received but dropped by max_bytes
+    missing: int = 0  # announced batches that a completed search did not find (ghosts)
     seconds: float = 0.0
 
 
 def always_trusted(_publisher: bytes) -> bool:
     return True
+
+
+class FetchPolicy(Protocol):
+    """Whose batches a fetch reads (the node's bandit, `node.swarm.bandit`; `UniformPolicy` by default)."""
+
+    def preferred(self, limit: int) -> list[bytes]:
+        """Publishers whose presence shards are read first (at most `limit`)."""
+        ...
+
+    def fresh(self, publisher: bytes) -> bool:
+        """Does this candidate count toward the presence sample?"""
+        ...
+
+    def choose(self, candidates: dict[bytes, int], k: int) -> list[bytes]:
+        """At most k of the candidates (publisher -> announced round) to fetch."""
+        ...
+
+    def missing(self, publisher: bytes, round: int) -> None:
+        """A search for this announced batch completed and found nothing."""
+        ...
+
+
+class UniformPolicy:
+    """Protocol §7's default: no preference, K chosen uniformly at random."""
+
+    def preferred(self, limit: int) -> list[bytes]:
+        return []
+
+    def fresh(self, publisher: bytes) -> bool:
+        return True
+
+    def choose(self, candidates: dict[bytes, int], k: int) -> list[bytes]:
+        return random.sample(list(candidates), min(k, len(candidates)))
+
+    def missing(self, publisher: bytes, round: int) -> None:
+        return None
 
 
 def start_dht(
@@ -209,17 +249,23 @@ class SwarmTransport:
             logger.error("publish of round %d skipped: the DHT process is dead", round)
             return False
         spill = self._spill(signed_batch)
+
+        async def batch_then_presence() -> tuple[bool, bool]:
+            # the batch first: a presence record must never announce a batch that is not stored yet, since
+            # readers count an announced batch they cannot find as a ghost (evidence against its publisher)
+            ok_batch = await self.dht.run_coroutine(
+                partial(_store_from_file, key=batch_key(cfg.swarm, me, round), subkey=self._subkey, path=spill,
+                        expiration=expiration),  # fmt: skip
+                return_future=True,
+            )
+            if not ok_batch:
+                return False, False
+            ok_presence = await self.dht.store(presence_key(cfg.swarm, presence_shard(me, cfg.presence_shards)),
+                                               presence, expiration, subkey=self._subkey, return_future=True)
+            return bool(ok_batch), bool(ok_presence)
+
         try:
-            stores = [
-                self.dht.run_coroutine(
-                    partial(_store_from_file, key=batch_key(cfg.swarm, me, round), subkey=self._subkey, path=spill,
-                            expiration=expiration),  # fmt: skip
-                    return_future=True,
-                ),
-                self.dht.store(presence_key(cfg.swarm, presence_shard(me, cfg.presence_shards)), presence,
-                               expiration, subkey=self._subkey, return_future=True),
-            ]
-            ok_batch, ok_presence = await asyncio.wait_for(asyncio.gather(*stores), cfg.publish_timeout_s)
+            ok_batch, ok_presence = await asyncio.wait_for(batch_then_presence(), cfg.publish_timeout_s)
         except asyncio.TimeoutError:
             logger.warning("publish of round %d timed out after %.1fs", round, cfg.publish_timeout_s)
             return False
@@ -246,13 +292,15 @@ class SwarmTransport:
         return path
 
     async def fetch(
-        self, trusted: Callable[[bytes], bool] = always_trusted, max_bytes: Optional[int] = None
+        self, trusted: Callable[[bytes], bool] = always_trusted, max_bytes: Optional[int] = None,
+        policy: Optional[FetchPolicy] = None,
     ) -> list[FetchedRecord]:
-        """At most `fetch_max` new batches, chosen uniformly among a bounded sample of live publishers.
+        """At most `fetch_max` new batches, chosen by `policy` (uniform by default) among a bounded sample.
 
         `trusted(publisher key)` filters candidates before any batch is fetched (reputation); records
         beyond `max_bytes` in total are dropped. Partial results on timeout; never raises on network trouble.
         """
+        policy = policy or UniformPolicy()
         stats = self.last_fetch = FetchStats()
         if not self.dht.is_alive():
             logger.error("fetch skipped: the DHT process is dead")
@@ -260,16 +308,23 @@ class SwarmTransport:
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + self.config.fetch_timeout_s
-        candidates = await self._sample_candidates(deadline, trusted, stats)
-        chosen = random.sample(candidates, min(self.config.fetch_max, len(candidates)))
+        candidates = await self._sample_candidates(deadline, trusted, stats, policy)
+        chosen = [(pub, candidates[pub]) for pub in policy.choose(candidates, self.config.fetch_max)
+                  if pub in candidates][:self.config.fetch_max]
         stats.batches_requested = len(chosen)
-        gets = [asyncio.ensure_future(self._get(batch_key(self.config.swarm, pub, r), deadline)) for pub, r in chosen]
+        gets = [asyncio.ensure_future(self._get_many([batch_key(self.config.swarm, pub, r)], deadline, missing=True))
+                for pub, r in chosen]
         out: list[FetchedRecord] = []
         total = 0
         for (pub, r), fut in zip(chosen, gets):
-            entries = await fut
-            value = entries.get(pub)
+            answer = await fut
+            if answer is None:  # timed out or failed: no evidence either way
+                continue
+            value = next(iter(answer.values()), {}).get(pub)
             if value is None:
+                stats.missing += 1
+                self._mark_fetched(pub, r)  # a ghost is asked once
+                policy.missing(pub, r)
                 continue
             stats.batches_received += 1
             stats.bytes_received += len(value)
@@ -278,39 +333,51 @@ class SwarmTransport:
                 stats.over_budget += 1
                 continue
             total += len(value)
-            self._fetched[(pub, r)] = None
-            while len(self._fetched) > MAX_KNOWN:
-                del self._fetched[next(iter(self._fetched))]
+            self._mark_fetched(pub, r)
             out.append(FetchedRecord(publisher=pub, round=r, data=value))
         stats.seconds = loop.time() - started
         return out
 
-    async def _sample_candidates(
-        self, deadline: float, trusted: Callable[[bytes], bool], stats: FetchStats
-    ) -> list[tuple[bytes, int]]:
-        """Read presence shards in random order until `presence_sample` new trusted candidates are known.
+    def _mark_fetched(self, pub: bytes, round_: int) -> None:
+        self._fetched[(pub, round_)] = None
+        while len(self._fetched) > MAX_KNOWN:
+            del self._fetched[next(iter(self._fetched))]
 
-        The first wave reads FIRST_WAVE_SHARDS shards; later waves read as many as the density seen so
-        far says are still needed (all of them in a small swarm). Bounded by the shard count and the deadline.
+    async def _sample_candidates(
+        self, deadline: float, trusted: Callable[[bytes], bool], stats: FetchStats, policy: FetchPolicy,
+    ) -> dict[bytes, int]:
+        """Read presence shards until `presence_sample` fresh trusted candidates are known.
+
+        The shards of the policy's preferred publishers come first, then the others in random order. The
+        first wave reads FIRST_WAVE_SHARDS shards; later waves read as many as the density of fresh
+        candidates seen so far says are still needed (at most MAX_WAVE_SHARDS, and every preferred shard
+        is read). Bounded by the shard count and the deadline.
         """
         cfg = self.config
-        order = random.sample(range(cfg.presence_shards), cfg.presence_shards)
+        preferred = list(dict.fromkeys(presence_shard(p, cfg.presence_shards)
+                                       for p in policy.preferred(cfg.fetch_max)))
+        rest = [s for s in random.sample(range(cfg.presence_shards), cfg.presence_shards) if s not in preferred]
+        order = preferred + rest
         candidates: dict[bytes, int] = {}
         loop = asyncio.get_running_loop()
-        wave = min(FIRST_WAVE_SHARDS, len(order))
+        wave = max(min(FIRST_WAVE_SHARDS, len(order)), min(len(preferred), MAX_WAVE_SHARDS))
+        n_pref = len(preferred)
         while order and loop.time() < deadline:
             shards, order = order[:wave], order[wave:]
-            answers = await self._get_many([presence_key(cfg.swarm, s) for s in shards], deadline)
+            answers = await self._get_many([presence_key(cfg.swarm, s) for s in shards], deadline) or {}
             stats.shards_read += len(shards)
             for entries in answers.values():
                 self._take_presence(entries, trusted, candidates, stats)
-            missing = cfg.presence_sample - len(candidates)
-            if missing <= 0:
+            n_pref = max(0, n_pref - len(shards))
+            fresh = sum(1 for p in candidates if policy.fresh(p))
+            missing = cfg.presence_sample - fresh
+            if missing <= 0 and n_pref == 0:
                 break
-            density = len(candidates) / stats.shards_read  # candidates per shard so far
-            wave = len(order) if density == 0 else min(len(order), max(1, math.ceil(missing / density)))
+            density = fresh / stats.shards_read  # fresh candidates per shard so far
+            wave = len(order) if density == 0 else max(1, math.ceil(missing / density))
+            wave = min(len(order), MAX_WAVE_SHARDS, max(wave, min(n_pref, MAX_WAVE_SHARDS)))
         stats.candidates = len(candidates)
-        return list(candidates.items())
+        return candidates
 
     def _take_presence(
         self, entries: dict[bytes, bytes], trusted: Callable[[bytes], bool], candidates: dict[bytes, int],
@@ -349,10 +416,13 @@ class SwarmTransport:
 
     async def _get(self, key: str, deadline: Optional[float] = None) -> dict[bytes, bytes]:
         """publisher key -> stored envelope bytes; {} when missing, malformed, failed or timed out."""
-        return (await self._get_many([key], deadline)).get(key, {})
+        return ((await self._get_many([key], deadline)) or {}).get(key, {})
 
-    async def _get_many(self, keys: list[str], deadline: Optional[float] = None) -> dict[str, dict[bytes, bytes]]:
-        """key -> {publisher key -> envelope bytes} for the keys found, in one DHT search.
+    async def _get_many(self, keys: list[str], deadline: Optional[float] = None,
+                        missing: bool = False) -> Optional[dict[str, dict[bytes, bytes]]]:
+        """key -> {publisher key -> envelope bytes} for the keys found, in one DHT search; None when the
+        search timed out or failed (so a caller can tell "not there" from "no answer"). With `missing`,
+        a key that was not found maps to {} (the search completed: evidence that nothing is stored).
 
         hivemind asks a peer for all the keys it may hold in one message, so this is used for small
         values only (presence shards); one batch per call. The first replica that answers is enough
@@ -367,11 +437,11 @@ class SwarmTransport:
         except asyncio.TimeoutError:
             future.cancel()
             logger.warning("DHT get of %d key(s) (%s...) timed out after %.1fs", len(keys), keys[0], timeout)
-            return {}
+            return None
         except Exception as e:
             logger.warning("DHT get %s... failed: %s: %s", keys[0], type(e).__name__, e)
-            return {}
-        out: dict[str, dict[bytes, bytes]] = {}
+            return None
+        out: dict[str, dict[bytes, bytes]] = {key: {} for key in keys} if missing else {}
         for key, entries in found.items():
             for subkey, value in entries.items():
                 pub = owner_of_subkey(subkey)

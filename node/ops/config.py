@@ -75,7 +75,7 @@ class NodeConfig:
     client_mode: bool = opt(False, "DHT client mode (behind NAT: not dialable)")
     swarm_start: bool = opt(False, "start a new swarm with no --peers (first peer) instead of running in silo")
     window: int = opt(2, "W: rounds behind a peer's newest batch still accepted from it")
-    fetch_max: int = opt(16, "K: batches fetched per round at most, sampled uniformly among live peers")
+    fetch_max: int = opt(16, "K: batches fetched per round at most; most go to publishers proven useful, >= K/4 explore")
     pow_difficulty: int = opt(20, "swarm-wide proof-of-work bits on every peer key (all peers must agree)")
     net_timeout: float = opt(10.0, "upper bound in seconds on swarm I/O per round")
     verify_budget_s: float = opt(0.0, "seconds of verification per round; the rest waits a round "

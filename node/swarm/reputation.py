@@ -15,9 +15,12 @@ Scoring rule and why:
   re-scoring (`reward_mismatch`: the sender lies about what it verified). Two of them ban a newcomer.
 * Moderate: `bad_task` (-2, a spec reasoning-gym cannot rebuild: maybe another library version),
   `from_future` (-1, a bad clock), `equivocation` (-0.5: two signed batches for one round; an honest
-  node that resumes from a checkpoint republishes the rounds since it, so a few are forgiven).
+  node that resumes from a checkpoint republishes the rounds since it, so a few are forgiven), `ghost`
+  (-0.5: a presence record announced a batch that a completed search did not find; an honest node
+  stores its batch before its presence, so only a lost store makes one).
 * Mild (-0.02): valid but useless to us: a group without learning signal (all rewards equal, dropped by
-  the zero-advantage filter anyway) or a task outside our mix. A flood of useless batches gets banned;
+  the zero-advantage filter anyway), a task outside our mix, or content we already had (`duplicate`
+  from another key: a copy; `repeated` from the same key). A flood of useless batches gets banned;
   an honest peer with a weak model only needs one group in six with signal to stay above water.
 * Credit (+0.1 per group with learning signal), capped at +5 so that a long good history buys room for
   at most two severe offences, never immunity.
@@ -63,7 +66,10 @@ PENALTIES: dict[str, float] = {
     "bad_task": 2 * MODERATE,
     "from_future": MODERATE,
     "equivocation": MODERATE / 2,
+    "ghost": MODERATE / 2,
     "useless": MILD,
+    "duplicate": MILD,
+    "repeated": MILD,
     "task_not_allowed": MILD,
 }
 

@@ -20,22 +20,25 @@ import hashlib
 import logging
 import random
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from node.learn.groups import Group, score_responses
+from node.learn.groups import Group, has_signal, score_responses
 from node.learn.tasks import TaskError, TaskMix, TaskSpec, regenerate
+from node.swarm.bandit import STRONG, PublisherBandit
 from node.swarm.exchange import ExchangeStats
 from node.swarm.reputation import PENALTIES, Reputation, ReputationConfig
 from p2p.identity import Identity, peer_name_of
-from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireError, WireGroup, decode_signed, \
-    encode_signed, open_envelope
+from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireError, WireGroup, canonical_json, \
+    decode_signed, encode_signed, open_envelope
 
 log = logging.getLogger("sapo.swarm")
 
 UNKNOWN_PEER = "unknown"
 REWARD_TOLERANCE = 1e-6
 MAX_JUDGED = 100_000
+MAX_CONTENTS = 100_000  # group contents remembered (a window of rounds: ~100 rounds of 64 peers x 16 groups)
 
 
 @dataclass
@@ -66,12 +69,15 @@ class Verifier:
     tells the publisher's reputation what it provably did."""
 
     def __init__(self, own_key: bytes, mix: TaskMix, cfg: VerifyConfig, stats: ExchangeStats,
-                 reputation: Reputation | None = None):
+                 reputation: Reputation | None = None, bandit: PublisherBandit | None = None):
         self.own_key = own_key
         self.mix = mix
         self.cfg = cfg
         self.stats = stats
         self.reputation = reputation if reputation is not None else Reputation(cfg.reputation)
+        self.bandit = bandit if bandit is not None else PublisherBandit()
+        self.contents: OrderedDict[str, bytes] = OrderedDict()  # group content digest -> first publisher
+        self._original_useful = False
         self.seen: set[tuple[bytes, int]] = set()  # (publisher, round) already taken
         self.newest: dict[bytes, int] = {}  # publisher -> newest round accepted
         self.judged: dict[str, None] = {}  # digests of every batch already judged (insertion-ordered)
@@ -112,10 +118,13 @@ class Verifier:
         except WireError:
             return None
 
-    def _offence(self, publisher: bytes, reason: str) -> None:
-        """A rejection the publisher provably caused (its signature holds): counted, and it costs reputation."""
+    def _offence(self, publisher: bytes, reason: str, batch: bool = False) -> None:
+        """A rejection the publisher provably caused (its signature holds): counted, and it costs reputation
+        (and, for a whole batch refused, one useless batch in the bandit)."""
         self.stats.reject(publisher.hex(), reason)
         self.reputation.penalize(publisher, reason)
+        if batch:
+            self.bandit.observe(publisher, useful=False)
 
     def _verify(self, data: bytes, now: float, hint: bytes | None) -> list[Group]:
         claimed = hint.hex() if hint else UNKNOWN_PEER
@@ -126,7 +135,7 @@ class Verifier:
             if signer is None:
                 self.stats.reject(claimed, exc.reason)
             else:
-                self._offence(signer, exc.reason)
+                self._offence(signer, exc.reason, batch=True)
             return []
         except Exception:  # a decoder bug must not become a node crash
             self.stats.reject(claimed, "malformed")
@@ -147,11 +156,11 @@ class Verifier:
             self.stats.reject(peer, "stale")
             return []
         if batch.created_at - now > self.cfg.max_clock_skew_s:
-            self._offence(batch.publisher, "from_future")
+            self._offence(batch.publisher, "from_future", batch=True)
             return []
         key = (batch.publisher, batch.round)
         if key in self.seen:  # a different batch for a round we already took from this publisher
-            self._offence(batch.publisher, "equivocation")
+            self._offence(batch.publisher, "equivocation", batch=True)
             return []
         newest = self.newest.get(batch.publisher, -1)
         if batch.round <= newest - self.cfg.window:
@@ -161,7 +170,41 @@ class Verifier:
         self.newest[batch.publisher] = max(newest, batch.round)
         self.stats.saw(peer, {"name": peer_name_of(batch.publisher), "last_round": self.newest[batch.publisher],
                               "last_seen": now})
-        return [g for g in (self._group(batch.publisher, wg) for wg in batch.groups) if g is not None]
+        self._original_useful = False  # set by _group: a useful group of ours that a copier showed us first
+        groups = [g for g in (self._group(batch.publisher, wg) for wg in batch.groups) if g is not None]
+        self.bandit.observe(batch.publisher, useful=self._original_useful or any(g.signal() for g in groups))
+        return groups
+
+    def _first_sight(self, publisher: bytes, wg: WireGroup) -> bool | None:
+        """Is this group's content (task spec and completions, exactly) new to us? Content is trained on
+        once. The same content again from its first publisher is `repeated`. From another key it is a copy,
+        and the copier is presumed to be the one of the two with the lower reputation: it is charged a
+        `duplicate` (what a useless group costs) and loses its record of useful batches in the bandit, even
+        when it was seen first (the copy was trained on then; from now on it earns nothing). Equal
+        reputations (two unknown keys): nobody is charged, and the later one earns nothing.
+        True: new content; None: a copy whose original this publisher is presumed to be; False: otherwise."""
+        digest = hashlib.sha256(canonical_json([wg.task.dataset, wg.task.config, wg.task.seed, wg.task.index,
+                                                wg.completions])).hexdigest()
+        first = self.contents.get(digest)
+        if first is None:
+            self.contents[digest] = publisher
+            while len(self.contents) > MAX_CONTENTS:
+                self.contents.popitem(last=False)
+            return True
+        if first == publisher:
+            self._offence(publisher, "repeated")
+            return False
+        mine, theirs = self.reputation.score(publisher), self.reputation.score(first)
+        copier = publisher if mine < theirs else first if theirs < mine else None
+        if copier is None:
+            self.stats.reject(publisher.hex(), "duplicate")
+        else:
+            self._offence(copier, "duplicate")
+            self.bandit.copied(copier)
+        if copier == first:
+            self.stats.reject(publisher.hex(), "copied_from")  # its own content, seen first under a copier's key
+            return None
+        return False
 
     def _group(self, publisher: bytes, wg: WireGroup) -> Group | None:
         spec = TaskSpec.make(wg.task.dataset, wg.task.config, wg.task.seed, wg.task.index)
@@ -179,6 +222,12 @@ class Verifier:
         rewards = score_responses(task, wg.completions)  # our reward function, our ground truth
         if len(wg.rewards) != len(rewards) or any(abs(a - b) > REWARD_TOLERANCE for a, b in zip(wg.rewards, rewards)):
             self._offence(publisher, "reward_mismatch")  # the sender lies, or scores differently: not trusted
+            return None
+        new = self._first_sight(publisher, wg)
+        if not new:
+            if new is None and has_signal(rewards):  # our useful content, shown us first by a copier
+                self._original_useful = True
+                self.reputation.credit(publisher)  # so that from now on it is judged before fresh copiers
             return None
         peer = publisher.hex()
         self.stats.accept(peer)
@@ -208,12 +257,33 @@ class SignedExchange:
         self.identity = identity
         self.stats = ExchangeStats()
         self.reputation = Reputation(verify_cfg.reputation)
-        self.verifier = Verifier(identity.public_key_bytes, mix, verify_cfg, self.stats, self.reputation)
+        self.bandit = PublisherBandit(rng=random.Random(verify_cfg.seed + 1))
+        self.verifier = Verifier(identity.public_key_bytes, mix, verify_cfg, self.stats, self.reputation,
+                                 self.bandit)
         self.swarm = verify_cfg.swarm
         self.model_name = model_name
         self.order_rng = random.Random(verify_cfg.seed)
         self.clock = time.monotonic  # the time budget's clock (tests replace it)
         self._skipped: set[bytes] = set()  # banned publishers the transport did not fetch this round
+        self._ghosts: list[bytes] = []  # announced batches the transport did not find this round
+
+    # --- the transport's FetchPolicy (p2p.transport): the bandit decides, reputation vetoes -------------
+
+    def preferred(self, limit: int) -> list[bytes]:
+        return [p for p in self.bandit.preferred(limit) if self.reputation.allowed(p)]
+
+    def fresh(self, publisher: bytes) -> bool:
+        return self.bandit.fresh(publisher)
+
+    def choose(self, candidates: dict[bytes, int], k: int) -> list[bytes]:
+        return self.bandit.choose(candidates, k)
+
+    def missing(self, publisher: bytes, round: int) -> None:
+        """A ghost: its presence announced a batch that a completed search did not find. One useless batch
+        for the bandit and a `ghost` penalty (counted with the round's verification)."""
+        self.bandit.observe(publisher, useful=False, strikes=STRONG)
+        self.reputation.penalize(publisher, "ghost")
+        self._ghosts.append(publisher)
 
     def trusted(self, publisher: bytes) -> bool:
         """The transport's fetch hook: may we fetch this publisher? A banned one is skipped, and counted as
@@ -236,7 +306,7 @@ class SignedExchange:
         cfg, stats = self.verifier.cfg, self.stats
         order = list(range(len(records)))
         self.order_rng.shuffle(order)
-        order.sort(key=lambda i: self.reputation.tier(records[i][0]) if records[i][0] else 1)  # stable
+        order.sort(key=lambda i: self._rank(records[i][0]))  # stable: ties stay shuffled
         start = self.clock()
         by_record: dict[int, list[Group]] = {}
         for i in order:
@@ -253,9 +323,20 @@ class SignedExchange:
         stats.round_verify_s = self.clock() - start
         return [g for i in sorted(by_record) for g in by_record[i]]
 
+    def _rank(self, hint: bytes | None) -> tuple[int, float]:
+        """Verification order: reputation tier, then the higher score first, so that within a round the
+        proven publisher of a group is judged before a copy of it (content is credited to the first)."""
+        if hint is None:
+            return 1, 0.0
+        return self.reputation.tier(hint), -self.reputation.score(hint)
+
     async def _verify_off_loop(self, records: list[tuple[bytes | None, bytes]]) -> list[Group]:
         self.stats.new_round()
+        self.bandit.new_round()
         skipped, self._skipped = self._skipped, set()
         for publisher in skipped:
             self.stats.reject(publisher.hex(), "banned")
+        ghosts, self._ghosts = self._ghosts, []
+        for publisher in ghosts:
+            self.stats.reject(publisher.hex(), "ghost")
         return await asyncio.get_running_loop().run_in_executor(None, self._verify_all, records)

@@ -318,11 +318,12 @@ def exchange(**cfg) -> SignedExchange:
 def test_time_budget_holds_under_a_flood_and_established_peers_go_first():
     ex = exchange(budget_s=5.0)
     honest = [Identity.generate() for _ in range(2)]
-    for peer in honest:  # useful before: trusted
-        ex._verify_all([(peer.public_key_bytes, make_batch(peer, "s", 1, "m", groups(seed=3)))])
+    for i, peer in enumerate(honest):  # useful before: trusted (honest peers' seeds differ: distinct content)
+        ex._verify_all([(peer.public_key_bytes, make_batch(peer, "s", 1, "m", groups(seed=3 + 10 * i)))])
     sybils = [Identity.generate() for _ in range(200)]
     records = [(p.public_key_bytes, useless_batch(p)) for p in sybils]
-    records[50:50] = [(p.public_key_bytes, make_batch(p, "s", 2, "m", groups(seed=4))) for p in honest]
+    records[50:50] = [(p.public_key_bytes, make_batch(p, "s", 2, "m", groups(seed=4 + 10 * i)))
+                      for i, p in enumerate(honest)]
     ex.clock = Tick()
     ex.stats.new_round()
     got = ex._verify_all(records)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
+import sys
 import tempfile
 import time
 from functools import partial
@@ -23,15 +24,19 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from conftest import LOOPBACK, transport, prefix_of, reasons, smoke_group, sources, start_bootstrap, start_node, \
     stop_all, wait_for
 from conftest import live_metrics as rounds
-from node.learn.tasks import PRESETS, TaskSampler
+from conftest import REPO
+from node.learn.tasks import PRESETS
 from node.swarm.exchange import ExchangeStats
 from node.swarm.verify import Verifier, VerifyConfig
 from p2p.identity import Identity
 from p2p.pow import check_pow
 from p2p.validators import DEFAULT_PRESENCE_SHARDS, RECORD_SIG_MAGIC, SapoRecordValidator, batch_key, \
     key_id_bytes, owner_subkey, presence_key, presence_shard, record_message
-from p2p.wire import HEADER_LEN, MAX_ROUND, WIRE_VERSION, PresenceRecord, RolloutBatch, TaskSpecWire, WireGroup, \
+from p2p.wire import HEADER_LEN, MAX_ROUND, WIRE_VERSION, PresenceRecord, RolloutBatch, WireGroup, \
     canonical_json, encode_presence, encode_signed, seal
+
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_sybil import Attacker  # noqa: E402  (one Sybil attacker for the benchmark and this test)
 
 POW = int(os.environ["SAPO_POW_DIFFICULTY"])  # tests/conftest.py: low, so that hundreds of keys are cheap
 pytestmark = pytest.mark.timeout(600)
@@ -94,70 +99,72 @@ async def _inject(_dht, node, key: str, subkey: bytes) -> bool:
 # ---------------------------------------------------------------------------------------------- (a) Sybils
 
 
-def test_sybils_do_not_stall_rounds_or_crowd_out_honest_peers(tmp_path):
-    """200 Sybil identities from one process publish valid but useless or lying batches into the current
-    rounds; two honest nodes keep finishing rounds within their network budget and still train on each
-    other's groups (uniform sampling keeps the honest peer in the sample)."""
-    swarm, n_sybils, net_timeout = "hostile-sybil", 200, 4.0
+def test_sybils_that_follow_the_rules_do_not_dilute_honest_peers(tmp_path):
+    """200 valid Sybil keys from one process, a quarter of each class of issue 20: presence records whose
+    batch never exists (ghosts), batches without learning signal, the honest peers' groups copied and
+    re-signed, lying rewards. Against their own rounds before the attack, each honest node still trains on
+    most of the useful groups the other one publishes (the benchmark's 0.8 over longer runs with three
+    honest nodes: docs/BENCHMARKS.md; 0.7 here, where about 30 rounds a phase leave sampling noise), trains
+    on little from the Sybils (copies it saw before their original), keeps its rounds within budget, and
+    every class is caught."""
+    swarm, n_sybils, net_timeout, per_phase = "hostile-sybil", 200, 4.0, 30
     boot, maddrs = start_bootstrap(tmp_path, swarm)
     run_dirs = [tmp_path / "honest0", tmp_path / "honest1"]
-    extra = ["--net-timeout", str(net_timeout), "--fetch-max", "32"]
+    extra = ["--net-timeout", str(net_timeout), "--fetch-max", "16"]
     nodes = [start_node(d, maddrs, swarm, *extra, seed=20 + i) for i, d in enumerate(run_dirs)]
-    sybils = [Identity.generate(POW) for _ in range(n_sybils)]
-    attacker = hivemind.DHT(initial_peers=maddrs, start=True, host_maddrs=[LOOPBACK], client_mode=True,
-                            record_validators=[SapoRecordValidator(sybils[0], swarm, pow_difficulty=POW,
-                                                                   also_sign_for=tuple(sybils[1:]))])
+    attacker = None
     try:
         keys = [prefix_of(d) for d in run_dirs]
-        useless = WireGroup(TaskSpecWire(**_smoke_spec(31)), ["<answer>no</answer>"] * 2, [0.0, 0.0])
-        lying = smoke_group(32, claimed=lambda true: [1.0 - x for x in true])
+        wait_for(lambda: all(keys[1 - i] in sources(rounds(d)) for i, d in enumerate(run_dirs)), nodes, 300,
+                 "the honest nodes to train on each other")
+        t_proven = time.time()
+        wait_for(lambda: min(len(after(d, t_proven)) for d in run_dirs) >= per_phase, nodes, 300, "rounds before")
+        t_attack = time.time()
+        victims = [Identity.load_or_create(d / "identity.ed25519", create=False).public_key_bytes for d in run_dirs]
+        attacker = Attacker("ghost+useless+copycat+liars", n_sybils, swarm, maddrs, POW, tmp_path, victims,
+                            ttl=120, liars_per_period=0)
 
-        async def attack_round(rnd: int) -> int:
-            exp = get_dht_time() + 120
-            items = []
-            for i, ident in enumerate(sybils):
-                sub = owner_subkey(ident.public_key_bytes)
-                items.append((batch_key(swarm, ident.public_key_bytes, rnd), sub,
-                              batch(ident, swarm, rnd, [useless if i % 2 else lying]), exp))
-                items.append((shard_key(swarm, ident), sub, presence(ident, swarm, rnd), exp))
-            return sum(await store_all(attacker, items))
-
-        async def attack() -> float:
-            stored = await attack_round(0)
-            assert stored >= n_sybils, f"only {stored} Sybil records stored"
-            t_attack = time.time()
-            for rnd in range(1, 1000):  # keep announcing new rounds while the honest nodes run
-                if all(sources_after(d, t_attack) >= {keys[1 - i]} for i, d in enumerate(run_dirs)) and \
-                        min(len(after(d, t_attack)) for d in run_dirs) >= 10:
-                    return t_attack
+        async def attack() -> None:
+            while min(len(after(d, t_attack)) for d in run_dirs) < per_phase:
                 assert all(n.alive() for n in nodes)
-                await attack_round(rnd)
-            raise AssertionError("the honest nodes never used each other's groups under attack")
+                await attacker.step()
+                await asyncio.sleep(1.0)
 
-        def after(d: Path, t: float) -> list[dict]:
-            return [r for r in rounds(d) if r["t_start"] > t]
+        asyncio.run(asyncio.wait_for(attack(), 420))
+        t_end = time.time()
 
-        def sources_after(d: Path, t: float) -> set[str]:
-            return sources(after(d, t))
+        def share(reader: Path, publisher: Path, key: str, lo: float, hi: float) -> float:
+            """Of the useful groups (with signal) `publisher` made in [lo, hi), the share `reader` trained on:
+            unlike groups per round, it does not move when the publisher's model drifts between phases."""
+            got = sum(r["external_sources"].get(key, 0) for r in after(reader, lo) if r["t_start"] < hi)
+            made = sum(round(r["local_signal_frac"] * r["target_local"]) for r in after(publisher, lo)
+                       if r["t_start"] < hi)
+            return got / max(made, 1)
 
-        wait_for(lambda: all(len(rounds(d)) >= 1 for d in run_dirs), nodes, 240, "the honest nodes' first rounds")
-        t_attack = asyncio.run(asyncio.wait_for(attack(), 420))
         for i, d in enumerate(run_dirs):
-            recs = after(d, t_attack)
-            for r in recs:
+            under = [r for r in after(d, t_attack) if r["t_start"] <= t_end]
+            for r in under:
                 assert r["swarm_io_s"] <= net_timeout + 1, r  # budgets hold: no flood stretches a round
-            assert keys[1 - i] in sources(recs)  # still trains on the honest peer's groups
-            got = reasons(rounds(d))
-            assert got.get("reward_mismatch", 0) > 0, got  # the lying Sybils were fetched and refused
+            other, key = run_dirs[1 - i], keys[1 - i]
+            before_share = share(d, other, key, t_proven, t_attack)
+            under_share = share(d, other, key, t_attack, t_end)
+            assert under_share >= 0.7 * before_share, (i, before_share, under_share)
+            sybil = sum(v for r in under for k, v in r["external_sources"].items() if k not in keys)
+            honest = sum(v for r in under for k, v in r["external_sources"].items() if k in keys)
+            assert sybil <= 0.2 * honest, (i, sybil, honest)  # copies of honest groups seen before the original
+            got = reasons(under)
+            for reason in ("ghost", "reward_mismatch", "duplicate"):  # every class was fetched and caught
+                assert got.get(reason, 0) > 0, (reason, got)
     finally:
-        attacker.shutdown()
+        if attacker is not None:
+            attacker.shutdown()
         codes = stop_all(nodes)
         boot.stop()
     assert codes == [0, 0], [n.text()[-2000:] for n in nodes]
 
 
-def _smoke_spec(index: int) -> dict:
-    return TaskSampler(PRESETS["smoke"], 1).sample(index + 1)[-1].spec.to_wire()
+def after(d: Path, t: float) -> list[dict]:
+    return [r for r in rounds(d) if r["t_start"] > t]
 
 
 # -------------------------------------------------------------------- (b) a lying replica, (c) proof of work

@@ -1,0 +1,185 @@
+"""The publisher bandit, content dedup and ghost evidence (issue 20): unit level, no network."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from node.learn.groups import Group, score_responses
+from node.learn.tasks import PRESETS, TaskSampler
+from node.swarm.bandit import BanditConfig, PublisherBandit
+from node.swarm.verify import SignedExchange, VerifyConfig, make_batch
+from p2p.identity import Identity
+from p2p.wire import WIRE_VERSION, RolloutBatch, encode_signed
+
+MIX = PRESETS["smoke"]
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def bandit(**cfg) -> PublisherBandit:
+    return PublisherBandit(BanditConfig(**cfg), random.Random(0))
+
+
+def test_proven_publishers_get_most_slots_and_exploration_keeps_a_bounded_share():
+    b = bandit()
+    proven = [key(i) for i in range(20)]
+    for p in proven:
+        b.observe(p, useful=True)
+    sybils = [key(1000 + i) for i in range(100)]
+    chosen = b.choose({p: 1 for p in proven + sybils}, 16)
+    assert len(chosen) == 16
+    assert sum(c in proven for c in chosen) == 12  # K - K/4
+    assert sum(c in sybils for c in chosen) == 4  # exploration never starves
+    # few proven publishers: every one of them, and the free slots explore
+    chosen = b.choose({p: 1 for p in proven[:3] + sybils}, 16)
+    assert set(proven[:3]) <= set(chosen) and len(chosen) == 16
+
+
+def test_a_failed_key_is_parked_with_a_doubling_cooldown_and_never_tried_keys_go_first():
+    b = bandit()
+    ghost, new = key(1), key(2)
+    b.observe(ghost, useful=False)
+    assert not b.fresh(ghost) and b.fresh(new)
+    assert b.choose({ghost: 5, new: 5}, 4) == [new]  # parked: not even in the exploration
+    b.new_round()
+    assert b.fresh(ghost)  # one round after one failure
+    assert b.choose({ghost: 5, new: 5}, 4) == [new, ghost]
+    b.observe(ghost, useful=False)
+    waits = 0
+    while not b.fresh(ghost):
+        b.new_round()
+        waits += 1
+    assert waits == 2
+    for _ in range(20):
+        b.observe(ghost, useful=False)
+    assert b.record(ghost).next_try - b.round == BanditConfig().max_cooldown
+
+
+def test_one_useful_batch_promotes_and_a_run_of_failures_demotes():
+    b = bandit()
+    p = key(7)
+    b.observe(p, useful=True)
+    assert b.preferred(16) == [p] and b.fresh(p)
+    for _ in range(8):
+        b.observe(p, useful=False)
+    assert b.preferred(16) == []  # (1+1)/(1+8+2) < 0.2
+
+
+def test_newcomer_is_tried_within_unknown_over_exploration_slots_rounds():
+    """The documented bound: U never-tried keys, E new-key slots per round -> tried within ceil(U / E)."""
+    b = bandit()
+    honest = [key(i) for i in range(3)]
+    for p in honest:
+        b.observe(p, useful=True)
+    sybils = [key(1000 + i) for i in range(300)]
+    newcomer = key(5000)
+    k = 16
+    for rnd in range(1, 100):
+        candidates = {p: rnd for p in honest + sybils + [newcomer] if b.fresh(p)}
+        chosen = b.choose(candidates, k)
+        assert set(honest) <= set(chosen)
+        if newcomer in chosen:
+            break
+        for p in chosen:
+            b.observe(p, useful=p in honest)
+        b.new_round()
+    assert rnd <= -(-(len(sybils) + 1) // (k - len(honest) - 1)) + 1, rnd
+
+
+def test_the_table_is_bounded():
+    b = bandit(max_tracked=50)
+    for i in range(500):
+        b.observe(key(i), useful=bool(i % 2))
+    assert b.snapshot()["tracked"] == 50
+
+
+def groups(seed: int) -> list[Group]:
+    out = []
+    for task in TaskSampler(MIX, seed).sample(2):
+        responses = [f"<answer>{task.answer}</answer>", "<answer>nope</answer>"]
+        out.append(Group(task=task, responses=responses, rewards=score_responses(task, responses)))
+    return out
+
+
+def exchange() -> SignedExchange:
+    return SignedExchange(Identity.generate(), MIX, VerifyConfig(swarm="s"), "m")
+
+
+def recopy(original: bytes, thief: Identity, round_: int) -> bytes:
+    from p2p.wire import decode_signed
+
+    b = decode_signed(original)
+    return encode_signed(RolloutBatch(WIRE_VERSION, "s", round_, thief.public_key_bytes, time.time(), "m", b.groups),
+                         thief)
+
+
+def test_copied_content_is_trained_on_once_and_the_copier_earns_nothing():
+    ex = exchange()
+    honest, thief = Identity.generate(), Identity.generate()
+    original = make_batch(honest, "s", 1, "m", groups(3))
+    copy = recopy(original, thief, 9)
+    got = ex._verify_all([(honest.public_key_bytes, original)])
+    assert len(got) == 2
+    assert ex._verify_all([(thief.public_key_bytes, copy)]) == []
+    assert ex.stats.rejected[thief.public_key_hex] == {"duplicate": 2}
+    assert ex.reputation.score(thief.public_key_bytes) < 0 < ex.reputation.score(honest.public_key_bytes)
+    assert not ex.bandit.fresh(thief.public_key_bytes) and ex.bandit.preferred(4) == [honest.public_key_bytes]
+
+
+def test_within_a_round_the_proven_publisher_is_judged_before_its_copier():
+    ex = exchange()
+    honest, thief = Identity.generate(), Identity.generate()
+    ex._verify_all([(honest.public_key_bytes, make_batch(honest, "s", 1, "m", groups(3)))])  # proven
+    original = make_batch(honest, "s", 2, "m", groups(4))
+    copy = recopy(original, thief, 2)
+    got = ex._verify_all([(thief.public_key_bytes, copy), (honest.public_key_bytes, original)])  # copy listed first
+    assert {g.source for g in got} == {honest.public_key_hex}
+
+
+def test_a_ghost_is_evidence_against_its_publisher():
+    ex = exchange()
+    ghost = Identity.generate().public_key_bytes
+    ex.missing(ghost, 3)
+    assert not ex.fresh(ghost) and ex.reputation.score(ghost) < 0
+    assert ex.bandit.record(ghost).next_try - ex.bandit.round == 8  # honest software never makes one
+    ex.stats.new_round()
+    import asyncio
+
+    asyncio.run(ex._verify_off_loop([]))
+    assert ex.stats.round_rejected["ghost"] == 1
+    for r in range(40):  # repeated, it ends in a ban through the reputation machinery
+        ex.missing(ghost, 4 + r)
+    assert not ex.reputation.allowed(ghost)
+
+
+def test_a_copy_seen_before_its_proven_original_is_charged_to_the_copier():
+    ex = exchange()
+    honest, thief = Identity.generate(), Identity.generate()
+    for r, seed in ((1, 3), (3, 7)):  # proven, with a history longer than one batch
+        ex._verify_all([(honest.public_key_bytes, make_batch(honest, "s", r, "m", groups(seed)))])
+    original = make_batch(honest, "s", 4, "m", groups(4))
+    assert len(ex._verify_all([(thief.public_key_bytes, recopy(original, thief, 2))])) == 2  # first sight: used
+    assert ex.bandit.record(thief.public_key_bytes).ok == 1
+    before = ex.reputation.score(honest.public_key_bytes)
+    assert ex._verify_all([(honest.public_key_bytes, original)]) == []  # never trained on twice
+    assert ex.reputation.score(honest.public_key_bytes) > before  # its useful groups still earn it credit
+    assert ex.stats.rejected[thief.public_key_hex]["duplicate"] == 2
+    assert ex.stats.rejected[honest.public_key_hex] == {"copied_from": 2}  # no penalty for the original
+    assert ex.bandit.record(thief.public_key_bytes).ok == 0 and not ex.bandit.fresh(thief.public_key_bytes)
+    assert ex.bandit.record(honest.public_key_bytes).bad == 0  # its batch still counts as useful
+    assert ex.reputation.score(thief.public_key_bytes) < ex.reputation.score(honest.public_key_bytes)
+
+
+def test_a_copy_between_keys_of_equal_standing_charges_nobody():
+    ex = exchange()
+    c, d = Identity.generate(), Identity.generate()
+    data = make_batch(c, "s", 1, "m", groups(6))
+    ex._verify_all([(c.public_key_bytes, data)])  # c earns 2 x 0.1 for its two groups
+    ex.reputation.credit(d.public_key_bytes)
+    ex.reputation.credit(d.public_key_bytes)  # d stands where c stands: no one can tell the copier
+    assert ex._verify_all([(d.public_key_bytes, recopy(data, d, 1))]) == []
+    assert ex.stats.rejected[d.public_key_hex] == {"duplicate": 2}  # counted, not charged
+    assert abs(ex.reputation.score(c.public_key_bytes) - ex.reputation.score(d.public_key_bytes)) < 1e-9
