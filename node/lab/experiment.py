@@ -198,6 +198,9 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
             node = SapoNode(cfg, mix, copy.deepcopy(base_model), tokenizer, exchange, device, stop=Stop.node_stop)
         await node.open()
         nodes.append(node)
+    if shared is not None:
+        log.info("%d peers share one base model, each with its own rank-%d LoRA adapter (%d trainable parameters)",
+                 len(nodes), spec.lora_rank, nodes[0].adapter.num_parameters())
     del base_model, shared
     try:
         while any(n.pending for n in nodes) and not Stop.node_stop.is_set():
