@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import io
 import json
 import os
 import statistics
@@ -42,8 +43,9 @@ from node.learn.trainer import TrainConfig, Trainer  # noqa: E402
 
 def lora_vs_full(model, tok, prompts: list[str], seqs, scfg: SamplingConfig, generations: int, ranks: list[int],
                  alpha: float = 32.0, repeats: int = 3, micro_batch_size: int = 4) -> dict:
-    """Median seconds of one GRPO update (`train_<variant>_s`, also process CPU seconds) and of sampling
-    `generations` completions per prompt (`gen_<variant>_s`), variants `full` and `lora_r<rank>`; the
+    """Median seconds of one GRPO update (`train_<variant>_s`) and of sampling `generations` completions per
+    prompt (`gen_<variant>_s`), each also in process CPU seconds (`..._cpu_s`: the figure to read on a
+    machine shared with other work), variants `full` and `lora_r<rank>`; the
     trainable parameter count of each (`params_<variant>`). LoRA variants run on deep copies of `model`."""
     variants = {"full": (model, None)}
     for r in ranks:
@@ -54,6 +56,7 @@ def lora_vs_full(model, tok, prompts: list[str], seqs, scfg: SamplingConfig, gen
     times: dict[str, list[float]] = {k: [] for k in variants}
     cpu: dict[str, list[float]] = {k: [] for k in variants}
     gen: dict[str, list[float]] = {k: [] for k in variants}
+    gen_cpu: dict[str, list[float]] = {k: [] for k in variants}
     tokens: dict[str, int] = {k: 0 for k in variants}
     for i in range(-1, repeats):  # i = -1: warm-up, not counted
         for name, (m, _) in variants.items():  # interleaved: drift and other load hit every variant alike
@@ -62,20 +65,27 @@ def lora_vs_full(model, tok, prompts: list[str], seqs, scfg: SamplingConfig, gen
             t1, c1 = time.perf_counter(), time.process_time()
             torch.manual_seed(2000 + i)
             groups = sample_groups(m, tok, prompts, generations, scfg)
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             if i >= 0:
                 times[name].append(t1 - t0)
                 cpu[name].append(c1 - c0)
                 gen[name].append(t2 - t1)
+                gen_cpu[name].append(c2 - c1)
                 tokens[name] += sum(len(c) for g in groups for c in g.completion_ids)
     out: dict = {"ranks": ranks, "alpha": alpha, "repeats": repeats, "sequences": len(seqs),
-                 "train_times_s": times, "gen_times_s": gen}
+                 "train_times_s": times, "train_cpu_times_s": cpu,
+                 "gen_times_s": gen, "gen_cpu_times_s": gen_cpu}
     for name, (m, a) in variants.items():
         out[f"train_{name}_s"] = statistics.median(times[name])
         out[f"train_{name}_cpu_s"] = statistics.median(cpu[name])
         out[f"gen_{name}_s"] = statistics.median(gen[name])
+        out[f"gen_{name}_cpu_s"] = statistics.median(gen_cpu[name])
         out[f"gen_{name}_tokens_per_s"] = tokens[name] / sum(gen[name])
         out[f"params_{name}"] = a.num_parameters() if a is not None else sum(p.numel() for p in m.parameters())
+        if a is not None:  # what a checkpoint's model.pt + optimizer.pt hold (the full model's: bench_stop.py)
+            buf = io.BytesIO()
+            torch.save({"model": a.state_dict(), "optimizer": trainers[name].optimizer.state_dict()}, buf)
+            out[f"checkpoint_mb_{name}"] = buf.tell() / 2**20
     return out
 
 
@@ -105,11 +115,13 @@ def train_cmd(args) -> dict:
     tok_total = sum(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
     print(f"# model={args.model} threads={torch.get_num_threads()} tasks={mix.name} I={args.num_local} "
           f"G={args.generations} sequences={len(seqs)} tokens={tok_total} median of {args.repeats}")
-    print(f"  {'variant':10s} {'train s':>8} {'cpu s':>7} {'vs full':>8} {'sample s':>9} {'vs full':>8}  params")
+    print(f"  {'variant':10s} {'train s':>8} {'cpu s':>7} {'vs full':>8} {'sample s':>9} {'cpu s':>7} {'vs full':>8}"
+          "  params   (vs full: ratio of CPU seconds)")
     for name in ["full"] + [f"lora_r{r}" for r in ranks]:
         print(f"  {name:10s} {res[f'train_{name}_s']:8.2f} {res[f'train_{name}_cpu_s']:7.2f} "
-              f"{res['train_full_s'] / res[f'train_{name}_s']:7.2f}x {res[f'gen_{name}_s']:9.2f} "
-              f"{res['gen_full_s'] / res[f'gen_{name}_s']:7.2f}x  {res[f'params_{name}']:,}")
+              f"{res['train_full_cpu_s'] / res[f'train_{name}_cpu_s']:7.2f}x {res[f'gen_{name}_s']:9.2f} "
+              f"{res[f'gen_{name}_cpu_s']:7.2f} {res['gen_full_cpu_s'] / res[f'gen_{name}_cpu_s']:7.2f}x"
+              f"  {res[f'params_{name}']:,}")
     return {"model": args.model, "tasks": args.tasks, "generations": args.generations, "num_local": args.num_local,
             "threads": torch.get_num_threads(), "tokens": tok_total, **res}
 
