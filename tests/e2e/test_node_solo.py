@@ -70,7 +70,7 @@ store = CheckpointStore({str(tmp_path)!r}, keep=2)
 r = 0
 print("ready", flush=True)
 while True:
-    store.save(r, model, opt, {{"next_round": r + 1, "blob": "x" * 200000}})
+    store.save(r, model.state_dict(), opt.state_dict(), {{"next_round": r + 1, "blob": "x" * 200000}})
     r += 1
 """
     for delay in (0.3, 0.45, 0.6, 0.75, 0.9):
