@@ -37,7 +37,8 @@ from node.learn.evaluate import HeldOutEval
 from node.learn.groups import Group, Prompter, collapse_metrics, local_group, select_groups, to_sequences
 from node.swarm.ij_policy import make_ij_policy
 from node.ops.metrics import MetricsWriter
-from node.learn.policy import SamplingConfig, sample_groups
+from node.learn.engine import make_engine
+from node.learn.policy import SamplingConfig
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.learn.tasks import TaskMix, TaskSampler
 from node.learn.trainer import StepStats, TrainConfig, Trainer
@@ -70,6 +71,8 @@ class SapoNode(RoundRecords):
             minibatches=cfg.minibatches, micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature,
             max_completion_len=self.sampling.max_new_tokens, prefix_sharing=cfg.prefix_sharing), seed=cfg.seed,
             stop=self.stop)
+        self.engine = make_engine(cfg.rollout_engine, model, tokenizer, cfg.model, weight_type=cfg.engine_weights)
+        self.engine_stale = False  # the weights moved since the engine last synced (an update, a resume)
         self.prompter = Prompter(tokenizer, mix)
         self.sampler = TaskSampler(mix, cfg.seed)
         self.select_rng = random.Random(cfg.seed + 1)
@@ -150,6 +153,8 @@ class SapoNode(RoundRecords):
         finally:
             await self.exchange.close()
             self.worker.shutdown(wait=True)
+            if hasattr(self.engine, "close"):
+                self.engine.close()
             self.live.phase = "stopped"
 
     async def run_round(self, r: int) -> RoundResult:
@@ -164,10 +169,14 @@ class SapoNode(RoundRecords):
 
         with timer("sample"):
             tasks = self.sampler.sample(num_local)
+        if self.engine_stale:
+            with timer("sync"):
+                await self._in_worker(self.engine.sync, self.model)
+            self.engine_stale = False
         with timer("generate"):
             prompts = [self.prompter(t) for t in tasks]
-            sampled = await self._in_worker(sample_groups, self.model, self.tokenizer, prompts,
-                                            self.cfg.generations, self.sampling, self.stop)
+            sampled = await self._in_worker(self.engine.sample, prompts, self.cfg.generations, self.sampling,
+                                            self.stop)
         with timer("score"):
             local = await self._in_worker(
                 lambda: [local_group(t, s, self.mix.answer_prefix) for t, s in zip(tasks, sampled)])
@@ -179,6 +188,7 @@ class SapoNode(RoundRecords):
             selection = select_groups(local, external, num_local, num_external, self.select_rng)
         with timer("train"):
             stats = await self._in_worker(self.train, selection.local + selection.external)
+        self.engine_stale = self.engine_stale or stats.optimizer_steps > 0
 
         record = self._record(r, timer, local, selection, stats, num_local, num_external, sampled)
         record.update(collapse_metrics(local, external))
@@ -279,6 +289,7 @@ class SapoNode(RoundRecords):
             return
         self.model.load_state_dict(ckpt.model)
         self.trainer.optimizer.load_state_dict(ckpt.optimizer)
+        self.engine_stale = True
         self.load_state(ckpt.state)
         self.saved_round = ckpt.round
         moved = self.metrics.truncate_after(self.next_round - 1)
