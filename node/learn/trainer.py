@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from node.learn.grpo import LOSS_TYPES, grpo_loss
+from node.learn.lora import Adapter
 from node.learn.policy import Sequence
 from node.learn.prefix import PREFIX_SHARING, micro_batches, supports_prefix_sharing
 from node.learn.stop import RoundAbandoned, StopRequest
@@ -61,17 +62,23 @@ class StepStats:
 
 
 class Trainer:
+    """With `adapter` (LoRA), only the adapter's weights are optimised and the KL reference is the base
+    model with the adapters disabled; otherwise every weight, and the reference a frozen copy."""
+
     def __init__(self, model: torch.nn.Module, pad_id: int, cfg: TrainConfig, seed: int = 0,
-                 stop: StopRequest | None = None):
+                 stop: StopRequest | None = None, adapter: Adapter | None = None):
         cfg.validate()
         self.stop = stop
         self._stepped = False  # an optimizer step was taken in the current update: no abandoning now
         self.model = model
+        self.adapter = adapter
         self.pad_id = pad_id
         self.cfg = cfg
+        self.params = adapter.parameters() if adapter is not None else list(model.parameters())
         # foreach=False: the multi-tensor path allocates a copy of all parameters per update (peak memory)
-        self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, foreach=False)
-        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
+        self.optimizer = torch.optim.Adam(self.params, lr=cfg.lr, foreach=False)
+        full_copy = cfg.beta > 0 and adapter is None
+        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if full_copy else None
         self.rng = random.Random(seed)
         self._shared: bool | None = None  # decided on first use (auto probes the model once)
 
@@ -112,6 +119,8 @@ class Trainer:
         stats = StepStats(sequences=len(seqs))
         if not seqs:
             return stats
+        if self.adapter is not None:  # peers sharing one base take turns: train through ours
+            self.adapter.activate()
         self._stepped = False
         watch = self.stop.watch(self.model, lambda: not self._stepped) if self.stop else contextlib.nullcontext()
         try:
@@ -151,7 +160,7 @@ class Trainer:
         with sparse_embedding_grads(self.model):
             acc = self._accumulate(minibatch, refs, acc, total_tokens)
         self._safe_point()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
         self._stepped = True
         self.optimizer.step()
         acc["grad_norm"] = float(grad_norm)
@@ -188,13 +197,15 @@ class Trainer:
     @torch.no_grad()
     def _ref_logprobs(self, seqs: list[Sequence]) -> dict[int, list[float]] | None:
         """The reference model's log-probs per sequence (keyed by id), when the KL term is on."""
-        if self.ref_model is None:
+        if self.cfg.beta <= 0:
             return None
         out = {}
-        for chunk, logp, mask in self._micro_batches(self.ref_model, seqs):
-            self._safe_point()  # the reference model has no stop hooks of its own
-            for s, row, m in zip(chunk, logp, mask):
-                out[id(s)] = row[: int(m.sum())].tolist()
+        reference = self.adapter.disabled() if self.adapter is not None else contextlib.nullcontext()
+        with reference:
+            for chunk, logp, mask in self._micro_batches(self.ref_model or self.model, seqs):
+                self._safe_point()  # a reference copy has no stop hooks of its own
+                for s, row, m in zip(chunk, logp, mask):
+                    out[id(s)] = row[: int(m.sum())].tolist()
         return out
 
 

@@ -3,6 +3,8 @@
 Layout: RUN_DIR/checkpoints/round-000012/{model.pt, optimizer.pt, state.json, MANIFEST.json}.
 MANIFEST.json (sha256 + size of every file) is written last, inside the temp dir, before the rename:
 a directory named round-* either is complete or fails verification and is skipped with a warning.
+It also carries the caller's `meta` (the node: which base model the weights belong to, and the LoRA
+settings when model.pt holds an adapter rather than the whole model), read back as `Checkpoint.meta`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Checkpoint:
     model: dict[str, Any]
     optimizer: dict[str, Any]
     state: dict[str, Any]  # rng states, sampler, ij policy, counters: JSON-safe
+    meta: dict[str, Any] | None = None  # from the manifest; None in checkpoints written before it existed
 
 
 def _sha256(path: Path) -> str:
@@ -63,20 +66,21 @@ class CheckpointStore:
         self.keep = max(1, keep)
         self.dir.mkdir(parents=True, exist_ok=True)
 
-    def save(self, round_: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             state: dict[str, Any]) -> Path:
+    def save(self, round_: int, weights: dict[str, Any], optimizer: dict[str, Any], state: dict[str, Any],
+             meta: dict[str, Any] | None = None) -> Path:
+        """`weights` and `optimizer` are state dicts (the whole model's, or only a LoRA adapter's)."""
         final = self.dir / f"{PREFIX}{round_:06d}"
         tmp = self.dir / f".tmp-{PREFIX}{round_:06d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        torch.save(model.state_dict(), tmp / "model.pt")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(weights, tmp / "model.pt")
+        torch.save(optimizer, tmp / "optimizer.pt")
         (tmp / "state.json").write_text(json.dumps({"round": round_, **state}))
         files = {}
         for name in ("model.pt", "optimizer.pt", "state.json"):
             _fsync_file(tmp / name)
             files[name] = {"sha256": _sha256(tmp / name), "size": (tmp / name).stat().st_size}
-        (tmp / "MANIFEST.json").write_text(json.dumps({"round": round_, "files": files}))
+        (tmp / "MANIFEST.json").write_text(json.dumps({"round": round_, "files": files, "meta": meta}))
         _fsync_file(tmp / "MANIFEST.json")
         _fsync_dir(tmp)
         if final.exists():  # re-saving the same round (e.g. after a resume): replace it atomically
@@ -101,17 +105,30 @@ class CheckpointStore:
             if not tmp.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(tmp, ignore_errors=True)
 
-    def verify(self, path: Path) -> None:
+    @staticmethod
+    def verify(path: Path) -> dict[str, Any]:
+        """Checks every file against the manifest; returns the manifest."""
         manifest_path = path / "MANIFEST.json"
         try:
             manifest = json.loads(manifest_path.read_text())
             files = manifest["files"]
         except (OSError, ValueError, KeyError) as exc:
             raise CheckpointError(f"{path}: missing or unreadable MANIFEST.json ({exc})") from exc
-        for name, meta in files.items():
+        for name, entry in files.items():
             f = path / name
-            if not f.exists() or f.stat().st_size != meta["size"] or _sha256(f) != meta["sha256"]:
+            if not f.exists() or f.stat().st_size != entry["size"] or _sha256(f) != entry["sha256"]:
                 raise CheckpointError(f"{path}: {name} is missing, truncated or corrupt")
+        return manifest
+
+    @staticmethod
+    def load(path: Path, map_location: str | torch.device = "cpu") -> Checkpoint:
+        """One checkpoint directory, verified against its manifest (CheckpointError or a load error if not)."""
+        manifest = CheckpointStore.verify(path)
+        state = json.loads((path / "state.json").read_text())
+        model = torch.load(path / "model.pt", map_location=map_location, weights_only=True)
+        optimizer = torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True)
+        return Checkpoint(round=int(state["round"]), path=path, model=model, optimizer=optimizer, state=state,
+                          meta=manifest.get("meta"))
 
     def load_latest(self, map_location: str | torch.device = "cpu") -> Checkpoint | None:
         """Newest checkpoint that verifies and loads; older ones are the fallback. None if there is none."""
@@ -119,15 +136,23 @@ class CheckpointStore:
         errors = []
         for path in candidates:
             try:
-                self.verify(path)
-                state = json.loads((path / "state.json").read_text())
-                model = torch.load(path / "model.pt", map_location=map_location, weights_only=True)
-                optimizer = torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True)
+                return self.load(path, map_location)
             except Exception as exc:  # corrupt in any way: say so, try the previous one
                 log.warning("skipping checkpoint %s: %s", path.name, exc)
                 errors.append(f"{path.name}: {exc}")
-                continue
-            return Checkpoint(round=int(state["round"]), path=path, model=model, optimizer=optimizer, state=state)
         if candidates:
             raise CheckpointError("no loadable checkpoint in " + str(self.dir) + ": " + "; ".join(errors))
         return None
+
+
+def load_from(path: Path, map_location: str | torch.device = "cpu") -> Checkpoint:
+    """A checkpoint named by the user: a round-* directory, or a run dir (its newest good checkpoint)."""
+    path = Path(path)
+    if (path / "MANIFEST.json").exists():
+        return CheckpointStore.load(path, map_location)
+    if (path / "checkpoints").is_dir():
+        ckpt = CheckpointStore(path, keep=10**6).load_latest(map_location)
+        if ckpt is not None:
+            return ckpt
+    raise CheckpointError(f"{path}: neither a checkpoint directory (round-*/MANIFEST.json) nor a run dir "
+                          "with a checkpoint")

@@ -46,7 +46,8 @@ class NodeConfig:
     engine_weights: str = opt("f16", "weights the llama engine is given after each full fine-tuning update: "
                                      "f16, q8_0, f32 (with LoRA only the adapter moves)")
     # GRPO
-    lr: float = opt(1e-6, "Adam learning rate (chosen by 200-round solo runs: docs/RESULTS.md section 4)")
+    lr: float = opt(1e-6, "Adam learning rate (chosen by 200-round solo runs: docs/RESULTS.md section 4); with "
+                          "--lora-rank and no explicit --lr, 10x that (LoRA Without Regret)")
     loss_type: str = opt("grpo", "loss aggregation: grpo, dr_grpo, dapo")
     eps_low: float = opt(0.2, "lower clip range")
     eps_high: float = opt(0.28, "upper clip range")
@@ -59,6 +60,11 @@ class NodeConfig:
     max_grad_norm: float = opt(1.0, "gradient clipping norm")
     prefix_sharing: str = opt("auto", "train each group's prompt once under its G completions: auto (when the "
                                       "model's KV cache allows it), on, off")
+    lora_rank: int = opt(0, "LoRA rank on every linear layer of the decoder (0 = off: full fine-tuning); "
+                            "only the adapter is trained and checkpointed")
+    lora_alpha: float = opt(32.0, "LoRA alpha (the adapter's update is scaled by alpha / rank)")
+    lora_init: str = opt("", "start the adapter from this checkpoint (a round-* dir or a run dir: its newest good "
+                             "checkpoint; adapter weights only, same base and rank); --resume takes precedence")
     # held-out evaluation
     eval_every: int = opt(10, "greedy held-out evaluation every N rounds (0 = off; 10 keeps its cost near 6%)")
     eval_size: int = opt(64, "tasks in the held-out evaluation set (fixed per task mix, never trained on)")
@@ -109,7 +115,15 @@ class ConfigError(ValueError):
 
 POSITIVE = {"num_local", "generations", "rounds", "epochs", "minibatches", "micro_batch_size",
             "checkpoint_every", "keep_checkpoints", "window", "fetch_max"}
-NON_NEGATIVE = {"num_external", "max_new_tokens", "threads", "beta", "status_port", "seed", "eval_every"}
+NON_NEGATIVE = {"num_external", "max_new_tokens", "threads", "beta", "status_port", "seed", "eval_every",
+                "lora_rank"}
+LORA_LR_SCALE = 10.0  # LoRA Without Regret (Thinking Machines, 2025): LoRA's best RL learning rate is ~10x
+
+
+def default_lr(lora_rank: int) -> float:
+    """The learning rate when none is given: the full fine-tuning default, x LORA_LR_SCALE with LoRA."""
+    lr = NodeConfig.__dataclass_fields__["lr"].default
+    return float(f"{lr * LORA_LR_SCALE:.6g}") if lora_rank > 0 else lr
 CHOICES = {"loss_type": ("grpo", "dr_grpo", "dapo"), "ij_policy": ("fixed", "ema", "usefulness"),
            "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"), "prefix_sharing": ("auto", "on", "off"),
            "rollout_engine": ("torch", "llama", "vllm"), "engine_weights": ("f16", "q8_0", "f32")}
@@ -138,6 +152,10 @@ def validate(cfg: NodeConfig) -> None:
         raise bad("eval_size", "must be >= 1 when --eval-every is on")
     if cfg.lr <= 0:
         raise bad("lr", "must be > 0")
+    if cfg.lora_alpha <= 0:
+        raise bad("lora_alpha", "must be > 0")
+    if cfg.lora_init and cfg.lora_rank < 1:
+        raise bad("lora_init", "needs --lora-rank >= 1")
     if cfg.temperature <= 0:
         raise bad("temperature", "must be > 0")
     if not 0 < cfg.top_p <= 1:
@@ -239,6 +257,8 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
             values[name] = _convert(name, kind, raw)
     values.update(args)
     values["config"] = config_path
+    if "lr" not in values:  # the documented rule, applied only when no source set a learning rate
+        values["lr"] = default_lr(int(values.get("lora_rank", 0)))
     cfg = NodeConfig(**values)
     validate(cfg)
     return cfg

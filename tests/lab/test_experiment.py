@@ -91,3 +91,23 @@ def test_memory_mode_comparison_then_report(tmp_path):
     assert text.index("## Held-out accuracy") < text.index("## Cumulative reward")
     assert {p.name for p in (tmp_path / "report").glob("*.png")} >= {
         "per_agent_rewards.png", "moving_average_band.png", "cumulative_reward.png"}
+
+
+def test_memory_mode_lora_peers_share_one_base(tmp_path):
+    """Three LoRA peers in one process: one base model, an adapter (and optimizer) each, adapter-only
+    checkpoints that name the same base; the learning rate follows the LoRA rule without --lr."""
+    exp = tmp_path / "exp"
+    done = subprocess.run(experiment("2/2", "--mode", "memory", "--rounds", "2", "--out", str(exp), *TINY[:-4],
+                                     "--peers", "3", "--threads", "1", "--lora-rank", "2", "--eval-every", "0",
+                                     "--keep-run-checkpoints"),
+                          cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "3 peers share one base model, each with its own rank-2 LoRA adapter" in done.stderr
+    run = exp / "2-2" / "seed0"
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["lora_rank"] == 2 and meta["lr"] == 1e-5
+    manifests = [json.loads(next((run / f"peer{p}" / "checkpoints").glob("round-*/MANIFEST.json")).read_text())
+                 for p in range(3)]
+    assert len({m["meta"]["base"] for m in manifests}) == 1
+    assert all(m["meta"]["lora"] == {"rank": 2, "alpha": 32.0} for m in manifests)
+    assert [rounds_of(run / f"peer{p}") for p in range(3)] == [[0, 1]] * 3

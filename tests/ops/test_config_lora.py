@@ -1,0 +1,29 @@
+"""The LoRA flags: the documented learning-rate rule (10x without an explicit --lr, from any source),
+and one-line errors."""
+
+import pytest
+
+from node.ops.config import LORA_LR_SCALE, ConfigError, default_lr, load_config
+
+
+def test_lora_scales_the_default_learning_rate_only_when_none_is_given(tmp_path):
+    full = load_config([], env={})
+    assert full.lora_rank == 0 and full.lr == 1e-6
+    assert load_config(["--lora-rank", "8"], env={}).lr == 1e-5 == default_lr(8) == pytest.approx(full.lr * LORA_LR_SCALE)
+    assert load_config(["--lora-rank", "8", "--lr", "3e-6"], env={}).lr == 3e-6  # explicit flag wins
+    assert load_config([], env={"SAPO_LORA_RANK": "1", "SAPO_LR": "2e-6"}).lr == 2e-6  # env counts as explicit
+    toml = tmp_path / "node.toml"
+    toml.write_text("lora_rank = 4\nlr = 5e-7\n")
+    assert load_config(["--config", str(toml)], env={}).lr == 5e-7  # so does the config file
+    toml.write_text("lora_rank = 4\n")
+    assert load_config(["--config", str(toml)], env={}).lr == 1e-5
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--lora-rank", "-1"], "--lora-rank"),
+    (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha"),
+    (["--lora-init", "runs/a"], "--lora-init"),  # needs an adapter to load into
+])
+def test_bad_lora_values_name_the_flag(args, flag):
+    with pytest.raises(ConfigError, match=f"^{flag} "):
+        load_config(args, env={})
