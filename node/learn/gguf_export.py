@@ -21,7 +21,7 @@ LAYER_TENSORS = {  # transformers module (inside model.layers.N) -> GGUF tensor 
 }
 TOP_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
-_PEFT = re.compile(r"^base_model\.model\.|\.base_layer(?=\.)")
+_PEFT = re.compile(r"^base_model\.model\.|\.base_layer(?=\.|$)")
 WEIGHT_TYPES = ("f32", "f16", "q8_0")
 
 

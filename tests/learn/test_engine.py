@@ -187,3 +187,28 @@ def test_llama_engine_stops_between_decode_steps(smol, llama):
     finally:
         del llama._decode
     assert calls["n"] == 2  # the prefill and one step, not 200
+
+
+def test_llama_engine_samples_a_synced_lora_adapter(smol):
+    """With LoRA only the adapter moves into llama.cpp; its samples' log-probs are the adapted model's."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("peft")
+    from node.learn.lora import attach
+
+    model, tok, _, _, prompts = smol
+    adapter = attach(copy.deepcopy(model), rank=4, alpha=8.0)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in adapter.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5)  # B = 0 at start: move it so the adapter matters
+    engine = make_engine("llama", adapter.model, tok, "tiny-random-smol")
+    try:
+        assert engine.name == "llama"
+        torch.manual_seed(4)
+        groups = engine.sample(prompts, 2, SamplingConfig(max_new_tokens=6))
+        assert _max_logp_gap(adapter.model, tok, groups) < 0.05
+        with adapter.disabled():
+            assert _max_logp_gap(adapter.model, tok, groups) > 0.2
+    finally:
+        engine.close()
