@@ -106,6 +106,12 @@ def variants_section(args, model, tok, mix, max_new) -> dict:
     from node.ops.config import default_lr
 
     adapter = attach(copy.deepcopy(model), args.lora_rank, args.lora_alpha)
+    # one trainer per model (the engine does not change what is trained): one Adam state of the full model
+    # in memory, not two
+    trainers = {lora: Trainer(adapter.model if lora else model, tok.pad_token_id,
+                              TrainConfig(lr=default_lr(args.lora_rank if lora else 0),
+                                          micro_batch_size=args.micro_batch_size), adapter=adapter if lora else None)
+                for lora in (False, True)}
     setups = {}
     for name, (engine, lora) in VARIANTS.items():
         m, a = (adapter.model, adapter) if lora else (model, None)
@@ -114,9 +120,7 @@ def variants_section(args, model, tok, mix, max_new) -> dict:
         t0, c0 = time.perf_counter(), time.process_time()
         eng = make_engine(engine, m, tok, args.model, weight_type=args.engine_weights)
         first_sync = (time.perf_counter() - t0, time.process_time() - c0)
-        trainer = Trainer(m, tok.pad_token_id, TrainConfig(lr=default_lr(args.lora_rank if lora else 0),
-                                                           micro_batch_size=args.micro_batch_size), adapter=a)
-        setups[name] = (m, a, eng, trainer, first_sync)
+        setups[name] = (m, a, eng, trainers[lora], first_sync)
     prompter = Prompter(tok, mix)
     scfg = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=max_new)
     out: dict = {"lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha, "engine_weights": args.engine_weights,
