@@ -33,12 +33,13 @@ def base_fingerprint(model: torch.nn.Module) -> str:
 
     Cheap (no pass over all 135M values) and enough to tell two bases apart: an adapter trained on one
     base means nothing on another, so checkpoints and `--lora-init` refuse a base whose hash differs.
-    Computed on the base before any adapter exists (PEFT renames the wrapped weights).
+    Computed on the base before any adapter exists (PEFT renames the wrapped weights). Values are rounded
+    to bf16 first, so an adapter trained on a GPU (bf16 weights) resumes on a CPU (fp32) and back.
     """
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 64)].to(device="cpu", dtype=torch.float32)
+        sample = flat[:: max(1, flat.numel() // 64)].to(device="cpu", dtype=torch.bfloat16).float()
         h.update(f"{name}:{tuple(tensor.shape)}:".encode())
         h.update(sample.numpy().tobytes())
     return h.hexdigest()[:16]

@@ -22,7 +22,7 @@ LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--checkpoint-every", "1"]
 
 
 def test_lora_resume_reproduces_an_uninterrupted_run_with_adapter_only_checkpoints(tmp_path, tiny_args):
-    straight, split, full = tmp_path / "straight", tmp_path / "split", tmp_path / "full"
+    straight, split = tmp_path / "straight", tmp_path / "split"
     common = [*tiny_args, *LORA, "--beta", "0.05"]
     assert run_node(*common, "--rounds", "4", "--run-dir", str(straight)).returncode == 0
     assert run_node(*common, "--rounds", "2", "--run-dir", str(split)).returncode == 0
@@ -38,9 +38,8 @@ def test_lora_resume_reproduces_an_uninterrupted_run_with_adapter_only_checkpoin
     assert ckpt.model and all(".lora_A." in k or ".lora_B." in k for k in ckpt.model)
     assert len(ckpt.optimizer["state"]) == len(ckpt.model)  # Adam moments for the adapter only
     assert ckpt.state["config"]["lr"] == 1e-5  # 10x the full fine-tuning default: no --lr given
-    assert run_node(*tiny_args, "--rounds", "1", "--checkpoint-every", "1", "--run-dir", str(full)).returncode == 0
-    adapter_bytes = (ckpt.path / "model.pt").stat().st_size
-    assert adapter_bytes < (CheckpointStore(full).load_latest().path / "model.pt").stat().st_size / 5
+    full_bytes = 4 * sum(p.numel() for p in load_model("tiny-random", CPU)[0].parameters())
+    assert (ckpt.path / "model.pt").stat().st_size < full_bytes / 5
 
 
 def test_mismatched_checkpoints_are_refused_in_one_line(tmp_path, tiny_args):

@@ -37,6 +37,7 @@ def same(a, b):
 def test_a_lora_step_changes_the_adapter_and_nothing_else(tiny):
     model, tok, prompter, groups = tiny
     fingerprint = base_fingerprint(model)
+    assert base_fingerprint(copy.deepcopy(model).to(torch.bfloat16)) == fingerprint  # GPU weights: same base
     adapter = attach(copy.deepcopy(model), rank=4, alpha=8, seed=1)
     seqs = to_sequences(groups, tok, prompter, scale_std=True)
     # B starts at zero: the wrapped model is exactly the base, so pi_old from sampling still holds
