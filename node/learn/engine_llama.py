@@ -6,9 +6,8 @@ token each per `llama_decode` call, finished ones dropping out. The next token i
 returned logits (numpy, seeded from torch's RNG) so temperature, top-p, the behaviour log-prob and the
 entropy are exactly the torch sampler's definitions, on llama.cpp's numerics.
 
-Synchronisation: with LoRA (a PEFT model) the frozen base is loaded once (the embedded Q4_1 GGUF itself
-when the model came from it: the trainer's base *is* those dequantised weights) and each `sync` writes
-only the adapter (a few MB) and swaps it in. With full fine-tuning each `sync` writes all weights
+Synchronisation: with LoRA (a PEFT model) the frozen base is written and loaded once and each `sync`
+writes only the adapter (a few MB) and swaps it in. With full fine-tuning each `sync` writes all weights
 (`--engine-weights`, f16 by default) and reloads the model.
 
 Its log-probs are llama.cpp's (quantised matmuls, f16 KV cache), so its samples are marked inexact and
@@ -66,9 +65,9 @@ class LlamaEngine:
     def sync(self, model: torch.nn.Module) -> None:
         if hasattr(model, "peft_config"):
             if not self._base_loaded:
-                # the trainer's frozen base is the source file's weights (dequantised): load that file itself
-                base = self.source if self.source is not None else gguf_export.write_model(
-                    Path(self.dir.name) / "base.gguf", model, self.fields, self.weight_type)
+                # written once in --engine-weights format: the embedded Q4_1 file itself holds the same base
+                # weights, but its kernels with the adapter on top sampled at half the f16 speed (BENCHMARKS)
+                base = gguf_export.write_model(Path(self.dir.name) / "base.gguf", model, self.fields, self.weight_type)
                 self._load_model(base)
                 self._base_loaded = True
             self._version += 1

@@ -212,3 +212,27 @@ def test_llama_engine_samples_a_synced_lora_adapter(smol):
             assert _max_logp_gap(adapter.model, tok, groups) > 0.2
     finally:
         engine.close()
+
+
+async def test_a_node_with_the_llama_engine_syncs_after_each_update(tmp_path, smol):
+    """The round loop: the engine samples round 0 from the initial weights, and every later round starts
+    with a `sync` phase (the update moved the weights); the records are an ordinary node's."""
+    pytest.importorskip("llama_cpp")
+    from node.loop import SapoNode
+    from node.ops.config import load_config
+    from node.swarm.exchange import Silo
+
+    model, tok, *_ = smol
+    cfg = load_config(["--model", "tiny-random-smol", "--tasks", "smoke", "--num-local", "2", "--generations", "3",
+                       "--max-new-tokens", "6", "--seed", "4", "--rounds", "2", "--eval-every", "0",
+                       "--rollout-engine", "llama", "--run-dir", str(tmp_path)], env={})
+    node = SapoNode(cfg, PRESETS["smoke"], copy.deepcopy(model), tok, Silo(), torch.device("cpu"))
+    try:
+        assert node.engine.name == "llama"
+        records = [(await node.run_round(r)).record for r in range(2)]
+    finally:
+        node.worker.shutdown()
+        node.engine.close()
+    assert "sync" not in records[0]["phase_s"]
+    assert ("sync" in records[1]["phase_s"]) == (records[0]["optimizer_steps"] > 0)
+    assert all(r["tokens_generated"] > 0 for r in records)
