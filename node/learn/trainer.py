@@ -97,10 +97,17 @@ class Trainer:
         return micro_batches(model, seqs, self.pad_id, self.cfg.temperature, self.cfg.micro_batch_size,
                              self.shared_prefix)
 
+    @property
+    def single_step(self) -> bool:
+        """One optimizer step per update (the default): its forward pass runs on the weights pi_old means."""
+        return self.cfg.epochs * self.cfg.minibatches == 1
+
     @torch.no_grad()
     def fill_old_logp(self, seqs: list[Sequence]) -> None:
-        """pi_old for sequences that were not sampled by this model (external groups): evaluate now, in the
-        same layout (shared or plain) as the training forward."""
+        """pi_old for sequences without exact behaviour log-probs (external groups, samples of a rollout
+        engine whose numerics differ): one no-grad pass now, in the same layout (shared or plain) as the
+        training forward. With a single optimizer step this pass is skipped: the step's own forward, taken
+        before any weight moves, is that same pi_old (`_old_logp`)."""
         todo = [s for s in seqs if s.old_logp is None]
         for chunk, logp, mask in self._micro_batches(self.model, todo):
             self._safe_point()
@@ -124,7 +131,8 @@ class Trainer:
             raise
 
     def _update(self, seqs: list[Sequence], stats: StepStats) -> StepStats:
-        self.fill_old_logp(seqs)
+        if not self.single_step:
+            self.fill_old_logp(seqs)
         refs = self._ref_logprobs(seqs)  # once per update: the reference model never changes
         order = list(range(len(seqs)))
         totals = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0, "grad_norm": 0.0}
@@ -163,7 +171,7 @@ class Trainer:
         """Forward and backward of every micro-batch; gradients add up in the parameters."""
         cfg = self.cfg
         for chunk, logp, mask in self._micro_batches(self.model, minibatch):
-            old = _padded([s.old_logp for s in chunk], logp)
+            old = _old_logp(chunk, logp)
             ref = None if refs is None else _padded([refs[id(s)] for s in chunk], logp)
             adv = torch.tensor([s.advantage for s in chunk], dtype=logp.dtype, device=logp.device)
             self._safe_point()
@@ -231,6 +239,16 @@ def release_freed_memory() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except OSError:
             pass
+
+
+def _old_logp(chunk: list[Sequence], logp: torch.Tensor) -> torch.Tensor:
+    """pi_old per token: the recorded behaviour log-probs, and for a sequence without them (only reached
+    with a single optimizer step, before it) this forward's own log-probs, detached: ratio exactly 1."""
+    old = _padded([s.old_logp for s in chunk], logp)
+    missing = [i for i, s in enumerate(chunk) if s.old_logp is None]
+    if missing:
+        old[missing] = logp.detach()[missing]
+    return old
 
 
 def _padded(rows: list[list[float] | None], like: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,11 @@ class NodeConfig:
     max_new_tokens: int = opt(0, "max new tokens per completion (0 = the task mix's default)")
     temperature: float = opt(1.0, "sampling temperature")
     top_p: float = opt(1.0, "nucleus sampling p")
+    rollout_engine: str = opt("torch", "what samples the completions: torch (the training model), llama "
+                                       "(llama.cpp, CPU; needs llama-cpp-python) or vllm (GPU, untested); "
+                                       "one that cannot load falls back to torch with a warning")
+    engine_weights: str = opt("f16", "weights the llama engine is given after each full fine-tuning update: "
+                                     "f16, q8_0, f32 (with LoRA only the adapter moves)")
     # GRPO
     lr: float = opt(1e-6, "Adam learning rate (chosen by 200-round solo runs: docs/RESULTS.md section 4); with "
                           "--lora-rank and no explicit --lr, 10x that (LoRA Without Regret)")
@@ -123,7 +128,8 @@ def default_lr(lora_rank: int) -> float:
     lr = NodeConfig.__dataclass_fields__["lr"].default
     return float(f"{lr * LORA_LR_SCALE:.6g}") if lora_rank > 0 else lr
 CHOICES = {"loss_type": ("grpo", "dr_grpo", "dapo"), "ij_policy": ("fixed", "ema", "usefulness"),
-           "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"), "prefix_sharing": ("auto", "on", "off")}
+           "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"), "prefix_sharing": ("auto", "on", "off"),
+           "rollout_engine": ("torch", "llama", "vllm"), "engine_weights": ("f16", "q8_0", "f32")}
 
 
 def flag(name: str) -> str:

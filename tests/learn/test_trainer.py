@@ -66,5 +66,8 @@ def test_external_groups_are_reencoded_with_our_tokenizer(tiny):
     assert tok.decode(seqs[0].prompt_ids).endswith("<answer>")
     trainer = Trainer(copy.deepcopy(model), tok.pad_token_id, TrainConfig(lr=1e-3))
     stats = trainer.step(seqs)
-    assert all(s.old_logp is not None and len(s.old_logp) == len(s.completion_ids) for s in seqs)
     assert stats.optimizer_steps == 1 and stats.tokens > 0
+    # one optimizer step: pi_old is that step's own forward, so nothing is filled in and the ratio is 1
+    assert all(s.old_logp is None for s in seqs) and abs(stats.ratio_mean - 1.0) < 1e-6 and stats.clip_frac == 0
+    trainer.fill_old_logp(seqs)  # several steps per update: one no-grad pass before the first fills them
+    assert all(s.old_logp is not None and len(s.old_logp) == len(s.completion_ids) for s in seqs)

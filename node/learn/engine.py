@@ -1,0 +1,72 @@
+"""Rollout engines: what samples a round's G completions per prompt. One small interface, one module per
+engine (engine_torch.py: the `transformers` sampler, engine_llama.py: llama.cpp), chosen with
+`--rollout-engine`.
+
+An engine samples from the *current* policy: after every update the loop calls `sync(model)` (the
+weights, or only the LoRA adapter, move into the engine; its cost is the round's `sync` phase). Its
+samples say whether their behaviour log-probs are the trained model's own (`SampledGroup.logp_exact`):
+when an engine's numerics differ (quantised weights, other kernels) the trainer forms pi_old itself with
+the training model (node/learn/trainer.py), so GRPO's ratio stays exact for the trained model.
+
+An engine that is not installed or fails to load is reported in one log line and torch samples instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Protocol
+
+from node.learn.policy import SampledGroup, SamplingConfig
+from node.learn.stop import StopRequest
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("torch", "llama", "vllm")
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot serve this model here (package missing, unsupported architecture, load failed)."""
+
+
+class RolloutEngine(Protocol):
+    name: str
+
+    def sync(self, model: torch.nn.Module) -> None:
+        """Make the engine sample from `model`'s current weights (or adapter)."""
+
+    def sample(self, prompts: list[str], group_size: int, cfg: SamplingConfig,
+               stop: StopRequest | None = None) -> list[SampledGroup]:
+        """`group_size` completions per prompt, in prompt order; randomness drawn from torch's global RNG
+        (so checkpoints, which hold its state, make resumed rounds sample the same), RoundAbandoned between
+        two decode steps once `stop` is set."""
+
+
+def make_engine(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, model_name: str = "",
+                weight_type: str = "f16") -> RolloutEngine:
+    """The engine `name` for this model, synced to its current weights, or the torch sampler (with one log
+    line) when it is unavailable or fails to load."""
+    from node.learn.engine_torch import TorchEngine
+
+    if name == "torch":
+        return TorchEngine(model, tokenizer)
+    try:
+        if name == "llama":
+            from node.learn.engine_llama import LlamaEngine
+
+            engine = LlamaEngine(model, tokenizer, model_name, weight_type)
+            engine.sync(model)  # a model llama.cpp cannot load shows here, while falling back is still free
+            return engine
+        if name == "vllm":
+            from node.learn.engine_vllm import VllmEngine
+
+            engine = VllmEngine(model, tokenizer)
+            engine.sync(model)
+            return engine
+        raise EngineUnavailable(f"unknown rollout engine {name!r} (one of {', '.join(ENGINES)})")
+    except Exception as exc:  # a missing or broken engine must never stop the node: torch always works
+        log.warning("rollout engine %s unavailable (%s: %s); sampling with torch", name, type(exc).__name__, exc)
+        return TorchEngine(model, tokenizer)

@@ -1,0 +1,24 @@
+"""The `transformers` sampler as a rollout engine: it samples from the training model itself, so it has
+nothing to synchronise and its behaviour log-probs are exact (recorded while sampling)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from node.learn.policy import SampledGroup, SamplingConfig, sample_groups
+from node.learn.stop import StopRequest
+
+
+class TorchEngine:
+    name = "torch"
+
+    def __init__(self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase):
+        self.model, self.tokenizer = model, tokenizer
+
+    def sync(self, model: torch.nn.Module) -> None:
+        self.model = model  # the same module the trainer updates in place: nothing to copy
+
+    def sample(self, prompts: list[str], group_size: int, cfg: SamplingConfig,
+               stop: StopRequest | None = None) -> list[SampledGroup]:
+        return sample_groups(self.model, self.tokenizer, prompts, group_size, cfg, stop)

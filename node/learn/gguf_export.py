@@ -1,0 +1,171 @@
+"""The policy written as GGUF for llama.cpp (node/learn/engine_llama.py): full weights, or a LoRA adapter.
+
+Llama-architecture models only. The tokenizer metadata comes from a template GGUF with the same
+vocabulary (the embedded SmolLM2 file for `default` and `tiny-random-smol`): llama.cpp needs it to load a
+model, though the engine only ever hands it token ids. Query and key rows are reordered from the
+rotate-half layout of `transformers` to the interleaved pairs llama.cpp rotates (`rope_rows`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+LAYER_TENSORS = {  # transformers module (inside model.layers.N) -> GGUF tensor (inside blk.N)
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+TOP_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
+_PEFT = re.compile(r"^base_model\.model\.|\.base_layer(?=\.|$)")
+WEIGHT_TYPES = ("f32", "f16", "q8_0")
+
+
+def gguf_module(name: str) -> str | None:
+    """`model.layers.3.self_attn.q_proj` (PEFT wrappers stripped) -> `blk.3.attn_q`; None if not mapped."""
+    name = _PEFT.sub("", name)
+    if name in TOP_TENSORS:
+        return TOP_TENSORS[name]
+    m = _LAYER.match(name)
+    if m and m.group(2) in LAYER_TENSORS:
+        return f"blk.{m.group(1)}.{LAYER_TENSORS[m.group(2)]}"
+    return None
+
+
+def rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Rows of a query/key projection (or of a LoRA B) from rotate-half order (pairs i, i + d/2 of each
+    head) to llama.cpp's interleaved order (pairs 2i, 2i + 1)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _rope_heads(gguf_name: str, config) -> int | None:
+    if gguf_name.endswith(".attn_q"):
+        return config.num_attention_heads
+    if gguf_name.endswith(".attn_k"):
+        return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return None
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    config = base_model(model).config
+    if getattr(config, "model_type", "") != "llama":
+        raise ValueError(f"llama.cpp export covers llama-architecture models, not {config.model_type!r}")
+
+
+def template_fields(template: Path) -> list[tuple[str, object, list]]:
+    """The tokenizer's key/values of a GGUF file, to copy into every file written: (key, value, types)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(template))
+    return [(k, f.contents(), f.types) for k, f in reader.fields.items() if k.startswith("tokenizer.")]
+
+
+def _writer(path: Path, fields: list[tuple[str, object, list]], kind: str):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_type(kind)
+    for key, value, types in fields:
+        w.add_key_value(key, value, types[0], types[-1] if len(types) > 1 else None)
+    return w
+
+
+def _arch(w, config) -> None:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
+    rope = getattr(config, "rope_parameters", None) or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    w.add_vocab_size(config.vocab_size)
+    w.add_rope_dimension_count(head_dim)
+
+
+def _encode(array: np.ndarray, weight_type: str):
+    """(data, raw GGML type or None) for a 2-D weight in `weight_type`; vectors always stay float32."""
+    import gguf
+
+    if array.ndim < 2 or weight_type == "f32":
+        return array.astype(np.float32, copy=False), None
+    if weight_type == "f16":
+        return array.astype(np.float16), None
+    return gguf.quants.quantize(array.astype(np.float32, copy=False), gguf.GGMLQuantizationType.Q8_0), \
+        gguf.GGMLQuantizationType.Q8_0
+
+
+@torch.no_grad()
+def write_model(path: Path, model: torch.nn.Module, fields: list, weight_type: str = "f16") -> Path:
+    """The model's current weights (a PEFT model's frozen base) as a llama.cpp model file."""
+    inner = base_model(model)
+    config = inner.config
+    w = _writer(path, fields, "model")
+    _arch(w, config)
+    for name, tensor in inner.state_dict().items():
+        if "lora_" in name or not name.endswith(".weight"):
+            continue
+        module = gguf_module(name[: -len(".weight")])
+        if module is None or (module == "output" and config.tie_word_embeddings):
+            continue
+        array = tensor.detach().float().cpu().numpy()
+        heads = _rope_heads(module, config)
+        if heads:
+            array = rope_rows(array, heads)
+        data, raw = _encode(array, weight_type)
+        w.add_tensor(f"{module}.weight", data, raw_dtype=raw)
+    _finish(w)
+    return path
+
+
+@torch.no_grad()
+def write_lora(path: Path, model: torch.nn.Module) -> Path:
+    """A PEFT model's active LoRA adapter as a llama.cpp adapter file (float32, small, no tokenizer)."""
+    config = base_model(model).config
+    w = _writer(path, [], "adapter")
+    w.add_string("adapter.type", "lora")
+    alpha = None
+    for name, module in model.named_modules():
+        if not hasattr(module, "lora_A") or not hasattr(module, "active_adapters"):
+            continue
+        adapter = module.active_adapters[0]
+        if adapter not in module.lora_A:
+            continue
+        target = gguf_module(name)
+        if target is None:
+            raise ValueError(f"LoRA on {name}: llama.cpp has no tensor for it")
+        a = module.lora_A[adapter].weight.detach().float().cpu().numpy()  # [r, in]
+        b = module.lora_B[adapter].weight.detach().float().cpu().numpy()  # [out, r]
+        heads = _rope_heads(target, config)
+        if heads:
+            b = rope_rows(b, heads)
+        scale = float(module.scaling[adapter])
+        alpha = alpha if alpha is not None else scale * a.shape[0]
+        if abs(scale * a.shape[0] - alpha) > 1e-6 * max(1.0, abs(alpha)):  # one alpha per file in llama.cpp
+            b = b * (scale * a.shape[0] / alpha)
+        w.add_tensor(f"{target}.weight.lora_a", np.ascontiguousarray(a))
+        w.add_tensor(f"{target}.weight.lora_b", np.ascontiguousarray(b))
+    if alpha is None:
+        raise ValueError("no active LoRA adapter in this model")
+    w.add_float32("adapter.lora.alpha", alpha)
+    _finish(w)
+    return path
+
+
+def _finish(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

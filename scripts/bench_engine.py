@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""Rollout engine checks that need the default model (docs/BENCHMARKS.md, issue 18), side by side in one run:
+
+  parity  answer accuracy of the llama.cpp engine's samples vs the torch sampler's on a fixed set of tasks
+          (same tasks, same number of samples each, temperature 1): both accuracies, the difference and its
+          95% confidence interval (two independent binomial proportions; tasks are shared, so it is
+          conservative). The engine passes when 0 lies inside the interval.
+  sync    seconds to move the current weights into the engine: full weights in each --engine-weights
+          format (write the GGUF + load it) and a LoRA adapter (write + swap in), median of --repeats.
+
+    python scripts/bench_engine.py parity --tasks-n 256 --samples 2 --json parity.json
+    python scripts/bench_engine.py sync --json sync.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from node.learn.engine import make_engine  # noqa: E402
+from node.learn.groups import Prompter, local_group  # noqa: E402
+from node.learn.policy import SamplingConfig, load_model  # noqa: E402
+from node.learn.tasks import TaskSampler, resolve_mix  # noqa: E402
+
+
+def parity(args, model, tok, mix) -> dict:
+    engines = {"torch": make_engine("torch", model, tok), "llama": make_engine("llama", model, tok, args.model)}
+    if engines["llama"].name != "llama":
+        raise SystemExit("the llama engine is not available here")
+    prompter = Prompter(tok, mix)
+    tasks = TaskSampler(mix, seed=args.seed).sample(args.tasks_n)
+    scfg = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=mix.max_new_tokens)
+    correct = {k: 0 for k in engines}
+    reward = {k: 0.0 for k in engines}
+    cpu = {k: 0.0 for k in engines}
+    tokens = {k: 0 for k in engines}
+    per_dataset: dict[str, dict[str, list[float]]] = {}
+    for start in range(0, len(tasks), args.batch):
+        chunk = tasks[start:start + args.batch]
+        prompts = [prompter(t) for t in chunk]
+        for name, eng in engines.items():  # interleaved
+            torch.manual_seed(10_000 + start)
+            c0 = time.process_time()
+            sampled = eng.sample(prompts, args.samples, scfg)
+            cpu[name] += time.process_time() - c0
+            for t, g in zip(chunk, sampled):
+                group = local_group(t, g, mix.answer_prefix)
+                tokens[name] += sum(len(c) for c in g.completion_ids)
+                correct[name] += sum(r >= 1.0 for r in group.rewards)
+                reward[name] += sum(group.rewards)
+                per_dataset.setdefault(t.spec.dataset, {}).setdefault(name, []).extend(group.rewards)
+        done = start + len(chunk)
+        print(f"  {done}/{len(tasks)} tasks: " + "  ".join(
+            f"{k} {correct[k] / (done * args.samples):.3f}" for k in engines), flush=True)
+    n = len(tasks) * args.samples
+    acc = {k: correct[k] / n for k in engines}
+    diff = acc["llama"] - acc["torch"]
+    se = math.sqrt(sum(a * (1 - a) / n for a in acc.values()))
+    out = {"tasks": len(tasks), "samples_per_task": args.samples, "n": n, "accuracy": acc,
+           "mean_reward": {k: reward[k] / n for k in engines}, "difference": diff,
+           "ci95": [diff - 1.96 * se, diff + 1.96 * se], "within_noise": abs(diff) <= 1.96 * se,
+           "gen_cpu_s": cpu, "tokens": tokens,
+           "per_dataset_mean_reward": {d: {k: statistics.mean(v) for k, v in e.items()} for d, e in per_dataset.items()}}
+    print(f"\naccuracy (reward 1) torch {acc['torch']:.3f}  llama {acc['llama']:.3f}  difference {diff:+.3f}  "
+          f"95% CI [{out['ci95'][0]:+.3f}, {out['ci95'][1]:+.3f}]  n = {n} samples per engine"
+          f"  -> {'within' if out['within_noise'] else 'OUTSIDE'} binomial noise")
+    print(f"sampling CPU seconds: torch {cpu['torch']:.1f}  llama {cpu['llama']:.1f}  "
+          f"({cpu['torch'] / cpu['llama']:.2f}x)")
+    return out
+
+
+def sync(args, model, tok) -> dict:
+    from node.learn.lora import attach
+
+    out: dict = {}
+    for wt in args.engine_weights.split(","):
+        eng = make_engine("llama", model, tok, args.model, weight_type=wt)
+        wall, cpu = [], []
+        for _ in range(args.repeats):
+            t0, c0 = time.perf_counter(), time.process_time()
+            eng.sync(model)
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        out[f"full_{wt}"] = {"wall_s": statistics.median(wall), "cpu_s": statistics.median(cpu)}
+        eng.close()
+    adapter = attach(model, args.lora_rank, 32.0)
+    eng = make_engine("llama", adapter.model, tok, args.model)
+    wall, cpu = [], []
+    for _ in range(args.repeats):
+        t0, c0 = time.perf_counter(), time.process_time()
+        eng.sync(adapter.model)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    out[f"lora_r{args.lora_rank}"] = {"wall_s": statistics.median(wall), "cpu_s": statistics.median(cpu)}
+    eng.close()
+    for k, v in out.items():
+        print(f"  sync {k:10s} {v['wall_s']:6.2f}s wall  {v['cpu_s']:6.2f}s cpu")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("parity", "sync"))
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--tasks", default="cpu-easy")
+    ap.add_argument("--tasks-n", type=int, default=256)
+    ap.add_argument("--samples", type=int, default=2, help="completions per task and engine")
+    ap.add_argument("--batch", type=int, default=8, help="prompts per sampling call")
+    ap.add_argument("--seed", type=int, default=2026)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--engine-weights", default="f16,q8_0")
+    ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    mix = resolve_mix(args.tasks)
+    model, tok = load_model(args.model, torch.device("cpu"))
+    result = {"model": args.model, "tasks": mix.name, "threads": args.threads}
+    result.update(parity(args, model, tok, mix) if args.what == "parity" else sync(args, model, tok))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
