@@ -211,7 +211,8 @@ async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
         verifier = {k for k in total if not k.startswith("dht_")}
         # nothing of the DHT-level garbage ever reached the node's Verifier ...
         assert not {"bad_signature", "oversize", "malformed", "schema"} & verifier, total
-        assert verifier == {"reward_mismatch", "task_not_allowed", "stale_round"}, total
+        # ... "ghost" may appear too: evil's presence announces rounds whose batch the DHT refused to store
+        assert verifier - {"ghost"} == {"reward_mismatch", "task_not_allowed", "stale_round"}, total
         assert sum(r["external_accepted"] for r in rounds(honest_dir)) == 1  # nothing of the second round 10
         # ... but its DHT validator refused it, and the node counted that (pseudo-peer "dht")
         assert {"dht_envelope_bad_signature", "dht_envelope_oversize", "dht_envelope_malformed"} <= set(total), total
