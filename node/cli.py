@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     signals.saved_round = lambda: node.saved_round
     log.info("task mix %s: %s | I=%d J=%d G=%d | run dir %s", mix.name, ", ".join(mix.datasets),
              cfg.num_local, cfg.num_external, cfg.generations, run_dir)
+    log.info("sampling with %s | %s | mixed precision %s", node.engine.name,
+             f"LoRA rank {cfg.lora_rank}" if cfg.lora_rank else "full fine-tuning", node.precision)
     try:
         asyncio.run(_serve(node, cfg, signals))
     except Exception as exc:  # one clear line on the console, the traceback in node.log

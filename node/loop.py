@@ -33,6 +33,7 @@ from node.ops.config import NodeConfig
 from node.ops.live import LiveState, PhaseTimer
 from node.swarm.exchange import Exchange
 from node.swarm.reputation import REPUTATION_FILE
+from node.learn import precision
 from node.learn.evaluate import HeldOutEval
 from node.learn.lora import Adapter, attach, base_fingerprint
 from node.learn.groups import Group, Prompter, collapse_metrics, local_group, select_groups, to_sequences
@@ -81,7 +82,12 @@ class SapoNode(RoundRecords):
             minibatches=cfg.minibatches, micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature,
             max_completion_len=self.sampling.max_new_tokens, prefix_sharing=cfg.prefix_sharing), seed=cfg.seed,
             stop=self.stop, adapter=adapter)
-        self.engine = make_engine(cfg.rollout_engine, model, tokenizer, cfg.model, weight_type=cfg.engine_weights)
+        # every forward pass (sampling, update, evaluation) runs in the model thread under this precision
+        self.precision = precision.resolve(cfg.mixed_precision, device)
+        if adapter is not None and self.precision == "bf16":
+            adapter.base.store_frozen_weights_as(torch.bfloat16)  # cast once, not in every forward
+        self.engine = make_engine(cfg.rollout_engine, model, tokenizer, cfg.model, weight_type=cfg.engine_weights,
+                                  logp_exact=self.precision == "off")
         self.engine_stale = False  # the weights moved since the engine last synced (an update, a resume)
         self.prompter = Prompter(tokenizer, mix)
         self.sampler = TaskSampler(mix, cfg.seed)
@@ -241,7 +247,8 @@ class SapoNode(RoundRecords):
         def run():
             if self.adapter is not None:  # peers sharing one base take turns: all model work through ours
                 self.adapter.activate()
-            return fn(*args)
+            with precision.autocast(self.precision, self.device):
+                return fn(*args)
 
         return await asyncio.get_running_loop().run_in_executor(self.worker, run)
 

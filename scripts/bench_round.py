@@ -3,7 +3,8 @@
 
 Prints these figures (measured side by side in this run, same batch, same seed):
   0. with --variants: one round's phases (sync, generate, train) for today's path (torch sampler, full
-     fine-tuning) vs the llama.cpp engine vs LoRA vs both, same tasks and seeds, interleaved, for each
+     fine-tuning, fp32) vs bf16 mixed precision alone vs the llama.cpp engine vs LoRA vs engine + LoRA
+     (the last three under --mixed-precision), same tasks and seeds, interleaved, for each
      --variant-threads setting; rewards forced to carry a signal so every variant trains the same 32
      sequences. Wall and process-CPU seconds (on a shared machine read the CPU ones: one thread's CPU
      seconds are what an idle machine's wall clock would show)
@@ -96,16 +97,23 @@ def rounds_section(args, model, tok, mix, max_new, device) -> dict:
     return out
 
 
-VARIANTS = {"baseline": ("torch", False), "engine": ("llama", False), "lora": ("torch", True), "fast": ("llama", True)}
+# name: (engine, LoRA, mixed precision); "baseline" is today's path, "fast" the node's fast path
+VARIANTS = {"baseline": ("torch", False, False), "bf16": ("torch", False, True), "engine": ("llama", False, True),
+            "lora": ("torch", True, True), "fast": ("llama", True, True)}
 
 
 def variants_section(args, model, tok, mix, max_new) -> dict:
     """0. one round per variant and repeat (sync + generate + score + train), same tasks and seeds."""
+    from node.learn import precision
     from node.learn.engine import make_engine
     from node.learn.lora import attach
     from node.ops.config import default_lr
 
+    mixed = precision.resolve(args.mixed_precision, torch.device("cpu"))
+
     adapter = attach(copy.deepcopy(model), args.lora_rank, args.lora_alpha)
+    if mixed == "bf16":  # as the node does: both LoRA variants run under mixed precision
+        adapter.base.store_frozen_weights_as(torch.bfloat16)
     # one trainer per model (the engine does not change what is trained): one Adam state of the full model
     # in memory, not two
     trainers = {lora: Trainer(adapter.model if lora else model, tok.pad_token_id,
@@ -113,18 +121,20 @@ def variants_section(args, model, tok, mix, max_new) -> dict:
                                           micro_batch_size=args.micro_batch_size), adapter=adapter if lora else None)
                 for lora in (False, True)}
     setups = {}
-    for name, (engine, lora) in VARIANTS.items():
+    for name, (engine, lora, bf16) in VARIANTS.items():
         m, a = (adapter.model, adapter) if lora else (model, None)
         if a is not None:
             a.activate()
         t0, c0 = time.perf_counter(), time.process_time()
-        eng = make_engine(engine, m, tok, args.model, weight_type=args.engine_weights)
+        mode = mixed if bf16 else "off"
+        eng = make_engine(engine, m, tok, args.model, weight_type=args.engine_weights, logp_exact=mode == "off")
         first_sync = (time.perf_counter() - t0, time.process_time() - c0)
-        setups[name] = (m, a, eng, trainers[lora], first_sync)
+        setups[name] = (m, a, eng, trainers[lora], first_sync, mode)
     prompter = Prompter(tok, mix)
     scfg = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=max_new)
     out: dict = {"lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha, "engine_weights": args.engine_weights,
                  "engines": {n: s[2].name for n, s in setups.items()},
+                 "mixed_precision": {n: s[5] for n, s in setups.items()},
                  "first_sync_s": {n: s[4][0] for n, s in setups.items()}}
     for n_setting, threads in enumerate(args.variant_threads):
         torch.set_num_threads(threads)
@@ -134,21 +144,22 @@ def variants_section(args, model, tok, mix, max_new) -> dict:
         for i in range(0 if n_setting else -1, args.variant_repeats):  # -1: warm-up (first setting), not counted
             tasks = sampler.sample(args.num_local)
             prompts = [prompter(t) for t in tasks]
-            for name, (m, a, eng, trainer, _) in setups.items():  # interleaved: load hits all alike
+            for name, (m, a, eng, trainer, _, mode) in setups.items():  # interleaved: load hits all alike
                 if a is not None:
                     a.activate()
-                t0, c0 = time.perf_counter(), time.process_time()
-                if eng.name != "torch":
-                    eng.sync(m)  # the weights the previous update left
-                t1, c1 = time.perf_counter(), time.process_time()
-                torch.manual_seed(3000 + i)
-                sampled = eng.sample(prompts, args.generations, scfg)
-                t2, c2 = time.perf_counter(), time.process_time()
-                groups = [local_group(t, g, mix.answer_prefix) for t, g in zip(tasks, sampled)]
-                for g in groups:  # force a signal so every variant trains every sequence
-                    g.rewards = [float(j % 2) for j in range(len(g.rewards))]
-                trainer.step(to_sequences(groups, tok, prompter, scale_std=True))
-                t3, c3 = time.perf_counter(), time.process_time()
+                with precision.autocast(mode, torch.device("cpu")):  # as the node's model thread runs it
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    if eng.name != "torch":
+                        eng.sync(m)  # the weights the previous update left
+                    t1, c1 = time.perf_counter(), time.process_time()
+                    torch.manual_seed(3000 + i)
+                    sampled = eng.sample(prompts, args.generations, scfg)
+                    t2, c2 = time.perf_counter(), time.process_time()
+                    groups = [local_group(t, g, mix.answer_prefix) for t, g in zip(tasks, sampled)]
+                    for g in groups:  # force a signal so every variant trains every sequence
+                        g.rewards = [float(j % 2) for j in range(len(g.rewards))]
+                    trainer.step(to_sequences(groups, tok, prompter, scale_std=True))
+                    t3, c3 = time.perf_counter(), time.process_time()
                 if i >= 0:
                     ph = phases[name]
                     for key, wall, cpu in (("sync", t1 - t0, c1 - c0), ("gen", t2 - t1, c2 - c1),
@@ -173,7 +184,7 @@ def variants_section(args, model, tok, mix, max_new) -> dict:
                   + f"  {r['tokens_per_cpu_s']:8.1f}  {base['round_cpu'] / r['round_cpu']:8.2f}x"
                   f"  {base['gen_cpu'] / r['gen_cpu']:8.2f}x")
     out["peak_rss_mb_process"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    for _, _, eng, _, _ in setups.values():
+    for _, _, eng, _, _, _ in setups.values():
         if hasattr(eng, "close"):
             eng.close()
     return out
@@ -236,7 +247,10 @@ def main() -> None:
     ap.add_argument("--variant-repeats", type=int, default=2)
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--lora-alpha", type=float, default=32.0)
-    ap.add_argument("--engine-weights", default="f16", help="llama engine weights under full fine-tuning")
+    ap.add_argument("--engine-weights", default="auto", help="llama engine weights (auto: bf16 on a CPU with "
+                    "native bf16, else f16)")
+    ap.add_argument("--mixed-precision", default="auto", choices=("auto", "bf16", "off"),
+                    help="precision of every variant but the baseline (today's path: fp32)")
     ap.add_argument("--rss-json", default="", help="scripts/bench_lora.py memory JSON: its 1- and P-peer RSS")
     ap.add_argument("--json", default="", help="write the figures to this JSON file")
     args = ap.parse_args()

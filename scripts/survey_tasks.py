@@ -16,6 +16,7 @@ most useful first:
 from __future__ import annotations
 
 import argparse
+import resource
 import os
 import sys
 import time
@@ -69,7 +70,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--log", type=Path, default=OUT / "cells.jsonl")
     ap.add_argument("--summarize", action="store_true", help="only write survey.json and survey.md")
+    ap.add_argument("--max-memory-gb", type=float, default=8.0,
+                    help="address-space cap of this process: a dataset whose generator allocates past it (arc_agi "
+                         "took 24 GB and the OOM killer) is recorded with a MemoryError instead (0 = no cap)")
     args = ap.parse_args()
+    if args.max_memory_gb > 0:
+        cap = int(args.max_memory_gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
     if args.summarize:
         print(summarize(args.log, OUT))
         records = list(load_records(args.log).values())

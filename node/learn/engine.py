@@ -46,13 +46,14 @@ class RolloutEngine(Protocol):
 
 
 def make_engine(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, model_name: str = "",
-                weight_type: str = "f16") -> RolloutEngine:
+                weight_type: str = "auto", logp_exact: bool = True) -> RolloutEngine:
     """The engine `name` for this model, synced to its current weights, or the torch sampler (with one log
-    line) when it is unavailable or fails to load."""
+    line) when it is unavailable or fails to load. `logp_exact=False` tells the torch sampler that its
+    recorded log-probs are not the update's numerics (mixed precision: node/learn/precision.py)."""
     from node.learn.engine_torch import TorchEngine
 
     if name == "torch":
-        return TorchEngine(model, tokenizer)
+        return TorchEngine(model, tokenizer, logp_exact)
     try:
         if name == "llama":
             from node.learn.engine_llama import LlamaEngine
@@ -69,4 +70,4 @@ def make_engine(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenize
         raise EngineUnavailable(f"unknown rollout engine {name!r} (one of {', '.join(ENGINES)})")
     except Exception as exc:  # a missing or broken engine must never stop the node: torch always works
         log.warning("rollout engine %s unavailable (%s: %s); sampling with torch", name, type(exc).__name__, exc)
-        return TorchEngine(model, tokenizer)
+        return TorchEngine(model, tokenizer, logp_exact)

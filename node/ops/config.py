@@ -45,8 +45,9 @@ class NodeConfig:
     rollout_engine: str = opt("torch", "what samples the completions: torch (the training model), llama "
                                        "(llama.cpp, CPU; needs llama-cpp-python) or vllm (GPU, untested); "
                                        "one that cannot load falls back to torch with a warning")
-    engine_weights: str = opt("f16", "weights the llama engine is given after each full fine-tuning update: "
-                                     "f16, q8_0, f32 (with LoRA only the adapter moves)")
+    engine_weights: str = opt("auto", "weights the llama engine samples with: auto (bf16 on a CPU with native bf16, "
+                                      "else f16), bf16, f16, q8_0, f32; rewritten after each full fine-tuning "
+                                      "update (with LoRA written once: then only the adapter moves)")
     # GRPO
     lr: float = opt(1e-6, "Adam learning rate (chosen by 200-round solo runs: docs/RESULTS.md section 4); with "
                           "--lora-rank and no explicit --lr, 10x that (LoRA Without Regret)")
@@ -60,6 +61,8 @@ class NodeConfig:
     micro_batch_size: int = opt(4, "sequences per forward/backward (memory bound); with prefix sharing, as many "
                                    "tokens as that many of the longest sequences")
     max_grad_norm: float = opt(1.0, "gradient clipping norm")
+    mixed_precision: str = opt("auto", "matmuls in bf16 under torch.autocast, weights, optimizer and loss in fp32: "
+                                       "auto (on a CPU with native bf16: AVX512-BF16/AMX), bf16, off")
     prefix_sharing: str = opt("auto", "train each group's prompt once under its G completions: auto (when the "
                                       "model's KV cache allows it), on, off")
     lora_rank: int = opt(0, "LoRA rank on every linear layer of the decoder (0 = off: full fine-tuning); "
@@ -129,7 +132,8 @@ def default_lr(lora_rank: int) -> float:
     return float(f"{lr * LORA_LR_SCALE:.6g}") if lora_rank > 0 else lr
 CHOICES = {"loss_type": ("grpo", "dr_grpo", "dapo"), "ij_policy": ("fixed", "ema", "usefulness"),
            "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"), "prefix_sharing": ("auto", "on", "off"),
-           "rollout_engine": ("torch", "llama", "vllm"), "engine_weights": ("f16", "q8_0", "f32")}
+           "rollout_engine": ("torch", "llama", "vllm"), "engine_weights": ("auto", "bf16", "f16", "q8_0", "f32"),
+           "mixed_precision": ("auto", "bf16", "off")}
 
 
 def flag(name: str) -> str:

@@ -189,8 +189,10 @@ def test_llama_engine_stops_between_decode_steps(smol, llama):
     assert calls["n"] == 2  # the prefill and one step, not 200
 
 
-def test_llama_engine_samples_a_synced_lora_adapter(smol):
-    """With LoRA only the adapter moves into llama.cpp; its samples' log-probs are the adapted model's."""
+@pytest.mark.parametrize("weights", ["bf16", "f16"])
+def test_llama_engine_samples_a_synced_lora_adapter(smol, weights):
+    """With LoRA the adapter moves into llama.cpp, merged into bf16 weights (stochastic rounding) or as an
+    adapter on f16 weights; either way its samples' log-probs are the adapted model's."""
     pytest.importorskip("llama_cpp")
     pytest.importorskip("peft")
     from node.learn.lora import attach
@@ -202,9 +204,10 @@ def test_llama_engine_samples_a_synced_lora_adapter(smol):
         for name, p in adapter.model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0.0, 0.5)  # B = 0 at start: move it so the adapter matters
-    engine = make_engine("llama", adapter.model, tok, "tiny-random-smol")
+    engine = make_engine("llama", adapter.model, tok, "tiny-random-smol", weight_type=weights)
     try:
         assert engine.name == "llama"
+        assert (engine._adapter is None) == (weights == "bf16")  # merged, or an adapter on top
         torch.manual_seed(4)
         groups = engine.sample(prompts, 2, SamplingConfig(max_new_tokens=6))
         assert _max_logp_gap(adapter.model, tok, groups) < 0.05

@@ -1,0 +1,49 @@
+"""Mixed precision for a node's model work: matmuls in bfloat16 under `torch.autocast`, everything else fp32.
+
+On a CPU with native bf16 instructions (AVX512-BF16 or AMX: Zen 4 and later, Sapphire Rapids and later)
+oneDNN runs bf16 matmuls at two to four times the fp32 rate, and training a 135M model is matmuls. The
+master weights, Adam's state, gradients, the softmax over the vocabulary and the loss stay float32 (autocast
+keeps reductions and `log_softmax` in fp32), so only the matmul inputs are rounded to bf16's 8 bits of
+mantissa, as in every mixed-precision recipe. Measured on the default model, one thread
+(docs/BENCHMARKS.md, "Mixed precision"): a training pass 3.5x faster, torch sampling 1.6x.
+
+What it changes for GRPO: log-probs of the same tokens differ between an incremental decode and a full
+forward by bf16 rounding (~1e-2 nats), so under mixed precision the torch sampler's recorded behaviour
+log-probs are not used as pi_old; the update forms pi_old with its own forward, exactly as for a rollout
+engine (node/learn/engine.py). On a CPU without native bf16, autocast would emulate it and run slower than
+fp32: `auto` picks fp32 there. On CUDA the model is already loaded in bf16 (node/learn/policy.py), so `auto`
+adds nothing there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+MIXED_PRECISION = ("auto", "bf16", "off")
+
+
+def native_bf16_cpu() -> bool:
+    """Whether this CPU runs bf16 matmuls natively (oneDNN's own check: AVX512-BF16 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve(mode: str, device: torch.device) -> str:
+    """`bf16` or `off` for this device: `auto` is bf16 on a CPU with native bf16, off everywhere else."""
+    if mode not in MIXED_PRECISION:
+        raise ValueError(f"mixed precision must be one of {MIXED_PRECISION}, not {mode!r}")
+    if mode == "auto":
+        return "bf16" if device.type == "cpu" and native_bf16_cpu() else "off"
+    return mode
+
+
+def autocast(mode: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """The context every forward pass of a node runs in (its model thread enters it per job); `mode` is
+    resolved (`bf16` or `off`)."""
+    if mode == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
