@@ -231,7 +231,8 @@ class SapoNode(RoundRecords):
         except RoundAbandoned:
             log.info("held-out evaluation of round %d skipped: stop requested", r)
             return
-        self.live.last_eval = {"round": r, **result.to_record()}
+        self.live.last_eval = {"round": r, **{k: v for k, v in result.to_record().items()
+                                               if not isinstance(v, list)}}  # per-task lists: metrics only
         record.update(result.to_record(), t_end=time.time(), round_s=round(time.time() - timer.t0, 4))
         record["phase_s"]["eval"] = round(timer.seconds["eval"], 4)
         log.info("held-out accuracy %.3f after round %d (%d tasks, greedy, %.1fs; one constant answer per "

@@ -2,7 +2,7 @@
 # Sets up the environment and runs the whole test suite offline (no model hub access).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+SAPO_ENGINE="${SAPO_ENGINE:-llama}" bash scripts/setup.sh  # the llama engine too: its tests run (SAPO_ENGINE=torch skips it)
 # shellcheck disable=SC1091
 . "${SAPO_VENV:-.venv}/bin/activate"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false

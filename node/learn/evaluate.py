@@ -16,7 +16,10 @@ import torch
 from node.learn.groups import Prompter, score_responses
 from node.learn.kvcache import CommonPrefix
 from node.learn.stop import StopRequest
-from node.learn.tasks import Task, TaskMix, eval_tasks, score
+from node.learn.tasks import Task, TaskMix, eval_tasks, extract_answer, score
+
+
+MAX_ANSWER_CHARS = 40  # answers kept per task in metrics.jsonl (enough to tell a collapse)
 
 
 @dataclass
@@ -26,29 +29,55 @@ class EvalResult:
     seconds: float = 0.0
     size: int = 0
     baseline: float | None = None  # what the best constant answer per dataset scores on this set
+    scores: list[float] = field(default_factory=list)  # per task, in the set's fixed order
+    answers: list[str | None] = field(default_factory=list)  # the extracted greedy answer per task
+    datasets: list[str] = field(default_factory=list)  # per task
+    distinct_gold: float | None = None  # distinct_answers of the gold answers themselves
+    baseline_by_dataset: dict[str, float] = field(default_factory=dict)
 
-    def to_record(self) -> dict[str, float]:
-        """Keys of a metrics.jsonl row: eval_accuracy, eval_accuracy/<dataset>, eval_s, eval_size and
-        eval_baseline (the constant-answer yardstick)."""
-        out = {"eval_accuracy": self.accuracy, "eval_s": round(self.seconds, 4), "eval_size": self.size}
+    def distinct_answers(self) -> float:
+        """Distinct (dataset, answer) pairs over the set's size: near the gold answers' own share when the
+        policy answers the questions, near (datasets / size) when it collapsed onto fixed answers."""
+        return len(set(zip(self.datasets, self.answers)) - {(d, None) for d in self.datasets}) / max(self.size, 1)
+
+    def to_record(self) -> dict:
+        """Keys of a metrics.jsonl row: eval_accuracy, eval_accuracy/<dataset>, eval_s, eval_size,
+        eval_baseline (the constant-answer yardstick), eval_distinct_answers, and per task (same order
+        every evaluation, so two evaluations pair task by task) eval_scores and eval_answers."""
+        out: dict = {"eval_accuracy": self.accuracy, "eval_s": round(self.seconds, 4), "eval_size": self.size}
         out.update({f"eval_accuracy/{name}": acc for name, acc in sorted(self.by_dataset.items())})
         if self.baseline is not None:
             out["eval_baseline"] = self.baseline
+        out.update({f"eval_baseline/{name}": b for name, b in sorted(self.baseline_by_dataset.items())})
+        if self.distinct_gold is not None:
+            out["eval_distinct_gold"] = round(self.distinct_gold, 4)
+        if self.scores:
+            out["eval_distinct_answers"] = round(self.distinct_answers(), 4)
+            out["eval_scores"] = [round(x, 4) for x in self.scores]
+            out["eval_answers"] = [None if a is None else a[:MAX_ANSWER_CHARS] for a in self.answers]
+            out["eval_datasets"] = list(self.datasets)
         return out
+
+
+def constant_answer_baselines(tasks: list[Task]) -> dict[str, float]:
+    """Per dataset: the accuracy of the best answer that ignores the question (always "True", always
+    "1"), chosen on this set."""
+    by_dataset: dict[str, list[Task]] = {}
+    for task in tasks:
+        by_dataset.setdefault(task.spec.dataset, []).append(task)
+    return {name: max(sum(score(t, answer) for t in group) for answer in {str(t.answer) for t in group}) / len(group)
+            for name, group in by_dataset.items()}
 
 
 def constant_answer_baseline(tasks: list[Task]) -> float:
     """Accuracy of the best policy that ignores the question: one fixed answer per dataset (the one that
-    scores best on this set, e.g. always "True", always "1"). On short-answer mixes a collapsed policy
-    lands exactly here, so held-out accuracy only shows learning where it is above this line."""
-    by_dataset: dict[str, list[Task]] = {}
+    scores best on this set). On short-answer mixes a collapsed policy lands exactly here, so held-out
+    accuracy only shows learning where it is above this line."""
+    per = constant_answer_baselines(tasks)
+    counts: dict[str, int] = {}
     for task in tasks:
-        by_dataset.setdefault(task.spec.dataset, []).append(task)
-    total = 0.0
-    for group in by_dataset.values():
-        candidates = {str(t.answer) for t in group}
-        total += max(sum(score(t, answer) for t in group) for answer in candidates)
-    return total / len(tasks) if tasks else 0.0
+        counts[task.spec.dataset] = counts.get(task.spec.dataset, 0) + 1
+    return sum(per[name] * n for name, n in counts.items()) / len(tasks) if tasks else 0.0
 
 
 @torch.no_grad()
@@ -98,15 +127,19 @@ def evaluate(model: torch.nn.Module, tokenizer, prompter: Prompter, tasks: list[
     finally:
         torch.random.set_rng_state(rng_state)
     rewards: dict[str, list[float]] = {}
+    flat: list[float] = []
     for task, text in zip(tasks, texts):
         (reward,) = score_responses(task, [prompter.answer_prefix + text])
         rewards.setdefault(task.spec.dataset, []).append(reward)
-    flat = [r for values in rewards.values() for r in values]
+        flat.append(reward)
     return EvalResult(
         accuracy=sum(flat) / len(flat) if flat else 0.0,
         by_dataset={name: sum(v) / len(v) for name, v in rewards.items()},
         seconds=time.perf_counter() - t0,
         size=len(flat),
+        scores=flat,
+        answers=[extract_answer(prompter.answer_prefix + text) for text in texts],
+        datasets=[t.spec.dataset for t in tasks],
     )
 
 
@@ -117,6 +150,8 @@ class HeldOutEval:
         self.mix, self.size, self.every, self.rounds = mix, size, every, rounds
         self.tasks: list[Task] | None = None  # built on first use, in the worker thread
         self.baseline: float | None = None  # constant_answer_baseline of those tasks
+        self.distinct_gold: float | None = None
+        self.baseline_by_dataset: dict[str, float] = {}
 
     def due(self, r: int) -> bool:
         return self.every > 0 and (r % self.every == 0 or r == self.rounds - 1)
@@ -126,6 +161,9 @@ class HeldOutEval:
         if self.tasks is None:
             self.tasks = eval_tasks(self.mix, self.size)
             self.baseline = constant_answer_baseline(self.tasks)
+            self.baseline_by_dataset = constant_answer_baselines(self.tasks)
+            self.distinct_gold = len({(t.spec.dataset, str(t.answer)) for t in self.tasks}) / max(len(self.tasks), 1)
         result = evaluate(model, tokenizer, prompter, self.tasks, max_new_tokens, stop=stop)
-        result.baseline = self.baseline
+        result.baseline, result.distinct_gold = self.baseline, self.distinct_gold
+        result.baseline_by_dataset = self.baseline_by_dataset
         return result

@@ -56,7 +56,17 @@ def test_constant_answer_baseline_is_the_best_fixed_answer_per_dataset(tiny):
     held_out = HeldOutEval(PRESETS["smoke"], 4, every=1, rounds=1)
     model, tok = tiny
     result = held_out.run(model, tok, Prompter(tok, PRESETS["smoke"]), max_new_tokens=4)
-    assert result.to_record()["eval_baseline"] == constant_answer_baseline(held_out.tasks)
+    record = result.to_record()
+    assert record["eval_baseline"] == constant_answer_baseline(held_out.tasks)
+    # per task, in the set's order, so two evaluations pair task by task (scripts/solo_evidence.py)
+    assert record["eval_datasets"] == [t.spec.dataset for t in held_out.tasks]
+    assert len(record["eval_scores"]) == len(record["eval_answers"]) == 4
+    assert sum(record["eval_scores"]) / 4 == pytest.approx(record["eval_accuracy"], abs=1e-3)
+    names = {t.spec.dataset for t in held_out.tasks}
+    per = {n: record[f"eval_baseline/{n}"] for n in names}
+    counts = {n: sum(t.spec.dataset == n for t in held_out.tasks) for n in names}
+    assert sum(per[n] * counts[n] for n in names) / 4 == pytest.approx(record["eval_baseline"])
+    assert 0 <= record["eval_distinct_answers"] <= 1 and 0 < record["eval_distinct_gold"] <= 1
 
 
 def test_training_never_draws_or_accepts_an_eval_task():

@@ -1,0 +1,68 @@
+"""Issue 19's solo test: paired task-by-task gains of held-out accuracy, with bootstrap CIs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from node.lab.stats import heldout_evidence, paired_task_gain
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _eval_row(r: int, scores: list[float], answers: list[str], datasets: list[str]) -> dict:
+    names = sorted(set(datasets))
+    row = {"round": r, "eval_accuracy": sum(scores) / len(scores), "eval_scores": scores, "eval_answers": answers,
+           "eval_datasets": datasets, "eval_baseline": 0.1, "eval_distinct_answers": len(set(answers)) / len(answers),
+           "eval_distinct_gold": 0.5}
+    for n in names:
+        sel = [s for s, d in zip(scores, datasets) if d == n]
+        row[f"eval_accuracy/{n}"] = sum(sel) / len(sel)
+        row[f"eval_baseline/{n}"] = 0.1
+    return row
+
+
+def test_paired_gain_ci_excludes_zero_only_for_a_real_gain():
+    first = [0.0] * 60 + [1.0] * 20
+    better = [0.0] * 30 + [1.0] * 50
+    g = paired_task_gain(first, better, n_boot=4000)
+    assert g["gain"] == pytest.approx(30 / 80) and g["ci_low"] > 0.2 and g["ci_high"] < 0.55
+    shuffled = [1.0] * 10 + [0.0] * 60 + [1.0] * 10  # same accuracy, different tasks right
+    g = paired_task_gain(first, shuffled, n_boot=4000)
+    assert g["gain"] == 0 and g["ci_low"] < 0 < g["ci_high"]
+    with pytest.raises(ValueError):
+        paired_task_gain([1.0], [1.0, 0.0])
+
+
+def test_heldout_evidence_pairs_first_and_last_evaluation_per_dataset():
+    datasets = ["a"] * 40 + ["b"] * 40
+    rows = [_eval_row(0, [0.0] * 80, ["1"] * 80, datasets), {"round": 1},
+            _eval_row(9, [1.0] * 40 + [0.0] * 40, [str(i) for i in range(80)], datasets)]
+    ev = heldout_evidence(rows, n_boot=2000)
+    assert (ev["first_round"], ev["last_round"]) == (0, 9)
+    assert ev["overall"]["gain"] == pytest.approx(0.5) and ev["over_baseline"]["gain"] == pytest.approx(0.4)
+    assert ev["by_dataset"]["a"]["gain"] == 1.0 and ev["by_dataset"]["b"]["gain"] == 0.0
+    assert ev["by_dataset"]["a"]["over_baseline"]["gain"] == pytest.approx(0.9)
+    assert ev["by_dataset"]["a"]["distinct_answers_last"] == 1.0
+    with pytest.raises(ValueError, match="two evaluations"):
+        heldout_evidence(rows[:2])
+
+
+def test_solo_evidence_script_reports_the_bar(tmp_path):
+    datasets = ["a"] * 50 + ["b"] * 50
+    rows = [_eval_row(0, [0.0] * 100, ["1"] * 100, datasets),
+            _eval_row(99, [1.0] * 35 + [0.0] * 15 + [1.0] * 40 + [0.0] * 10, [str(i) for i in range(100)], datasets)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/solo_evidence.py"), str(tmp_path), "--boot", "2000",
+                          "--json", str(tmp_path / "ev.json")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "issue 19 point 3" in out.stdout and json.loads((tmp_path / "ev.json").read_text())["meets_bar"] is True
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts/solo_evidence.py"), str(empty)], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "no " in bad.stderr
