@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """Rollout engine checks that need the default model (docs/BENCHMARKS.md, issue 18), side by side in one run:
 
-  parity  answer accuracy of the llama.cpp engine's samples vs the torch sampler's on a fixed set of tasks
-          (same tasks, same number of samples each, temperature 1): both accuracies, the difference and its
-          95% confidence interval (two independent binomial proportions; tasks are shared, so it is
-          conservative). The engine passes when 0 lies inside the interval.
+  parity  answer accuracy of each --variants sampler (llama.cpp with given weights, the torch sampler under
+          bf16 autocast) vs the torch sampler's (fp32) on a fixed set of tasks (same tasks, same number of
+          samples each, temperature 1): accuracies, the difference and its 95% confidence interval (two
+          independent binomial proportions; tasks are shared, so it is conservative). A variant passes
+          when 0 lies inside the interval.
   sync    seconds to move the current weights into the engine: full weights in each --engine-weights
           format (write the GGUF + load it) and a LoRA adapter (write + swap in), median of --repeats.
 
-    python scripts/bench_engine.py parity --tasks-n 256 --samples 2 --json parity.json
+    python scripts/bench_engine.py parity --tasks-n 256 --samples 2 --variants torch-bf16,llama-bf16,llama-f16 --json parity.json
     python scripts/bench_engine.py sync --json sync.json
 """
 
@@ -35,9 +36,22 @@ from node.learn.tasks import TaskSampler, resolve_mix  # noqa: E402
 
 
 def parity(args, model, tok, mix) -> dict:
-    engines = {"torch": make_engine("torch", model, tok), "llama": make_engine("llama", model, tok, args.model)}
-    if engines["llama"].name != "llama":
-        raise SystemExit("the llama engine is not available here")
+    """Every variant of --variants against `torch` (today's sampler, fp32): torch-bf16 is the torch sampler
+    under bf16 autocast, llama-<weights> the llama.cpp engine with those weights."""
+    from node.learn import precision
+
+    names = ["torch"] + [v for v in args.variants.split(",") if v and v != "torch"]
+    engines, contexts = {}, {}
+    for name in names:
+        if name.startswith("llama-"):
+            engines[name] = make_engine("llama", model, tok, args.model, weight_type=name.split("-", 1)[1])
+            if engines[name].name != "llama":
+                raise SystemExit("the llama engine is not available here")
+        elif name in ("torch", "torch-bf16"):
+            engines[name] = make_engine("torch", model, tok)
+        else:
+            raise SystemExit(f"unknown variant {name!r}: torch, torch-bf16, llama-<weights>")
+        contexts[name] = "bf16" if name == "torch-bf16" else "off"
     prompter = Prompter(tok, mix)
     tasks = TaskSampler(mix, seed=args.seed).sample(args.tasks_n)
     scfg = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=mix.max_new_tokens)
@@ -52,7 +66,8 @@ def parity(args, model, tok, mix) -> dict:
         for name, eng in engines.items():  # interleaved
             torch.manual_seed(10_000 + start)
             c0 = time.process_time()
-            sampled = eng.sample(prompts, args.samples, scfg)
+            with precision.autocast(contexts[name], torch.device("cpu")):
+                sampled = eng.sample(prompts, args.samples, scfg)
             cpu[name] += time.process_time() - c0
             for t, g in zip(chunk, sampled):
                 group = local_group(t, g, mix.answer_prefix)
@@ -65,18 +80,19 @@ def parity(args, model, tok, mix) -> dict:
             f"{k} {correct[k] / (done * args.samples):.3f}" for k in engines), flush=True)
     n = len(tasks) * args.samples
     acc = {k: correct[k] / n for k in engines}
-    diff = acc["llama"] - acc["torch"]
-    se = math.sqrt(sum(a * (1 - a) / n for a in acc.values()))
     out = {"tasks": len(tasks), "samples_per_task": args.samples, "n": n, "accuracy": acc,
-           "mean_reward": {k: reward[k] / n for k in engines}, "difference": diff,
-           "ci95": [diff - 1.96 * se, diff + 1.96 * se], "within_noise": abs(diff) <= 1.96 * se,
-           "gen_cpu_s": cpu, "tokens": tokens,
-           "per_dataset_mean_reward": {d: {k: statistics.mean(v) for k, v in e.items()} for d, e in per_dataset.items()}}
-    print(f"\naccuracy (reward 1) torch {acc['torch']:.3f}  llama {acc['llama']:.3f}  difference {diff:+.3f}  "
-          f"95% CI [{out['ci95'][0]:+.3f}, {out['ci95'][1]:+.3f}]  n = {n} samples per engine"
-          f"  -> {'within' if out['within_noise'] else 'OUTSIDE'} binomial noise")
-    print(f"sampling CPU seconds: torch {cpu['torch']:.1f}  llama {cpu['llama']:.1f}  "
-          f"({cpu['torch'] / cpu['llama']:.2f}x)")
+           "mean_reward": {k: reward[k] / n for k in engines}, "gen_cpu_s": cpu, "tokens": tokens,
+           "per_dataset_mean_reward": {d: {k: statistics.mean(v) for k, v in e.items()} for d, e in per_dataset.items()},
+           "versus_torch": {}}
+    for name in names[1:]:
+        diff = acc[name] - acc["torch"]
+        se = math.sqrt(sum(a * (1 - a) / n for a in (acc[name], acc["torch"])))
+        out["versus_torch"][name] = {"difference": diff, "ci95": [diff - 1.96 * se, diff + 1.96 * se],
+                                     "within_noise": abs(diff) <= 1.96 * se}
+        print(f"accuracy (reward 1) torch {acc['torch']:.3f}  {name} {acc[name]:.3f}  difference {diff:+.3f}  "
+              f"95% CI [{diff - 1.96 * se:+.3f}, {diff + 1.96 * se:+.3f}]  n = {n} samples each  -> "
+              f"{'within' if abs(diff) <= 1.96 * se else 'OUTSIDE'} binomial noise;  sampling CPU s "
+              f"{cpu['torch']:.1f} vs {cpu[name]:.1f} ({cpu['torch'] / max(cpu[name], 1e-9):.2f}x)")
     return out
 
 
@@ -120,7 +136,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--engine-weights", default="f16,q8_0")
+    ap.add_argument("--engine-weights", default="f16,q8_0", help="sync: the weight types to time")
+    ap.add_argument("--variants", default="llama-auto", help="parity: compared with torch (fp32): torch-bf16, "
+                    "llama-auto, llama-bf16, llama-f16, ...")
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
