@@ -135,8 +135,9 @@ def stochastic_bf16(x: torch.Tensor) -> torch.Tensor:
     random low 16 bits are added to the float32 pattern (to the magnitude, whatever the sign), then cut
     off. Infinities stay infinite (their low bits are zero and cut off again), NaN stays NaN. Draws from
     torch's global RNG, which checkpoints hold, so a resumed node rounds as the uninterrupted one did."""
-    bits = x.float().contiguous().view(torch.int32)
-    bits = (bits + torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32)) & -65536  # -65536: 0xFFFF0000
+    bits = x.to(torch.float32, copy=True).contiguous().view(torch.int32)
+    bits += torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32)
+    bits &= -65536  # 0xFFFF0000 in two's complement
     return bits.view(torch.float32).to(torch.bfloat16)  # exact: the low 16 bits are zero
 
 
@@ -161,6 +162,8 @@ def write_model(path: Path, model: torch.nn.Module, fields: list, weight_type: s
                 merge_lora: bool = False) -> Path:
     """The model's current weights as a llama.cpp model file: a PEFT model's frozen base, or with
     `merge_lora` (bf16 or f32 only) the base with its active adapter merged in."""
+    import gguf
+
     inner = base_model(model)
     config = inner.config
     if merge_lora and weight_type not in MERGEABLE:
@@ -174,14 +177,18 @@ def write_model(path: Path, model: torch.nn.Module, fields: list, weight_type: s
         module = gguf_module(name[: -len(".weight")])
         if module is None or (module == "output" and config.tie_word_embeddings):
             continue
-        if module in deltas:
-            merged = tensor.detach().float().cpu() + deltas[module]
-            if weight_type == "bf16":
-                merged = stochastic_bf16(merged).float()  # exact in bf16: _encode's rounding keeps it
-            array = merged.numpy()
-        else:
-            array = tensor.detach().float().cpu().numpy()
         heads = _rope_heads(module, config)
+        if module in deltas and weight_type == "bf16":  # straight to bf16 bits: one rounding, few passes
+            merged = stochastic_bf16(tensor.detach().cpu().float() + deltas[module])
+            data, raw = merged.view(torch.int16).numpy().view(np.uint8), gguf.GGMLQuantizationType.BF16
+            if heads:
+                data = np.ascontiguousarray(rope_rows(data, heads))
+            w.add_tensor(f"{module}.weight", data, raw_dtype=raw)
+            continue
+        array = tensor.detach().cpu().float()
+        if module in deltas:
+            array = array + deltas[module]
+        array = array.numpy()
         if heads:
             array = rope_rows(array, heads)
         data, raw = _encode(array, weight_type)
