@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node.lab.stats import heldout_evidence  # noqa: E402
+from node.lab.evidence import heldout_evidence  # noqa: E402
 
 BAR = 0.10
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from node.lab.stats import heldout_evidence, paired_task_gain
+from node.lab.evidence import heldout_evidence, paired_task_gain
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,60 @@
+"""Issue 19's solo test: held-out accuracy of one run at its first and last evaluation, paired task by task
+(the held-out set is fixed and every evaluation row lists its per-task scores), with bootstrap CIs of the
+gain and of the margin over the constant-answer baseline, overall and per dataset. Used by
+scripts/solo_evidence.py."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def paired_task_gain(first: Sequence[float], last: Sequence[float], n_boot: int = 10000,
+                     seed: int = 0) -> dict[str, float]:
+    """Mean of last - first over the same tasks (two evaluations of one fixed held-out set) with a paired
+    bootstrap 95% CI: tasks are resampled, each keeping both of its scores."""
+    a, b = np.asarray(first, dtype=float), np.asarray(last, dtype=float)
+    if a.shape != b.shape or a.size == 0:
+        raise ValueError("two evaluations of the same tasks are needed")
+    diff = b - a
+    idx = np.random.default_rng(seed).integers(0, diff.size, size=(n_boot, diff.size))
+    lo, hi = np.percentile(diff[idx].mean(axis=1), [2.5, 97.5])
+    return {"gain": float(diff.mean()), "ci_low": float(lo), "ci_high": float(hi), "tasks": int(diff.size)}
+
+
+def heldout_evidence(rows: Sequence[dict], n_boot: int = 10000, seed: int = 0) -> dict:
+    """Issue 19's solo test from one run's metrics rows: the first and the last evaluation that carry
+    per-task scores, the paired gain (last - first) and the margin over the constant-answer baseline
+    (last - baseline), each with a bootstrap 95% CI, overall and per dataset, and the share of distinct
+    greedy answers (against the gold answers' own share) at both ends."""
+    evals = [r for r in rows if r.get("eval_scores")]
+    if len(evals) < 2:
+        raise ValueError("need two evaluations with per-task scores (eval_scores)")
+    first, last = evals[0], evals[-1]
+    datasets = sorted({k.split("/", 1)[1] for k in last if k.startswith("eval_accuracy/")})
+    answers = last.get("eval_answers") or []
+    per_task = last.get("eval_datasets") or []
+    if len(per_task) != len(last["eval_scores"]):
+        raise ValueError("the evaluation rows do not name each task's dataset (eval_datasets)")
+    out = {"first_round": first["round"], "last_round": last["round"], "baseline": last.get("eval_baseline"),
+           "first_accuracy": first["eval_accuracy"], "last_accuracy": last["eval_accuracy"],
+           "distinct_answers": {"first": first.get("eval_distinct_answers"),
+                                "last": last.get("eval_distinct_answers"), "gold": last.get("eval_distinct_gold")},
+           "overall": paired_task_gain(first["eval_scores"], last["eval_scores"], n_boot, seed)}
+    base = last.get("eval_baseline") or 0.0
+    margin = paired_task_gain([base] * len(last["eval_scores"]), last["eval_scores"], n_boot, seed)
+    out["over_baseline"] = margin
+    out["by_dataset"] = {}
+    for name in datasets:
+        sel = [i for i, d in enumerate(per_task) if d == name]
+        gain = paired_task_gain([first["eval_scores"][i] for i in sel], [last["eval_scores"][i] for i in sel],
+                                n_boot, seed)
+        gain["distinct_answers_last"] = len({answers[i] for i in sel if i < len(answers) and answers[i]}) / len(sel)
+        ds_base = last.get(f"eval_baseline/{name}")
+        if ds_base is not None:
+            gain["over_baseline"] = paired_task_gain([ds_base] * len(sel), [last["eval_scores"][i] for i in sel],
+                                                     n_boot, seed)
+        out["by_dataset"][name] = gain
+    return out
+
