@@ -28,6 +28,10 @@ class Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # child: bash in the pty's session, in the terminal's foreground process group
             os.chdir(REPO)
+            # as a terminal's shell starts: a test run launched in the background (`cmd &` without job
+            # control) inherits SIGINT/SIGQUIT ignored, and bash cannot trap a signal ignored on entry
+            for sig in (signal.SIGINT, signal.SIGQUIT):
+                signal.signal(sig, signal.SIG_DFL)
             os.execvpe("bash", ["bash", "-c", command], env)
         self.output = bytearray()
         self.reader = threading.Thread(target=self._drain, daemon=True)
