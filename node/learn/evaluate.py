@@ -36,9 +36,7 @@ class EvalResult:
     baseline_by_dataset: dict[str, float] = field(default_factory=dict)
 
     def distinct_answers(self) -> float:
-        """Distinct (dataset, answer) pairs over the set's size: near the gold answers' own share when the
-        policy answers the questions, near (datasets / size) when it collapsed onto fixed answers."""
-        return len(set(zip(self.datasets, self.answers)) - {(d, None) for d in self.datasets}) / max(self.size, 1)
+        return distinct_share(self.datasets, self.answers)
 
     def to_record(self) -> dict:
         """Keys of a metrics.jsonl row: eval_accuracy, eval_accuracy/<dataset>, eval_s, eval_size,
@@ -59,6 +57,13 @@ class EvalResult:
         return out
 
 
+def distinct_share(datasets: list[str], answers: list[str | None]) -> float:
+    """Distinct (dataset, answer) pairs, no answer not counted, over the number of tasks: near the gold
+    answers' own share when a policy answers the questions, near (datasets / tasks) when it collapsed
+    onto fixed answers."""
+    return len({(d, a) for d, a in zip(datasets, answers) if a is not None}) / max(len(answers), 1)
+
+
 def constant_answer_baselines(tasks: list[Task]) -> dict[str, float]:
     """Per dataset: the accuracy of the best answer that ignores the question (always "True", always
     "1"), chosen on this set."""
@@ -69,11 +74,12 @@ def constant_answer_baselines(tasks: list[Task]) -> dict[str, float]:
             for name, group in by_dataset.items()}
 
 
-def constant_answer_baseline(tasks: list[Task]) -> float:
+def constant_answer_baseline(tasks: list[Task], by_dataset: dict[str, float] | None = None) -> float:
     """Accuracy of the best policy that ignores the question: one fixed answer per dataset (the one that
     scores best on this set). On short-answer mixes a collapsed policy lands exactly here, so held-out
-    accuracy only shows learning where it is above this line."""
-    per = constant_answer_baselines(tasks)
+    accuracy only shows learning where it is above this line. `by_dataset`: constant_answer_baselines of
+    these tasks, when the caller has them already."""
+    per = by_dataset if by_dataset is not None else constant_answer_baselines(tasks)
     counts: dict[str, int] = {}
     for task in tasks:
         counts[task.spec.dataset] = counts.get(task.spec.dataset, 0) + 1
@@ -160,9 +166,10 @@ class HeldOutEval:
             stop: StopRequest | None = None) -> EvalResult:
         if self.tasks is None:
             self.tasks = eval_tasks(self.mix, self.size)
-            self.baseline = constant_answer_baseline(self.tasks)
             self.baseline_by_dataset = constant_answer_baselines(self.tasks)
-            self.distinct_gold = len({(t.spec.dataset, str(t.answer)) for t in self.tasks}) / max(len(self.tasks), 1)
+            self.baseline = constant_answer_baseline(self.tasks, self.baseline_by_dataset)
+            self.distinct_gold = distinct_share([t.spec.dataset for t in self.tasks],
+                                                [str(t.answer) for t in self.tasks])
         result = evaluate(model, tokenizer, prompter, self.tasks, max_new_tokens, stop=stop)
         result.baseline, result.distinct_gold = self.baseline, self.distinct_gold
         result.baseline_by_dataset = self.baseline_by_dataset

@@ -121,10 +121,16 @@ def _encode(array: np.ndarray, weight_type: str):
     if weight_type == "f16":
         return array.astype(np.float16), None
     if weight_type == "bf16":  # torch rounds to nearest even as gguf's numpy path does, 20x faster
-        raw = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(torch.bfloat16)
-        return raw.view(torch.int16).numpy().view(np.uint8), gguf.GGMLQuantizationType.BF16
+        return _bf16_raw(torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(torch.bfloat16))
     return gguf.quants.quantize(array.astype(np.float32, copy=False), gguf.GGMLQuantizationType.Q8_0), \
         gguf.GGMLQuantizationType.Q8_0
+
+
+def _bf16_raw(t: torch.Tensor):
+    """A bfloat16 tensor as GGUF's raw BF16 bytes: (uint8 array, raw type)."""
+    import gguf
+
+    return t.view(torch.int16).numpy().view(np.uint8), gguf.GGMLQuantizationType.BF16
 
 
 MERGEABLE = ("bf16", "f32")  # weight types a LoRA model is written merged in (f32 exact, bf16 unbiased)
@@ -162,8 +168,6 @@ def write_model(path: Path, model: torch.nn.Module, fields: list, weight_type: s
                 merge_lora: bool = False) -> Path:
     """The model's current weights as a llama.cpp model file: a PEFT model's frozen base, or with
     `merge_lora` (bf16 or f32 only) the base with its active adapter merged in."""
-    import gguf
-
     inner = base_model(model)
     config = inner.config
     if merge_lora and weight_type not in MERGEABLE:
@@ -179,8 +183,7 @@ def write_model(path: Path, model: torch.nn.Module, fields: list, weight_type: s
             continue
         heads = _rope_heads(module, config)
         if module in deltas and weight_type == "bf16":  # straight to bf16 bits: one rounding, few passes
-            merged = stochastic_bf16(tensor.detach().cpu().float() + deltas[module])
-            data, raw = merged.view(torch.int16).numpy().view(np.uint8), gguf.GGMLQuantizationType.BF16
+            data, raw = _bf16_raw(stochastic_bf16(tensor.detach().cpu().float() + deltas[module]))
             if heads:
                 data = np.ascontiguousarray(rope_rows(data, heads))
             w.add_tensor(f"{module}.weight", data, raw_dtype=raw)

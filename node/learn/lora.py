@@ -84,7 +84,6 @@ class LoraBase:
                 self.model.add_adapter(name, config)
         return Adapter(self, name)
 
-
     def store_frozen_weights_as(self, dtype: torch.dtype) -> int:
         """Keep the frozen base's matmul weights (linear layers, embeddings) in `dtype`; returns how many.
 
