@@ -4,20 +4,31 @@ An Ed25519 key is free, so without a cost one process can speak as hundreds of p
 accepted together with an 8-byte nonce such that sha256(POW_DOMAIN | public key | nonce) starts with
 `difficulty` zero bits. Minting takes 2**difficulty hashes on average; checking takes one. The nonce
 never changes for a key, so it is minted once and stored beside the key (`identity.pow`).
+
+Work beyond the swarm's minimum buys priority, not trust: every TIER_BITS extra bits (16x the mint) raise
+a key's *work tier* by one (at most MAX_TIER). A key's presence record lives among the keys of its tier,
+and readers meet never-tried keys of higher tiers first (docs/PROTOCOL.md, node policy): a Sybil swarm
+that wants to crowd out a newcomer must mint its keys at the newcomer's tier, paying 16x per tier.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 
 from p2p.files import write_atomically
+
+logger = logging.getLogger(__name__)
 
 POW_DOMAIN = b"sapo-pow-v1\x00"
 NONCE_LEN = 8
 DEFAULT_POW_DIFFICULTY = 20  # ~1 s to mint on one core of the development machine (docs/BENCHMARKS.md)
 MAX_POW_DIFFICULTY = 40
 POW_FILENAME = "identity.pow"
+TIER_BITS = 4  # extra bits per work tier: each tier costs 16x the swarm's mint
+MAX_TIER = 3
+DEFAULT_IDENTITY_TIER = 1  # what this node mints for its own key: 2**(difficulty + 4) hashes, ~16 s at 20 bits
 
 
 class PowError(Exception):
@@ -45,6 +56,23 @@ def check_pow(public_key: bytes, nonce: bytes, difficulty: int) -> bool:
     if len(nonce) != NONCE_LEN:
         return False
     return leading_zero_bits(pow_digest(public_key, nonce)) >= difficulty
+
+
+def work_bits(public_key: bytes, nonce: bytes) -> int:
+    """How many leading zero bits the key's proof of work has (one hash; 0 for a malformed nonce)."""
+    if len(nonce) != NONCE_LEN:
+        return 0
+    return leading_zero_bits(pow_digest(public_key, nonce))
+
+
+def work_tier(public_key: bytes, nonce: bytes, difficulty: int) -> int:
+    """The key's work tier in a swarm of this difficulty: whole TIER_BITS above it, capped at MAX_TIER."""
+    return max(0, min(MAX_TIER, (work_bits(public_key, nonce) - difficulty) // TIER_BITS))
+
+
+def tier_difficulty(difficulty: int, tier: int) -> int:
+    """Bits a key must carry to sit in `tier` (capped at MAX_POW_DIFFICULTY)."""
+    return min(MAX_POW_DIFFICULTY, difficulty + TIER_BITS * max(0, min(MAX_TIER, tier)))
 
 
 def mint_pow(public_key: bytes, difficulty: int) -> bytes:
@@ -78,6 +106,9 @@ def load_or_mint_pow(path: Path, public_key: bytes, difficulty: int) -> bytes:
             raise PowError(f"proof-of-work file {path} is corrupt: expected {NONCE_LEN} hex bytes")
         if check_pow(public_key, nonce, difficulty):
             return nonce
-    nonce = mint_pow(public_key, difficulty)  # missing, or minted for a lower difficulty than the swarm's
+    if difficulty >= 16:
+        logger.info("minting this key's proof of work (%d bits, about %.0f s on one core, once)", difficulty,
+                    2.0 ** (difficulty - 20))
+    nonce = mint_pow(public_key, difficulty)  # missing, or minted for less work than asked (swarm or tier)
     write_atomically(path, nonce.hex() + "\n")
     return nonce

@@ -1,10 +1,12 @@
 """Publish and fetch signed rollout batches over a hivemind DHT, without blocking the event loop.
 
 Protocol v2 (docs/PROTOCOL.md): a batch lives alone under its (publisher, round) key, and a presence
-record ("I am alive, my latest round is R") under one of `presence_shards` keys chosen by a hash of
-the publisher. Rounds are not synchronized across peers, so a reader learns rounds from presence.
-One fetch reads presence shards (first those of the publishers the caller's `FetchPolicy` prefers,
-then the others in random order) until it holds a bounded sample of candidates, then fetches at most
+record ("I am alive, my latest round is R") under one of `presence_shards` keys chosen by a hash of the
+publisher, and again among the fewer shards of its work tier when its key carries proof of work above the
+swarm's minimum (`p2p.pow`). Rounds are not
+synchronized across peers, so a reader learns rounds from presence. One fetch reads presence shards
+(first those of the publishers the caller's `FetchPolicy` prefers, then the others, higher tiers first,
+each tier in random order) until it holds a bounded sample of candidates, then fetches at most
 `fetch_max` batches chosen by the policy (uniformly by default) among the candidates it trusts: its
 cost is bounded by constants, not by the swarm size. An announced batch that is not there (a "ghost")
 is reported to the policy. Network trouble never raises out of publish/fetch:
@@ -33,11 +35,12 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from p2p.identity import KEY_FILENAME, Identity, IdentityError, libp2p_identity_path
-from p2p.pow import DEFAULT_POW_DIFFICULTY, MAX_POW_DIFFICULTY
+from p2p.pow import DEFAULT_POW_DIFFICULTY, MAX_POW_DIFFICULTY, MAX_TIER, work_tier
 from p2p.validators import DEFAULT_PRESENCE_SHARDS, MAX_PRESENCE_SHARDS, MAX_RECORD_TTL_S, SapoRecordValidator, \
-    batch_key, keep_valid_subkeys, owner_subkey, presence_key, presence_shard
+    batch_key, keep_valid_subkeys, owner_subkey, presence_home, presence_key, presence_keys_for, \
+    tier_shards
 from p2p.wire import MAX_PRESENCE_BYTES, WIRE_VERSION, PresenceRecord, WireCaps, WireError, decode_presence, \
-    encode_presence, open_envelope, presence_fits
+    encode_presence, envelope_nonce, open_envelope, presence_fits
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +127,8 @@ class FetchPolicy(Protocol):
         """Does this candidate count toward the presence sample?"""
         ...
 
-    def choose(self, candidates: dict[bytes, int], k: int) -> list[bytes]:
-        """At most k of the candidates (publisher -> announced round) to fetch."""
+    def choose(self, candidates: dict[bytes, int], k: int, tiers: Optional[dict[bytes, int]] = None) -> list[bytes]:
+        """At most k of the candidates (publisher -> announced round) to fetch; `tiers`: their work tiers."""
         ...
 
     def missing(self, publisher: bytes, round: int) -> None:
@@ -142,7 +145,7 @@ class UniformPolicy:
     def fresh(self, publisher: bytes) -> bool:
         return True
 
-    def choose(self, candidates: dict[bytes, int], k: int) -> list[bytes]:
+    def choose(self, candidates: dict[bytes, int], k: int, tiers: Optional[dict[bytes, int]] = None) -> list[bytes]:
         return random.sample(list(candidates), min(k, len(candidates)))
 
     def missing(self, publisher: bytes, round: int) -> None:
@@ -198,6 +201,7 @@ class SwarmTransport:
         self._dht: Optional[hivemind.DHT] = None
         self._maddrs: list[str] = []
         self._known: dict[str, int] = {}
+        self._tiers: dict[bytes, int] = {}  # publisher -> work tier seen in its presence (where to read it)
         self._fetched: dict[tuple[bytes, int], None] = {}  # (publisher, round) already fetched: never twice
         self._subkey = owner_subkey(self.identity.public_key_bytes)
         self.last_fetch = FetchStats()
@@ -229,6 +233,11 @@ class SwarmTransport:
         self._maddrs = [str(m) for m in maddrs]
         logger.info("DHT peer %s up at %s", self.identity.peer_name, self._maddrs)
 
+    @property
+    def work_tier(self) -> int:
+        """Our key's work tier in this swarm (readers explore never-tried keys of higher tiers first)."""
+        return work_tier(self.identity.public_key_bytes, self.identity.pow_nonce, self.config.pow_difficulty)
+
     def visible_maddrs(self) -> list[str]:
         return list(self._maddrs)
 
@@ -245,6 +254,7 @@ class SwarmTransport:
         expiration = get_dht_time() + cfg.record_ttl_s
         me = self.identity.public_key_bytes
         presence = encode_presence(PresenceRecord(WIRE_VERSION, cfg.swarm, me, round, time.time()), self.identity)
+        homes = presence_keys_for(cfg.swarm, me, self.identity.pow_nonce, cfg.pow_difficulty, cfg.presence_shards)
         if not self.dht.is_alive():
             logger.error("publish of round %d skipped: the DHT process is dead", round)
             return False
@@ -260,9 +270,9 @@ class SwarmTransport:
             )
             if not ok_batch:
                 return False, False
-            ok_presence = await self.dht.store(presence_key(cfg.swarm, presence_shard(me, cfg.presence_shards)),
-                                               presence, expiration, subkey=self._subkey, return_future=True)
-            return bool(ok_batch), bool(ok_presence)
+            stored = await asyncio.gather(*(self.dht.store(home, presence, expiration, subkey=self._subkey,
+                                                           return_future=True) for home in homes))
+            return bool(ok_batch), all(stored)
 
         try:
             ok_batch, ok_presence = await asyncio.wait_for(batch_then_presence(), cfg.publish_timeout_s)
@@ -309,7 +319,8 @@ class SwarmTransport:
         started = loop.time()
         deadline = started + self.config.fetch_timeout_s
         candidates = await self._sample_candidates(deadline, trusted, stats, policy)
-        chosen = [(pub, candidates[pub]) for pub in policy.choose(candidates, self.config.fetch_max)
+        tiers = {pub: self._tiers.get(pub, 0) for pub in candidates}
+        chosen = [(pub, candidates[pub]) for pub in policy.choose(candidates, self.config.fetch_max, tiers)
                   if pub in candidates][:self.config.fetch_max]
         stats.batches_requested = len(chosen)
         gets = [asyncio.ensure_future(self._get_many([batch_key(self.config.swarm, pub, r)], deadline, missing=True))
@@ -348,23 +359,26 @@ class SwarmTransport:
     ) -> dict[bytes, int]:
         """Read presence shards until `presence_sample` fresh trusted candidates are known.
 
-        The shards of the policy's preferred publishers come first, then the others in random order. The
-        first wave reads FIRST_WAVE_SHARDS shards; later waves read as many as the density of fresh
-        candidates seen so far says are still needed (at most MAX_WAVE_SHARDS, and every preferred shard
-        is read). Bounded by the shard count and the deadline.
+        The shards of the policy's preferred publishers come first, then the others: higher work tiers
+        first (a never-tried key that paid for more work is met before cheaper ones), each tier's shards
+        in random order. The first wave reads the preferred shards and those of tiers >= 1 (6 at the
+        default 64 shards; at least FIRST_WAVE_SHARDS); later waves read as many as the
+        density of fresh candidates seen so far says are still needed (at most MAX_WAVE_SHARDS, and every
+        preferred shard is read). Bounded by the shard count and the deadline.
         """
         cfg = self.config
-        preferred = list(dict.fromkeys(presence_shard(p, cfg.presence_shards)
-                                       for p in policy.preferred(cfg.fetch_max)))
-        rest = [s for s in random.sample(range(cfg.presence_shards), cfg.presence_shards) if s not in preferred]
-        order = preferred + rest
+        preferred = list(dict.fromkeys(self._home(p) for p in policy.preferred(cfg.fetch_max)))
+        rest = [presence_key(cfg.swarm, s, tier) for tier in range(MAX_TIER, -1, -1)
+                for n in [tier_shards(cfg.presence_shards, tier)] for s in random.sample(range(n), n)]
+        order = preferred + [key for key in rest if key not in preferred]
         candidates: dict[bytes, int] = {}
         loop = asyncio.get_running_loop()
-        wave = max(min(FIRST_WAVE_SHARDS, len(order)), min(len(preferred), MAX_WAVE_SHARDS))
+        n_high = sum(tier_shards(cfg.presence_shards, t) for t in range(1, MAX_TIER + 1))  # tiers >= 1: few keys
+        wave = min(len(order), max(FIRST_WAVE_SHARDS, min(max(len(preferred), n_high), MAX_WAVE_SHARDS)))
         n_pref = len(preferred)
         while order and loop.time() < deadline:
             shards, order = order[:wave], order[wave:]
-            answers = await self._get_many([presence_key(cfg.swarm, s) for s in shards], deadline) or {}
+            answers = await self._get_many(shards, deadline) or {}
             stats.shards_read += len(shards)
             for entries in answers.values():
                 self._take_presence(entries, trusted, candidates, stats)
@@ -399,14 +413,20 @@ class SwarmTransport:
             if abs(now - rec.updated_at) > self.config.record_ttl_s:
                 continue  # a stale record (or a clock far off): its batches are gone or not yet valid
             self._remember(self._known, pub.hex(), rec.round)
+            self._remember(self._tiers, pub, work_tier(pub, envelope_nonce(data), self.config.pow_difficulty))
             if (pub, rec.round) in self._fetched or not trusted(pub):
                 continue
             candidates[pub] = rec.round
 
+    def _home(self, publisher: bytes) -> str:
+        """The presence shard key of a publisher (at the tier its last presence record showed; 0 if unseen)."""
+        return presence_home(self.config.swarm, publisher, self._tiers.get(publisher, 0), self.config.presence_shards)
+
     @staticmethod
-    def _remember(memory: dict, key: Any, round_: int) -> None:
-        """Keep the newest round per key, forgetting the oldest-inserted keys beyond MAX_KNOWN."""
-        memory[key] = max(round_, memory.pop(key, -1))
+    def _remember(memory: dict, key: Any, value: int) -> None:
+        """Keep the largest value (newest round, highest tier) per key, forgetting the oldest-inserted keys
+        beyond MAX_KNOWN."""
+        memory[key] = max(value, memory.pop(key, -1))
         while len(memory) > MAX_KNOWN:
             del memory[next(iter(memory))]
 

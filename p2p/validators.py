@@ -29,6 +29,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time, get_logger
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from p2p.identity import SIGNATURE_LEN, Identity
+from p2p.pow import TIER_BITS, work_tier
 from p2p.wire import KIND_BATCH, KIND_PRESENCE, MAX_PRESENCE_BYTES, MAX_ROUND, WIRE_VERSION, WireCaps, WireError, \
     envelope_version, open_envelope, parse_payload_json, ENVELOPE_VERSION
 
@@ -60,8 +61,27 @@ def presence_shard(publisher: bytes, shards: int) -> int:
     return int.from_bytes(hashlib.sha256(b"sapo-presence-shard\x00" + publisher).digest()[:8], "big") % shards
 
 
-def presence_key(swarm: str, shard: int) -> str:
-    return f"{KEY_PREFIX}/{swarm}/presence/{shard}"
+def presence_key(swarm: str, shard: int, tier: int = 0) -> str:
+    """Tier 0 holds every key (the swarm's minimum proof of work); tier t >= 1 again the keys with t tiers of
+    extra work, on fewer shards (see pow.py), so that a reader can meet them first."""
+    return f"{KEY_PREFIX}/{swarm}/presence/{shard}" if tier == 0 else f"{KEY_PREFIX}/{swarm}/presence/t{tier}/{shard}"
+
+
+def tier_shards(shards: int, tier: int) -> int:
+    """Shards of a work tier: 16x fewer per tier (a tier's keys cost 16x more, so expect 16x fewer of them)."""
+    return max(1, shards >> (TIER_BITS * tier))
+
+
+def presence_home(swarm: str, publisher: bytes, tier: int, shards: int) -> str:
+    """The key of a publisher's presence shard in `tier`."""
+    return presence_key(swarm, presence_shard(publisher, tier_shards(shards, tier)), tier)
+
+
+def presence_keys_for(swarm: str, publisher: bytes, nonce: bytes, pow_difficulty: int, shards: int) -> list[str]:
+    """The keys this publisher (with this proof-of-work nonce) writes its presence record under: its tier-0
+    shard, as every v2 peer reads it, and its work tier's shard when that tier is above 0."""
+    tier = work_tier(publisher, nonce, pow_difficulty)
+    return [presence_home(swarm, publisher, t, shards) for t in sorted({0, tier})]
 
 
 def key_id_bytes(key: str) -> bytes:
@@ -172,9 +192,9 @@ class SapoRecordValidator(RecordValidatorBase):
             return f"envelope: {e.reason}"
         if env.publisher != owner:
             return "envelope signer is not the subkey owner"
-        return self._check_placement(record.key, owner, env.payload, len(envelope))
+        return self._check_placement(record.key, owner, env.nonce, env.payload, len(envelope))
 
-    def _check_placement(self, key_id: bytes, owner: bytes, payload: bytes, size: int) -> str | None:
+    def _check_placement(self, key_id: bytes, owner: bytes, nonce: bytes, payload: bytes, size: int) -> str | None:
         """The payload must belong to this swarm and sit under the one key its contents name."""
         try:
             obj = parse_payload_json(payload)
@@ -188,8 +208,8 @@ class SapoRecordValidator(RecordValidatorBase):
         if kind == KIND_PRESENCE:
             if size > MAX_PRESENCE_BYTES:
                 return "presence record too large"
-            shard_key = presence_key(self._swarm, presence_shard(owner, self._shards))
-            return None if key_id == key_id_bytes(shard_key) else "presence record under a wrong key"
+            homes = presence_keys_for(self._swarm, owner, nonce, self._pow_difficulty, self._shards)
+            return None if key_id in map(key_id_bytes, homes) else "presence record under a wrong key"
         if kind == KIND_BATCH:
             rnd = obj.get("round")
             if not isinstance(rnd, int) or isinstance(rnd, bool) or not 0 <= rnd <= MAX_ROUND:

@@ -192,6 +192,7 @@ def presence_fits(swarm: str) -> bool:
 @dataclass(frozen=True)
 class Envelope:
     publisher: bytes
+    nonce: bytes  # the publisher key's proof of work (its work tier counts in presence placement)
     signature: bytes
     payload: bytes
 
@@ -215,7 +216,7 @@ def open_envelope(data: bytes, max_bytes: int, pow_difficulty: int = 0) -> Envel
         raise WireError("weak_identity", f"public key without {pow_difficulty} bits of proof of work")
     if not Identity.verify(publisher, payload, signature):
         raise WireError("bad_signature")
-    return Envelope(publisher, signature, payload)
+    return Envelope(publisher, nonce, signature, payload)
 
 
 def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -347,6 +348,12 @@ def decode_presence(data: bytes, max_bytes: int = MAX_PRESENCE_BYTES, pow_diffic
     _require(_is_round(obj.get("round")), f"round must be an int in [0, {MAX_ROUND}]")
     _require(_in_range(obj.get("updated_at"), 0, MAX_TIMESTAMP), "updated_at must be a finite time in range")
     return PresenceRecord(obj["version"], swarm, env.publisher, obj["round"], float(obj["updated_at"]))
+
+
+def envelope_nonce(data: bytes) -> bytes:
+    """The proof-of-work nonce in a verified envelope's header (its work tier places presence records)."""
+    start = len(MAGIC) + 1 + PUBLIC_KEY_LEN
+    return bytes(data[start : start + NONCE_LEN])
 
 
 def envelope_version(data: bytes) -> int | None:

@@ -23,7 +23,8 @@ published round to the first round that trained on one of its groups (None: neve
 
 Keys are minted at `--pow` bits (8 by default, as in the tests), and every node runs with that
 difficulty: N keys at the swarm default of 20 bits cost N * 2^20 SHA-256 hashes (about N seconds of one
-core of the development machine), 2^12 times what this benchmark pays.
+core of the development machine), 2^12 times what this benchmark pays. Honest nodes mint their default
+work tier 1 (4 bits more); Sybils mint `--sybil-tier` (0 by default: the swarm minimum).
 """
 
 from __future__ import annotations
@@ -60,16 +61,17 @@ class Attacker:
     ATTACKS, or several joined by "+" (key i then runs the (i mod n)-th: a mixed attack, as in the tests)."""
 
     def __init__(self, kind: str, n: int, swarm: str, maddrs: list[str], pow_bits: int, tmp: Path,
-                 victims: list[bytes], ttl: float, liars_per_period: int):
+                 victims: list[bytes], ttl: float, liars_per_period: int, tier: int = 0):
         import hivemind
 
         from node.learn.tasks import PRESETS, TaskSampler
         from p2p.identity import Identity
+        from p2p.pow import tier_difficulty
         from p2p.validators import SapoRecordValidator
 
         self.kinds, self.swarm, self.tmp, self.ttl = kind.split("+"), swarm, tmp, ttl
         self.victims = victims  # honest keys the copycat copies (the bench tells it; presence would too)
-        self.ids = [Identity.generate(pow_bits) for _ in range(n)]
+        self.ids = [Identity.generate(tier_difficulty(pow_bits, tier)) for _ in range(n)]  # minted at this tier
         self.kind_of = {ident.public_key_bytes: self.kinds[i % len(self.kinds)] for i, ident in enumerate(self.ids)}
         self.sampler = TaskSampler(PRESETS["smoke"], seed=987_654)
         self.liars_per_period = liars_per_period
@@ -101,7 +103,7 @@ class Attacker:
                 if not groups:
                     continue
                 items.append(self._batch_item(ident, groups, exp))
-            items.append(self._presence_item(ident, exp))
+            items += self._presence_items(ident, exp)
         if not items:
             return 0
         fd, path = tempfile.mkstemp(prefix="sapo-sybil-", dir=self.tmp)
@@ -168,13 +170,14 @@ class Attacker:
                              ident)
         return batch_key(self.swarm, pub, self.round), owner_subkey(pub), data, exp
 
-    def _presence_item(self, ident: Any, exp: float) -> tuple[str, bytes, bytes, float]:
-        from p2p.validators import DEFAULT_PRESENCE_SHARDS, owner_subkey, presence_key, presence_shard
+    def _presence_items(self, ident: Any, exp: float) -> list[tuple[str, bytes, bytes, float]]:
+        from p2p.validators import DEFAULT_PRESENCE_SHARDS, owner_subkey, presence_keys_for
         from p2p.wire import WIRE_VERSION, PresenceRecord, encode_presence
 
         pub = ident.public_key_bytes
         data = encode_presence(PresenceRecord(WIRE_VERSION, self.swarm, pub, self.round, time.time()), ident)
-        return presence_key(self.swarm, presence_shard(pub, DEFAULT_PRESENCE_SHARDS)), owner_subkey(pub), data, exp
+        homes = presence_keys_for(self.swarm, pub, ident.pow_nonce, self.pow_bits, DEFAULT_PRESENCE_SHARDS)
+        return [(home, owner_subkey(pub), data, exp) for home in homes]
 
     def shutdown(self) -> None:
         self.dht.shutdown()
@@ -211,7 +214,8 @@ def run_row(n: int, attack: str, args: argparse.Namespace, tmp: Path) -> dict[st
 
         victims = [Identity.load_or_create(d / KEY_FILENAME, create=False).public_key_bytes for d in dirs]
         if n:
-            attacker = Attacker(attack, n, swarm, maddrs, args.pow, root, victims, args.ttl, args.liars_per_period)
+            attacker = Attacker(attack, n, swarm, maddrs, args.pow, root, victims, args.ttl, args.liars_per_period,
+                                args.sybil_tier)
         t_attack = time.time()
         stored = 0
         loop = asyncio.new_event_loop()
@@ -305,6 +309,8 @@ def summarize(n: int, attack: str, dirs: list[Path], newcomer_dir: Path, keys: l
         "attack_s": round(t_end - t_attack, 1),
         "exit_codes": codes,
         "pow_bits": args.pow,
+        "sybil_tier": args.sybil_tier,
+        "newcomer_at": args.newcomer_at,
     }
 
 
@@ -324,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttl", type=float, default=120.0, help="expiration of the attacker's records")
     p.add_argument("--net-timeout", type=float, default=4.0)
     p.add_argument("--fetch-max", type=int, default=16)
+    p.add_argument("--sybil-tier", type=int, default=0,
+                   help="work tier the Sybil keys are minted at (4 bits above --pow each; honest nodes mint tier 1)")
     p.add_argument("--pow", type=int, default=int(os.environ.get("SAPO_POW_DIFFICULTY", "8")))
     args = p.parse_args(argv)
     os.environ["SAPO_POW_DIFFICULTY"] = str(args.pow)  # the nodes and the bootstrap mint and check at this D

@@ -222,11 +222,12 @@ def smoke_group(seed: int, index_shift: int = 0, claimed=None) -> WireGroup:
     return WireGroup(TaskSpecWire(**task.spec.to_wire()), completions, rewards)
 
 
-def transport(tmp: Path, name: str, swarm: str, peers: list[str], **kw) -> SwarmTransport:
+def transport(tmp: Path, name: str, swarm: str, peers: list[str], identity: Identity | None = None,
+              **kw) -> SwarmTransport:
     """A bare SwarmTransport on loopback with the test swarm's (low) proof-of-work difficulty."""
     kw.setdefault("pow_difficulty", int(os.environ["SAPO_POW_DIFFICULTY"]))
     return SwarmTransport(TransportConfig(identity_dir=tmp / name, swarm=swarm, host_maddrs=[LOOPBACK],
-                                          initial_peers=peers, **kw))
+                                          initial_peers=peers, **kw), identity)
 
 
 def tiny_signal_groups(seed: int, max_new_tokens: int):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from node import __version__
+from p2p.pow import MAX_POW_DIFFICULTY, MAX_TIER, TIER_BITS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -91,6 +92,10 @@ class NodeConfig:
     window: int = opt(2, "W: rounds behind a peer's newest batch still accepted from it")
     fetch_max: int = opt(16, "K: batches fetched per round at most; most go to publishers proven useful, >= K/4 explore")
     pow_difficulty: int = opt(20, "swarm-wide proof-of-work bits on every peer key (all peers must agree)")
+    identity_tier: int = opt(1, "work tier of this node's own key: 4 bits above --pow-difficulty per tier (16x the "
+                                "mint each, once: ~16 s at tier 1 and 20 bits); peers try never-tried keys of "
+                                "higher tiers first, so Sybils minted cheaper cannot delay this node's first "
+                                "fetch (docs/PROTOCOL.md, node policy)")
     net_timeout: float = opt(10.0, "upper bound in seconds on swarm I/O per round")
     verify_budget_s: float = opt(0.0, "seconds of verification per round; the rest waits a round "
                                       "(0 = --net-timeout / 3)")
@@ -179,6 +184,9 @@ def validate(cfg: NodeConfig) -> None:
         raise bad("ban_s", "must be > 0 and finite")
     if not 0 <= cfg.pow_difficulty <= 40:
         raise bad("pow_difficulty", "must be in [0, 40] (each bit doubles the time to mint a key)")
+    if not 0 <= cfg.identity_tier <= MAX_TIER or cfg.pow_difficulty + TIER_BITS * cfg.identity_tier > MAX_POW_DIFFICULTY:
+        raise bad("identity_tier", f"must be in [0, {MAX_TIER}], with --pow-difficulty + {TIER_BITS} x tier "
+                                   f"at most {MAX_POW_DIFFICULTY}")
     if cfg.status_port > 65535:
         raise bad("status_port", "must be a TCP port")
     if cfg.device != "auto" and not (cfg.device == "cpu" or cfg.device.startswith("cuda")):

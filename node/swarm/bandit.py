@@ -12,18 +12,20 @@ A round has K fetch slots:
   best usefulness first. The transport reads their presence shards first, so they are never lost in
   a sample of a crowded presence.
 * **Explore.** At least E = max(1, K // 4) slots, plus every exploit slot left free, go to keys that
-  are not proven: never-seen keys first (in random order), and a quarter of them (at least one) to
+  are not proven: never-seen keys first (higher work tier first, `p2p.pow`; random order within a
+  tier), and a quarter of them (at least one) to
   keys that failed before and whose cool-down is over, fewest failures in a row first. Each consecutive
   failure of an unproven key doubles its cool-down (1, 2, 4 … `max_cooldown` rounds), so a key
   found useless once stays out of the way while the unexplored keys are tried. A ghost or a caught
   copy counts as STRONG failures at once (8 rounds): honest software never makes one, while a batch
   without signal is what a weak honest model also publishes, so it parks a key for one round only.
 
-Why this bound holds for a new honest peer (PROTOCOL.md states it): with U never-seen live keys in a
-reader's view, the reader tries at least min(U, E_new) of them per round, so the newcomer is tried
-within ceil(U / E_new) rounds, and a failed newcomer is retried with priority over keys that failed
-more often. Every Sybil key costs one try before it is parked; a Sybil swarm therefore delays a
-newcomer by its number of *untried* keys, which only fresh proofs of work can replenish.
+Why this bound holds for a new honest peer (PROTOCOL.md states it): with U never-seen live keys of the
+newcomer's work tier or above in a reader's view, the reader tries at least min(U, E_new) of them per
+round before any cheaper key, so the newcomer is tried within ceil(U / E_new) rounds, and a failed
+newcomer is retried with priority over keys that failed more often. Every Sybil key costs one try
+before it is parked; a Sybil swarm therefore delays a newcomer by its number of *untried* keys at the
+newcomer's tier or above, which only fresh proofs of work at that tier (16x the mint per tier) replenish.
 
 The table is bounded (`max_tracked`, least recently updated first out), thread-safe (the verifier
 thread reports, the event loop chooses), and local: nothing here is ever sent.
@@ -131,8 +133,9 @@ class PublisherBandit:
             r = self._table.get(publisher)
             return r is None or self._proven(r) or r.next_try <= self.round
 
-    def choose(self, candidates: dict[bytes, int], k: int) -> list[bytes]:
-        """Up to k candidate keys: proven ones in at most k - E slots, then exploration (see module doc)."""
+    def choose(self, candidates: dict[bytes, int], k: int, tiers: dict[bytes, int] | None = None) -> list[bytes]:
+        """Up to k candidate keys: proven ones in at most k - E slots, then exploration (see module doc);
+        never-tried keys of higher work `tiers` first."""
         explore_min = max(1, math.floor(k * self.cfg.explore_share))
         with self._lock:
             recs = {pub: self._table.get(pub) for pub in candidates}
@@ -142,7 +145,8 @@ class PublisherBandit:
         proven = sorted((p for p in keys if self._proven(recs[p])), key=lambda p: -recs[p].mean)
         exploit = proven[:max(0, k - explore_min)]
         slots = k - len(exploit)
-        new = [p for p in keys if recs[p] is None]
+        tiers = tiers or {}
+        new = sorted((p for p in keys if recs[p] is None), key=lambda p: -tiers.get(p, 0))  # stable: random in a tier
         retry = sorted((p for p in keys if recs[p] is not None and not self._proven(recs[p])
                         and recs[p].next_try <= now), key=lambda p: (recs[p].fails_in_row, -recs[p].mean))
         n_retry = min(len(retry), max(1, slots // 4), slots)

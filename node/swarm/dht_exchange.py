@@ -9,6 +9,7 @@ from node.learn.groups import Group
 from node.learn.tasks import TaskMix
 from node.swarm.verify import SignedExchange, VerifyConfig, make_batch, verify_config
 from p2p.identity import KEY_FILENAME, Identity
+from p2p.pow import tier_difficulty
 from p2p.transport import FetchedRecord, SwarmTransport, TransportConfig
 
 DHT_PEER = "dht"  # records our DHT validator refused before they could reach the Verifier (no trusted sender)
@@ -28,7 +29,7 @@ class DhtExchange(SignedExchange):
         has_state = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
         # An existing run dir keeps its identity: a missing key there is an error, never a new identity.
         identity = Identity.load_or_create(run_dir / KEY_FILENAME, create=not has_state,
-                                           pow_difficulty=cfg.pow_difficulty)
+                                           pow_difficulty=tier_difficulty(cfg.pow_difficulty, cfg.identity_tier))
         budget = max(1.0, cfg.net_timeout / 2)
         tcfg = TransportConfig(identity_dir=run_dir, swarm=cfg.swarm, initial_peers=list(cfg.peers),
                                host_maddrs=list(cfg.host_maddrs), announce_maddrs=list(cfg.announce_maddrs),

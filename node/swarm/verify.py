@@ -275,8 +275,8 @@ class SignedExchange:
     def fresh(self, publisher: bytes) -> bool:
         return self.bandit.fresh(publisher)
 
-    def choose(self, candidates: dict[bytes, int], k: int) -> list[bytes]:
-        return self.bandit.choose(candidates, k)
+    def choose(self, candidates: dict[bytes, int], k: int, tiers: dict[bytes, int] | None = None) -> list[bytes]:
+        return self.bandit.choose(candidates, k, tiers)
 
     def missing(self, publisher: bytes, round: int) -> None:
         """A ghost: its presence announced a batch that a completed search did not find. One useless batch

@@ -28,6 +28,9 @@ def test_flags_and_env_reach_the_verifier():
     (["--verify-budget-mb", "nan"], "--verify-budget-mb"),
     (["--ban-s", "0"], "--ban-s"),
     (["--ban-s", "inf"], "--ban-s"),
+    (["--identity-tier", "4"], "--identity-tier"),
+    (["--identity-tier", "-1"], "--identity-tier"),
+    (["--pow-difficulty", "36", "--identity-tier", "2"], "--identity-tier"),  # 44 bits: past the 40 cap
 ])
 def test_bad_values_name_the_flag(args, flag):
     with pytest.raises(ConfigError, match=f"^{flag} "):

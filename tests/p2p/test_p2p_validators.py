@@ -7,7 +7,9 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from p2p.identity import Identity
-from p2p.validators import SapoRecordValidator, batch_key, key_id_bytes, owner_subkey, presence_key, presence_shard
+from p2p.pow import MAX_TIER, TIER_BITS, work_bits, work_tier
+from p2p.validators import SapoRecordValidator, batch_key, key_id_bytes, owner_subkey, presence_key, presence_keys_for, \
+    presence_shard, tier_shards
 from p2p.wire import HEADER_LEN, WIRE_VERSION, PresenceRecord, RolloutBatch, TaskSpecWire, WireGroup, encode_presence, \
     encode_signed, seal
 
@@ -168,3 +170,24 @@ def test_signs_for_every_hosted_identity_only():
     assert v.sign_value(record(round_key(SWARM, 3, MALLORY), MALLORY, b"x")) == MSGPackSerializer.dumps(b"x")
     back = pickle.loads(pickle.dumps(v))
     assert back.check(signed(back, record(round_key(SWARM, 4, extra), extra, batch_bytes(extra, 4)))) is None
+
+
+def test_presence_sits_in_tier_0_and_in_its_keys_work_tier():
+    """Every key's presence sits in its tier-0 shard (where any v2 reader looks); a key with work above the
+    swarm minimum also in its work tier's (fewer) shards, and there only: it cannot claim a tier it has not
+    paid for."""
+    difficulty = 2
+    rich = Identity.generate(difficulty + TIER_BITS)  # at least tier 1
+    poor = next(i for i in iter(lambda: Identity.generate(difficulty), None)
+                if work_bits(i.public_key_bytes, i.pow_nonce) < difficulty + TIER_BITS)  # tier 0
+    assert work_tier(rich.public_key_bytes, rich.pow_nonce, difficulty) >= 1
+    for owner in (rich, poor):
+        v = SapoRecordValidator(owner, SWARM, pow_difficulty=difficulty)
+        pres = encode_presence(PresenceRecord(WIRE_VERSION, SWARM, owner.public_key_bytes, 3, time.time()), owner)
+        accepted = [(t, s) for t in range(MAX_TIER + 1) for s in range(tier_shards(64, t))
+                    if v.check(signed(v, record(presence_key(SWARM, s, t), owner, pres))) is None]
+        tier = work_tier(owner.public_key_bytes, owner.pow_nonce, difficulty)
+        homes = presence_keys_for(SWARM, owner.public_key_bytes, owner.pow_nonce, difficulty, 64)
+        assert [t for t, _ in accepted] == sorted({0, tier}) and len(homes) == len(accepted)
+        assert [presence_key(SWARM, s, t) for t, s in accepted] == homes
+        assert accepted[0] == (0, presence_shard(owner.public_key_bytes, 64))

@@ -89,6 +89,21 @@ def test_newcomer_is_tried_within_unknown_over_exploration_slots_rounds():
     assert rnd <= -(-(len(sybils) + 1) // (k - len(honest) - 1)) + 1, rnd
 
 
+def test_never_tried_keys_of_higher_work_tiers_are_explored_first():
+    """A newcomer one work tier above 1000 never-tried Sybil keys is tried in its first round: the Sybils
+    would have to be minted at its tier (16x the work each) to stand in its way."""
+    b = bandit()
+    honest = [key(i) for i in range(3)]
+    for p in honest:
+        b.observe(p, useful=True)
+    sybils, newcomer, rich_sybil = [key(1000 + i) for i in range(1000)], key(5000), key(6000)
+    candidates = {p: 1 for p in honest + sybils + [newcomer]}
+    assert newcomer in b.choose(candidates, 16, {newcomer: 1})
+    chosen = b.choose({**candidates, rich_sybil: 1}, 16, {newcomer: 1, rich_sybil: 2})
+    assert chosen.index(rich_sybil) < chosen.index(newcomer)  # more work, earlier: the price of the delay
+    assert sum(c in sybils for c in b.choose(candidates, 16)) >= 10  # without tiers: one of 1001
+
+
 def test_the_table_is_bounded():
     b = bandit(max_tracked=50)
     for i in range(500):

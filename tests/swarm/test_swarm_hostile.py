@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
+import random
 import sys
 import tempfile
 import time
@@ -26,10 +27,11 @@ from conftest import LOOPBACK, transport, prefix_of, reasons, smoke_group, sourc
 from conftest import live_metrics as rounds
 from conftest import REPO
 from node.learn.tasks import PRESETS
+from node.swarm.bandit import STRONG, PublisherBandit
 from node.swarm.exchange import ExchangeStats
 from node.swarm.verify import Verifier, VerifyConfig
 from p2p.identity import Identity
-from p2p.pow import check_pow
+from p2p.pow import check_pow, tier_difficulty, work_tier
 from p2p.validators import DEFAULT_PRESENCE_SHARDS, RECORD_SIG_MAGIC, SapoRecordValidator, batch_key, \
     key_id_bytes, owner_subkey, presence_key, presence_shard, record_message
 from p2p.wire import HEADER_LEN, MAX_ROUND, WIRE_VERSION, PresenceRecord, RolloutBatch, WireGroup, \
@@ -293,6 +295,44 @@ async def test_announced_rounds_cannot_inflate_a_fetch(tmp_path):
     finally:
         attacker.shutdown()
         await honest.shutdown()
+
+
+class BanditPolicy(PublisherBandit):
+    def missing(self, publisher: bytes, round: int) -> None:
+        self.observe(publisher, useful=False, strikes=STRONG)
+
+
+async def test_a_newcomer_with_more_work_is_met_before_a_crowd_of_fresh_cheaper_keys(tmp_path):
+    """Issue 20's newcomer bound: 400 never-tried Sybil keys at the swarm's minimum work appear together with
+    a newcomer whose key carries one work tier more (what a node mints by default). The reader's first
+    fetch already trains on the newcomer: tier shards are read before tier 0's, and the bandit explores
+    never-tried keys of higher tiers first (uniformly, the newcomer would be one of 401)."""
+    swarm = "hostile-tiers"
+    reader = transport(tmp_path, "reader", swarm, [], fetch_max=16)
+    await reader.start()
+    newcomer = transport(tmp_path, "newcomer", swarm, reader.visible_maddrs(),
+                         identity=Identity.generate(tier_difficulty(POW, 1)))
+    sybils = [i for i in (Identity.generate(POW) for _ in range(440))
+              if work_tier(i.public_key_bytes, i.pow_nonce, POW) == 0][:400]
+    attacker = hivemind.DHT(initial_peers=reader.visible_maddrs(), start=True, host_maddrs=[LOOPBACK],
+                            client_mode=True, record_validators=[SapoRecordValidator(
+                                sybils[0], swarm, pow_difficulty=POW, also_sign_for=tuple(sybils[1:]))])
+    try:
+        await newcomer.start()
+        assert newcomer.work_tier == 1
+        assert await newcomer.publish(3, batch(newcomer.identity, swarm, 3, [smoke_group(45)]))
+        exp = get_dht_time() + 120
+        items = [item for ident in sybils for item in (
+            (batch_key(swarm, ident.public_key_bytes, 3), owner_subkey(ident.public_key_bytes),
+             batch(ident, swarm, 3, [smoke_group(46)]), exp),
+            (shard_key(swarm, ident), owner_subkey(ident.public_key_bytes), presence(ident, swarm, 3), exp))]
+        assert all(await store_all(attacker, items))
+        got = await reader.fetch(policy=BanditPolicy(rng=random.Random(0)))
+        assert reader.last_fetch.candidates >= 16 and len(got) == 16
+        assert newcomer.identity.public_key_bytes in [r.publisher for r in got]
+    finally:
+        attacker.shutdown()
+        await asyncio.gather(reader.shutdown(), newcomer.shutdown())
 
 
 async def test_presence_records_are_small_and_in_their_own_shard(tmp_path):
