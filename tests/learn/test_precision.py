@@ -11,7 +11,7 @@ import torch
 
 import node.learn.precision as precision
 from node.learn.engine_llama import _draw
-from node.learn.gguf_export import lora_deltas, stochastic_bf16
+from node.learn.gguf_export import base_model, lora_deltas, stochastic_bf16, write_model
 from node.learn.groups import Prompter, local_group, to_sequences
 from node.learn.policy import SamplingConfig, load_model, sample_groups
 from node.learn.tasks import PRESETS, TaskSampler
@@ -97,6 +97,35 @@ def test_stochastic_bf16_rounding_is_unbiased_where_round_to_nearest_drops_small
     special = torch.tensor([float("inf"), -float("inf"), 0.0, -2.5])
     assert torch.equal(stochastic_bf16(special).float(), special)
     assert torch.isnan(stochastic_bf16(torch.tensor([float("nan")]))).all()
+    consumed = x.clone()
+    assert torch.equal(stochastic_bf16(consumed, consume=True).float(), consumed)  # rounded in place
+    torch.manual_seed(1)
+    again = stochastic_bf16(x)
+    torch.manual_seed(1)
+    assert torch.equal(stochastic_bf16(x), again)  # torch's RNG decides: a resumed node rounds alike
+
+
+def test_a_lora_base_is_encoded_once_per_engine_and_an_in_place_change_is_seen(tmp_path):
+    """Each sync writes the whole model; the tensors no adapter touches (embedding, norms) are encoded once.
+    A change in place (full fine-tuning's optimizer) bumps the tensor's version, so it is encoded again."""
+    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("peft")
+    from node.learn.lora import attach
+
+    model, _ = load_model("tiny-random-smol", CPU)
+    adapter = attach(model, rank=4, alpha=8.0)
+    frozen: dict = {}
+
+    def embedding(i: int) -> np.ndarray:
+        path = write_model(tmp_path / f"m{i}.gguf", adapter.model, [], "bf16", merge_lora=True, frozen=frozen)
+        return np.array(next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight").data)
+
+    first = embedding(0)
+    cached = set(frozen)
+    assert cached and embedding(1).tobytes() == first.tobytes() and set(frozen) == cached
+    with torch.no_grad():
+        base_model(adapter.model).get_input_embeddings().weight.add_(1.0)
+    assert embedding(2).tobytes() != first.tobytes() and len(frozen) == len(cached)  # stale entry replaced
 
 
 def test_lora_deltas_are_what_peft_adds_to_each_layer():
