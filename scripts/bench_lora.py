@@ -140,7 +140,7 @@ def peak_rss_mb(cmd: list[str], env: dict) -> float:
 def memory_cmd(args) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = {"model": args.model, "tasks": args.tasks, "rounds": args.rounds, "lora_rank": args.lora_rank,
-              "threads": args.threads, "preset": args.preset}
+              "threads": args.threads, "preset": args.preset, "node_args": args.node_arg}
     kinds = [("lora", ["--lora-rank", str(args.lora_rank)])] + ([("full", [])] if args.full_too else [])
     with tempfile.TemporaryDirectory() as tmp:
         for kind, extra in kinds:
@@ -148,7 +148,7 @@ def memory_cmd(args) -> dict:
                 cmd = [sys.executable, "-m", "node.lab.experiment", args.preset, "--mode", "memory", "--peers",
                        str(peers), "--rounds", str(args.rounds), "--seeds", "0", "--model", args.model, "--tasks",
                        args.tasks, "--threads", str(args.threads), "--eval-every", "0",
-                       "--out", f"{tmp}/{kind}{peers}", *extra]
+                       "--out", f"{tmp}/{kind}{peers}", *extra, *(f"--node-arg={a}" for a in args.node_arg)]
                 t0 = time.time()
                 rss = peak_rss_mb(cmd, env)
                 key = f"rss_mb_{peers}_peer{'s' if peers > 1 else ''}"
@@ -177,6 +177,8 @@ def main() -> None:
     m.add_argument("--preset", default="2/2", help="sapo-experiment preset (its peer count is overridden)")
     m.add_argument("--lora-rank", type=int, default=8)
     m.add_argument("--full-too", action="store_true", help="also full fine-tuning peers (5 x ~2 GB)")
+    m.add_argument("--node-arg", action="append", default=[],
+                   help="passed on to every peer, e.g. --node-arg=--rollout-engine=llama (repeatable)")
     for p in (t, m):
         p.add_argument("--model", default="default")
         p.add_argument("--tasks", default="cpu-easy")

@@ -110,11 +110,13 @@ for i in $(seq 0 $((PEERS - 1))); do
   extra=()
   [ -f "$dir/metrics.jsonl" ] && extra+=(--resume)
   [ "$STATUS_BASE" -gt 0 ] && extra+=(--status-port $((STATUS_BASE + i)))
-  # setsid: the peer is in its own session, so a terminal's Ctrl-C or hang-up reaches this script only
+  # setsid: the peer is in its own session, so a terminal's Ctrl-C or hang-up reaches this script only.
+  # --identity-tier 0: a swarm of one's own peers has no Sybils to outrun, so no peer mints the extra
+  # work a public swarm's newcomer buys (~16 s each); a later argument overrides it.
   setsid sapo-node --model "$MODEL" --tasks "$TASKS" --rounds "$ROUNDS" --seed "$i" --name "peer$i" \
     --num-local "${SAPO_NUM_LOCAL:-2}" --num-external "${SAPO_NUM_EXTERNAL:-2}" \
     --generations "${SAPO_GENERATIONS:-6}" --threads "$THREADS" --micro-batch-size "$MICRO" --run-dir "$dir" \
-    --host-maddrs /ip4/127.0.0.1/tcp/0 --peers "${MADDRS[@]}" "${extra[@]}" "$@" \
+    --host-maddrs /ip4/127.0.0.1/tcp/0 --peers "${MADDRS[@]}" --identity-tier 0 "${extra[@]}" "$@" \
     >>"$dir/console.log" 2>&1 </dev/null &
   PIDS+=($!)
   # a stop that landed after this peer started but before it was recorded did not reach it
