@@ -6,8 +6,8 @@ accepted together with an 8-byte nonce such that sha256(POW_DOMAIN | public key 
 never changes for a key, so it is minted once and stored beside the key (`identity.pow`).
 
 Work beyond the swarm's minimum buys priority, not trust: every TIER_BITS extra bits (16x the mint) raise
-a key's *work tier* by one (at most MAX_TIER). A key's presence record lives among the keys of its tier,
-and readers meet never-tried keys of higher tiers first (docs/PROTOCOL.md, node policy): a Sybil swarm
+a key's *work tier* by one (at most MAX_TIER). A key's presence record is also kept among the keys of its
+tier, and readers meet never-tried keys of higher tiers first (docs/PROTOCOL.md, node policy): a Sybil swarm
 that wants to crowd out a newcomer must mint its keys at the newcomer's tier, paying 16x per tier.
 """
 
@@ -28,7 +28,6 @@ MAX_POW_DIFFICULTY = 40
 POW_FILENAME = "identity.pow"
 TIER_BITS = 4  # extra bits per work tier: each tier costs 16x the swarm's mint
 MAX_TIER = 3
-DEFAULT_IDENTITY_TIER = 1  # what this node mints for its own key: 2**(difficulty + 4) hashes, ~16 s at 20 bits
 
 
 class PowError(Exception):

@@ -2,11 +2,11 @@
 
 Protocol v2 (docs/PROTOCOL.md): a batch lives alone under its (publisher, round) key, and a presence
 record ("I am alive, my latest round is R") under one of `presence_shards` keys chosen by a hash of the
-publisher, and again among the fewer shards of its work tier when its key carries proof of work above the
-swarm's minimum (`p2p.pow`). Rounds are not
-synchronized across peers, so a reader learns rounds from presence. One fetch reads presence shards
-(first those of the publishers the caller's `FetchPolicy` prefers, then the others, higher tiers first,
-each tier in random order) until it holds a bounded sample of candidates, then fetches at most
+publisher, and again among the fewer shards of its work tier when its key carries proof of work above
+the swarm's minimum (`p2p.pow`). Rounds are not synchronized across peers, so a reader learns rounds
+from presence. One fetch reads presence shards (first those of the publishers the caller's
+`FetchPolicy` prefers, then the others, higher tiers first, each tier in random order) until it holds
+a bounded sample of candidates, then fetches at most
 `fetch_max` batches chosen by the policy (uniformly by default) among the candidates it trusts: its
 cost is bounded by constants, not by the swarm size. An announced batch that is not there (a "ghost")
 is reported to the policy. Network trouble never raises out of publish/fetch:
@@ -362,9 +362,9 @@ class SwarmTransport:
         The shards of the policy's preferred publishers come first, then the others: higher work tiers
         first (a never-tried key that paid for more work is met before cheaper ones), each tier's shards
         in random order. The first wave reads the preferred shards and those of tiers >= 1 (6 at the
-        default 64 shards; at least FIRST_WAVE_SHARDS); later waves read as many as the
-        density of fresh candidates seen so far says are still needed (at most MAX_WAVE_SHARDS, and every
-        preferred shard is read). Bounded by the shard count and the deadline.
+        default 64 shards; at least FIRST_WAVE_SHARDS, at most MAX_WAVE_SHARDS); later waves read as many
+        as the density of fresh candidates seen so far says are still needed (at most MAX_WAVE_SHARDS,
+        and every preferred shard is read). Bounded by the shard count and the deadline.
         """
         cfg = self.config
         preferred = list(dict.fromkeys(self._home(p) for p in policy.preferred(cfg.fetch_max)))

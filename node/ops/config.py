@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from node import __version__
-from p2p.pow import MAX_POW_DIFFICULTY, MAX_TIER, TIER_BITS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -184,9 +183,8 @@ def validate(cfg: NodeConfig) -> None:
         raise bad("ban_s", "must be > 0 and finite")
     if not 0 <= cfg.pow_difficulty <= 40:
         raise bad("pow_difficulty", "must be in [0, 40] (each bit doubles the time to mint a key)")
-    if not 0 <= cfg.identity_tier <= MAX_TIER or cfg.pow_difficulty + TIER_BITS * cfg.identity_tier > MAX_POW_DIFFICULTY:
-        raise bad("identity_tier", f"must be in [0, {MAX_TIER}], with --pow-difficulty + {TIER_BITS} x tier "
-                                   f"at most {MAX_POW_DIFFICULTY}")
+    if not 0 <= cfg.identity_tier <= 3 or cfg.pow_difficulty + 4 * cfg.identity_tier > 40:  # p2p.pow's limits
+        raise bad("identity_tier", "must be in [0, 3], with --pow-difficulty + 4 x tier at most 40")
     if cfg.status_port > 65535:
         raise bad("status_port", "must be a TCP port")
     if cfg.device != "auto" and not (cfg.device == "cpu" or cfg.device.startswith("cuda")):

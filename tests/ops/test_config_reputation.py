@@ -35,3 +35,18 @@ def test_flags_and_env_reach_the_verifier():
 def test_bad_values_name_the_flag(args, flag):
     with pytest.raises(ConfigError, match=f"^{flag} "):
         load_config(args, env={})
+
+
+def test_identity_tiers_are_the_ones_proof_of_work_knows():
+    """The config layer may not import p2p, so its limits are literals: they must be p2p.pow's."""
+    from p2p.pow import MAX_POW_DIFFICULTY, MAX_TIER, TIER_BITS
+
+    assert load_config([], env={}).identity_tier == 1
+    for tier in range(MAX_TIER + 1):
+        assert load_config(["--identity-tier", str(tier), "--pow-difficulty", str(MAX_POW_DIFFICULTY - TIER_BITS * tier)],
+                           env={}).identity_tier == tier
+    for args in (["--identity-tier", str(MAX_TIER + 1)],
+                 ["--identity-tier", "1", "--pow-difficulty", str(MAX_POW_DIFFICULTY - TIER_BITS + 1)]):
+        with pytest.raises(ConfigError, match="^--identity-tier "):
+            load_config(args, env={})
+
