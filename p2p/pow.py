@@ -50,11 +50,7 @@ def pow_digest(public_key: bytes, nonce: bytes) -> bytes:
 
 def check_pow(public_key: bytes, nonce: bytes, difficulty: int) -> bool:
     """True iff `nonce` proves `difficulty` bits of work on `public_key` (one hash)."""
-    if difficulty <= 0:
-        return True
-    if len(nonce) != NONCE_LEN:
-        return False
-    return leading_zero_bits(pow_digest(public_key, nonce)) >= difficulty
+    return difficulty <= 0 or work_bits(public_key, nonce) >= difficulty
 
 
 def work_bits(public_key: bytes, nonce: bytes) -> int:

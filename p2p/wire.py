@@ -209,7 +209,7 @@ def open_envelope(data: bytes, max_bytes: int, pow_difficulty: int = 0) -> Envel
         raise WireError("version", f"envelope version {data[len(MAGIC)]}")
     start = len(MAGIC) + 1
     publisher = bytes(data[start : start + PUBLIC_KEY_LEN])
-    nonce = bytes(data[start + PUBLIC_KEY_LEN : start + PUBLIC_KEY_LEN + NONCE_LEN])
+    nonce = envelope_nonce(data)
     signature = bytes(data[start + PUBLIC_KEY_LEN + NONCE_LEN : HEADER_LEN])
     payload = bytes(data[HEADER_LEN:])
     if not check_pow(publisher, nonce, pow_difficulty):
@@ -351,7 +351,8 @@ def decode_presence(data: bytes, max_bytes: int = MAX_PRESENCE_BYTES, pow_diffic
 
 
 def envelope_nonce(data: bytes) -> bytes:
-    """The proof-of-work nonce in a verified envelope's header (its work tier places presence records)."""
+    """The proof-of-work nonce in an envelope's header (checked by open_envelope; its work tier places
+    presence records)."""
     start = len(MAGIC) + 1 + PUBLIC_KEY_LEN
     return bytes(data[start : start + NONCE_LEN])
 

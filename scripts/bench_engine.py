@@ -75,8 +75,9 @@ def parity(args, model, tok, mix) -> dict:
             for t, g in zip(chunk, sampled):
                 group = local_group(t, g, mix.answer_prefix)
                 tokens[name] += sum(len(c) for c in g.completion_ids)
-                correct[name] += sum(r >= 1.0 for r in group.rewards)
-                per_task[name].append(sum(r >= 1.0 for r in group.rewards) / len(group.rewards))
+                right = sum(r >= 1.0 for r in group.rewards)
+                correct[name] += right
+                per_task[name].append(right / len(group.rewards))
                 reward[name] += sum(group.rewards)
                 per_dataset.setdefault(t.spec.dataset, {}).setdefault(name, []).extend(group.rewards)
         done = start + len(chunk)

@@ -202,7 +202,7 @@ def write_model(path: Path, model: torch.nn.Module, fields: list, weight_type: s
             w.add_tensor(f"{module}.weight", data, raw_dtype=raw)
             continue
         key = (name, tensor.data_ptr(), tensor._version, weight_type)
-        if key in cached:
+        if module not in deltas and key in cached:
             data, raw = kept[key] = cached[key]
         else:
             array = tensor.detach().cpu().float()

@@ -65,7 +65,7 @@ class Record:
 
 
 class PublisherBandit:
-    """The node's fetch policy (`p2p.transport.FetchPolicy`): preferred keys, fresh candidates, choice."""
+    """The node's fetch policy (`p2p.transport.FetchPolicy`): preferred keys, fresh candidates, choice, ghosts."""
 
     def __init__(self, cfg: BanditConfig | None = None, rng: random.Random | None = None):
         self.cfg = cfg or BanditConfig()
@@ -105,6 +105,11 @@ class PublisherBandit:
             r = self._table.get(publisher)
             if r is not None:
                 r.ok = 0.0
+        self.observe(publisher, useful=False, strikes=STRONG)
+
+    def missing(self, publisher: bytes, round: int) -> None:
+        """A ghost: an announced batch that a completed search did not find (honest software never makes
+        one). The transport's FetchPolicy hook; the node adds its reputation penalty on top."""
         self.observe(publisher, useful=False, strikes=STRONG)
 
     def new_round(self) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from node.learn.groups import Group, has_signal, score_responses
 from node.learn.tasks import TaskError, TaskMix, TaskSpec, regenerate
-from node.swarm.bandit import STRONG, PublisherBandit
+from node.swarm.bandit import PublisherBandit
 from node.swarm.exchange import ExchangeStats
 from node.swarm.reputation import PENALTIES, Reputation, ReputationConfig
 from p2p.identity import Identity, peer_name_of
@@ -281,7 +281,7 @@ class SignedExchange:
     def missing(self, publisher: bytes, round: int) -> None:
         """A ghost: its presence announced a batch that a completed search did not find. One useless batch
         for the bandit and a `ghost` penalty (counted with the round's verification)."""
-        self.bandit.observe(publisher, useful=False, strikes=STRONG)
+        self.bandit.missing(publisher, round)
         self.reputation.penalize(publisher, "ghost")
         self._ghosts.append(publisher)
 

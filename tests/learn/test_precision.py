@@ -105,7 +105,7 @@ def test_stochastic_bf16_rounding_is_unbiased_where_round_to_nearest_drops_small
     assert torch.equal(stochastic_bf16(x), again)  # torch's RNG decides: a resumed node rounds alike
 
 
-def test_a_lora_base_is_encoded_once_per_engine_and_an_in_place_change_is_seen(tmp_path):
+def test_a_lora_base_is_encoded_once_per_engine_and_an_in_place_change_is_seen(tmp_path, monkeypatch):
     """Each sync writes the whole model; the tensors no adapter touches (embedding, norms) are encoded once.
     A change in place (full fine-tuning's optimizer) bumps the tensor's version, so it is encoded again."""
     gguf = pytest.importorskip("gguf")
@@ -120,9 +120,16 @@ def test_a_lora_base_is_encoded_once_per_engine_and_an_in_place_change_is_seen(t
         path = write_model(tmp_path / f"m{i}.gguf", adapter.model, [], "bf16", merge_lora=True, frozen=frozen)
         return np.array(next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight").data)
 
+    import node.learn.gguf_export as export
+
+    encoded = []
+    real_encode = export._encode
+    monkeypatch.setattr(export, "_encode", lambda array, wt: encoded.append(array.shape) or real_encode(array, wt))
     first = embedding(0)
-    cached = set(frozen)
-    assert cached and embedding(1).tobytes() == first.tobytes() and set(frozen) == cached
+    cached, n_first = set(frozen), len(encoded)
+    assert cached and n_first >= len(cached)
+    assert embedding(1).tobytes() == first.tobytes() and set(frozen) == cached
+    assert len(encoded) == n_first  # the second write encoded nothing: every untouched tensor came from the cache
     with torch.no_grad():
         base_model(adapter.model).get_input_embeddings().weight.add_(1.0)
     assert embedding(2).tobytes() != first.tobytes() and len(frozen) == len(cached)  # stale entry replaced

@@ -27,7 +27,7 @@ from conftest import LOOPBACK, transport, prefix_of, reasons, smoke_group, sourc
 from conftest import live_metrics as rounds
 from conftest import REPO
 from node.learn.tasks import PRESETS
-from node.swarm.bandit import STRONG, PublisherBandit
+from node.swarm.bandit import PublisherBandit
 from node.swarm.exchange import ExchangeStats
 from node.swarm.verify import Verifier, VerifyConfig
 from p2p.identity import Identity
@@ -297,11 +297,6 @@ async def test_announced_rounds_cannot_inflate_a_fetch(tmp_path):
         await honest.shutdown()
 
 
-class BanditPolicy(PublisherBandit):
-    def missing(self, publisher: bytes, round: int) -> None:
-        self.observe(publisher, useful=False, strikes=STRONG)
-
-
 async def test_a_newcomer_with_more_work_is_met_before_a_crowd_of_fresh_cheaper_keys(tmp_path):
     """Issue 20's newcomer bound: 400 never-tried Sybil keys at the swarm's minimum work appear together with
     a newcomer whose key carries one work tier more (what a node mints by default). The reader's first
@@ -327,7 +322,7 @@ async def test_a_newcomer_with_more_work_is_met_before_a_crowd_of_fresh_cheaper_
              batch(ident, swarm, 3, [smoke_group(46)]), exp),
             (shard_key(swarm, ident), owner_subkey(ident.public_key_bytes), presence(ident, swarm, 3), exp))]
         assert all(await store_all(attacker, items))
-        got = await reader.fetch(policy=BanditPolicy(rng=random.Random(0)))
+        got = await reader.fetch(policy=PublisherBandit(rng=random.Random(0)))
         assert reader.last_fetch.candidates >= 16 and len(got) == 16
         assert newcomer.identity.public_key_bytes in [r.publisher for r in got]
     finally:
