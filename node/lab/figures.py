@@ -232,3 +232,37 @@ def fig_learning_health(runs: Sequence[Run], summary: dict, path: Path) -> None:
             ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def fig_paired_seeds(summary: dict, path: Path) -> bool:
+    """The seeds' spread: each seed's held-out accuracy (final, and area over the run) per configuration,
+    one line per seed, so a paired effect is read off the slopes rather than off two means. Returns False
+    (and draws nothing) when no configuration logged held-out accuracy."""
+    configs = summary["configs"]
+    per = summary["per_config"]
+    panels = [(k, t) for k, t in (("eval_final_by_seed", "final held-out accuracy"),
+                                  ("eval_area_by_seed", "held-out accuracy, area / rounds"))
+              if any(per[c].get(k) for c in configs)]
+    if not panels:
+        return False
+    fig = _figure(4.2 * len(panels) + 1.3, 4.2)
+    for i, (key, title) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        seeds = sorted({s for c in configs for s in (per[c].get(key) or {})}, key=lambda s: (len(s), s))
+        for seed, color in zip(seeds, _colors(len(seeds))):
+            ys = [(per[c].get(key) or {}).get(seed, math.nan) for c in configs]
+            ax.plot(range(len(configs)), ys, "o-", color=color, alpha=0.8, label=f"seed {seed}")
+        means = [np.nanmean(list((per[c].get(key) or {}).values()) or [math.nan]) for c in configs]
+        ax.plot(range(len(configs)), means, "s-", color="black", lw=2.5, label="mean")
+        if summary.get("eval_baseline") is not None and math.isfinite(summary["eval_baseline"]):
+            ax.axhline(summary["eval_baseline"], color="gray", ls="--", lw=1, label="constant answer")
+        ax.set_xticks(range(len(configs)))
+        ax.set_xticklabels(configs)
+        ax.set_xlim(-0.3, len(configs) - 0.7)
+        ax.set_xlabel("configuration (I/J)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.tight_layout()
+    fig.savefig(path)
+    return True

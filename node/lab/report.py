@@ -68,6 +68,7 @@ from node.lab.figures import (
     fig_cumulative,
     fig_j_trajectory,
     fig_learning_health,
+    fig_paired_seeds,
     fig_ma_band,
     fig_per_agent,
 )
@@ -105,6 +106,7 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
     fig_cumulative(summary, out / FIGURES["cumulative"])
     has_adaptive = fig_j_trajectory(runs, summary, out / FIGURES["j_trajectory"])
     fig_learning_health(runs, summary, out / FIGURES["health"])
+    fig_paired_seeds(summary, out / FIGURES["paired"])
     (out / "summary.json").write_text(json.dumps(_jsonable(summary), indent=2, sort_keys=False))
 
     per = summary["per_config"]

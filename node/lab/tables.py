@@ -17,6 +17,7 @@ FIGURES = {
     "cumulative": "cumulative_reward.png",
     "j_trajectory": "j_trajectory.png",
     "health": "heldout_and_collapse.png",
+    "paired": "heldout_by_seed.png",
 }
 
 
@@ -90,18 +91,21 @@ def heldout_comparison(summary: dict) -> list[str]:
                  + " | ".join(vs_cells(d, "eval_final")) + f" | {num(d['eval_area_mean'], '.4f')} ± "
                  f"{num(d['eval_area_std'], '.4f')} | " + " | ".join(vs_cells(d, "eval_area")) + " |")
     L.append("")
-    L.append("Paired effect over seeds (config − baseline, same seeds): mean difference in accuracy points, "
-             "Cohen's d_z (mean / sd of the differences) and the two-sided exact permutation p.\n")
-    L.append("| config | final: mean diff | d_z | p | area: mean diff | d_z | p |")
-    L.append("|---|---|---|---|---|---|---|")
+    L.append("Paired effect over seeds (config − baseline, same seeds): mean difference in accuracy points "
+             "with its 95% bootstrap CI over seeds, Cohen's d_z (mean / sd of the differences) and the "
+             "two-sided exact permutation p.\n")
+    L.append("| config | final: mean diff | 95% CI | d_z | p | area: mean diff | 95% CI | d_z | p |")
+    L.append("|---|---|---|---|---|---|---|---|---|")
     for c in summary["configs"]:
         cells = []
         for key in ("eval_final", "eval_area"):
             v = per[c].get(f"{key}_vs_base") or {}
-            cells += [num(v.get("mean_diff", math.nan), '+.4f'), num(v.get("d_z", math.nan), '+.2f'),
-                      num(v.get("p_perm", math.nan), '.3f')] if v else ["baseline", "—", "—"]
+            ci = f"[{num(v.get('ci_low', math.nan), '+.4f')}, {num(v.get('ci_high', math.nan), '+.4f')}]" if v else ""
+            cells += [num(v.get("mean_diff", math.nan), '+.4f'), ci, num(v.get("d_z", math.nan), '+.2f'),
+                      num(v.get("p_perm", math.nan), '.3f')] if v else ["baseline", "—", "—", "—"]
         L.append(f"| {c} | " + " | ".join(cells) + " |")
     L.append("")
+    L.append(f"![held-out accuracy per seed, one line per seed]({FIGURES['paired']})\n")
     return L
 
 

@@ -111,6 +111,10 @@ def test_report_leads_with_held_out_accuracy(tmp_path, capsys):
     assert md.index("## Held-out accuracy") < md.index("## Cumulative reward (training reward, the second view)")
     assert "| 2/2 | 0.4000 ± 0.0100 | +33.33% |" in md
     assert (out / "heldout_and_collapse.png").stat().st_size > 1000
+    assert (out / "heldout_by_seed.png").stat().st_size > 1000 and "(heldout_by_seed.png)" in md
+    # every 2/2 seed is 0.10 ahead of its 4/0 twin: the paired CI is that difference, p the smallest for 3 seeds
+    assert d["eval_final_vs_base"]["ci_low"] == pytest.approx(0.10) == d["eval_final_vs_base"]["ci_high"]
+    assert d["eval_final_vs_base"]["p_perm"] == pytest.approx(2 / 8)
     printed = capsys.readouterr().out
     assert "held-out final" in printed and "+33.33%" in printed
 
@@ -224,6 +228,7 @@ def test_paired_effect_exact_permutation_and_d_z():
     assert eff["n"] == 5 and eff["mean_diff"] == pytest.approx(diffs.mean())
     assert eff["d_z"] == pytest.approx(diffs.mean() / diffs.std(ddof=1))
     assert eff["p_perm"] == pytest.approx(2 / 32)  # all five ahead: only the all-plus and all-minus flips tie
+    assert 0.05 <= eff["ci_low"] < eff["mean_diff"] < eff["ci_high"] <= 0.2  # resampled means stay in range
     mixed = paired_effect({k: base[k] + d for k, d in zip(base, [0.1, -0.1, 0.05, -0.05, 0.0])}, base)
     assert mixed["mean_diff"] == pytest.approx(0.0) and mixed["p_perm"] == 1.0
     assert math.isnan(paired_effect({"9": 1.0}, base)["p_perm"])  # no common seed: no test
