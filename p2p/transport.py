@@ -2,11 +2,12 @@
 
 Protocol v2 (docs/PROTOCOL.md): a batch lives alone under its (publisher, round) key, and a presence
 record ("I am alive, my latest round is R") under one of `presence_shards` keys chosen by a hash of the
-publisher, and again among the fewer shards of its work tier when its key carries proof of work above
-the swarm's minimum (`p2p.pow`). Rounds are not synchronized across peers, so a reader learns rounds
-from presence. One fetch reads presence shards (first those of the publishers the caller's
-`FetchPolicy` prefers, then the others, higher tiers first, each tier in random order) until it holds
-a bounded sample of candidates, then fetches at most
+publisher, and again among the shards of its work tier when its key carries proof of work above the
+swarm's minimum (`p2p.pow`). Rounds are not synchronized across peers, so a reader learns rounds from
+presence. One fetch reads presence shards (first those of the publishers the caller's `FetchPolicy`
+prefers, then the next slice of every tier >= 1 in a rotation that covers each tier every
+TIER_SCAN_ROUNDS rounds, then tier-0 shards in random order) until it holds a bounded sample of
+candidates, then fetches at most
 `fetch_max` batches chosen by the policy (uniformly by default) among the candidates it trusts: its
 cost is bounded by constants, not by the swarm size. An announced batch that is not there (a "ghost")
 is reported to the policy. Network trouble never raises out of publish/fetch:
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 MAX_KNOWN = 10_000  # publishers remembered for known_peers() and the fetched-round memory
 FIRST_WAVE_SHARDS = 1  # then as many as the density seen says are needed: each answer stays small
 MAX_WAVE_SHARDS = 8  # shards asked in one search at most (a replica answers all the keys it holds at once)
+TIER_SCAN_ROUNDS = 8  # every shard of a tier >= 1 is read at least once in this many fetches (PROTOCOL §7)
 
 
 class TransportError(RuntimeError):
@@ -203,6 +205,8 @@ class SwarmTransport:
         self._known: dict[str, int] = {}
         self._tiers: dict[bytes, int] = {}  # publisher -> work tier seen in its presence (where to read it)
         self._fetched: dict[tuple[bytes, int], None] = {}  # (publisher, round) already fetched: never twice
+        # where the rotation over each tier >= 1 goes on next fetch; a random start spreads readers' load
+        self._scan_at = {t: random.randrange(tier_shards(config.presence_shards, t)) for t in range(1, MAX_TIER + 1)}
         self._subkey = owner_subkey(self.identity.public_key_bytes)
         self.last_fetch = FetchStats()
 
@@ -272,7 +276,9 @@ class SwarmTransport:
                 return False, False
             stored = await asyncio.gather(*(self.dht.store(home, presence, expiration, subkey=self._subkey,
                                                            return_future=True) for home in homes))
-            return bool(ok_batch), all(stored)
+            if not all(stored[1:]):  # peers that do not know work tiers refuse the tier key: readers still
+                logger.debug("round %d: presence not stored under our work tier's key", round)  # find tier 0
+            return bool(ok_batch), bool(stored[0])  # homes[0] is the tier-0 key, where every reader looks
 
         try:
             ok_batch, ok_presence = await asyncio.wait_for(batch_then_presence(), cfg.publish_timeout_s)
@@ -359,39 +365,49 @@ class SwarmTransport:
     ) -> dict[bytes, int]:
         """Read presence shards until `presence_sample` fresh trusted candidates are known.
 
-        The shards of the policy's preferred publishers come first, then the others: higher work tiers
-        first (a never-tried key that paid for more work is met before cheaper ones), each tier's shards
-        in random order. The first wave reads the preferred shards and those of tiers >= 1 (6 at the
-        default 64 shards; at least FIRST_WAVE_SHARDS, at most MAX_WAVE_SHARDS); later waves read as many
-        as the density of fresh candidates seen so far says are still needed (at most MAX_WAVE_SHARDS,
-        and every preferred shard is read). Bounded by the shard count and the deadline.
+        Must-read, in the first searches: the shards of the policy's preferred publishers, then this
+        fetch's slice of every tier >= 1 (highest first; the rotation reads each tier-t shard at least once
+        in TIER_SCAN_ROUNDS fetches, so a key that paid for a tier is met within that many rounds however
+        many cheaper keys there are). Then tier-0 shards (every key is there) in random order, as many as
+        the density of fresh candidates seen so far says are still needed, at most MAX_WAVE_SHARDS per
+        search. Bounded by the shards named here and the deadline, not by the swarm size.
         """
         cfg = self.config
         preferred = list(dict.fromkeys(self._home(p) for p in policy.preferred(cfg.fetch_max)))
-        rest = [presence_key(cfg.swarm, s, tier) for tier in range(MAX_TIER, -1, -1)
-                for n in [tier_shards(cfg.presence_shards, tier)] for s in random.sample(range(n), n)]
-        order = preferred + [key for key in rest if key not in preferred]
+        must = list(dict.fromkeys(preferred + self._tier_slice()))
+        tier0 = [presence_key(cfg.swarm, s) for s in random.sample(range(cfg.presence_shards), cfg.presence_shards)]
+        order = must + [key for key in tier0 if key not in must]
         candidates: dict[bytes, int] = {}
         loop = asyncio.get_running_loop()
-        n_high = sum(tier_shards(cfg.presence_shards, t) for t in range(1, MAX_TIER + 1))  # tiers >= 1: few keys
-        wave = min(len(order), max(FIRST_WAVE_SHARDS, min(max(len(preferred), n_high), MAX_WAVE_SHARDS)))
-        n_pref = len(preferred)
+        wave = min(len(order), max(FIRST_WAVE_SHARDS, min(len(must), MAX_WAVE_SHARDS)))
+        n_must = len(must)
         while order and loop.time() < deadline:
             shards, order = order[:wave], order[wave:]
             answers = await self._get_many(shards, deadline) or {}
             stats.shards_read += len(shards)
             for entries in answers.values():
                 self._take_presence(entries, trusted, candidates, stats)
-            n_pref = max(0, n_pref - len(shards))
+            n_must = max(0, n_must - len(shards))
             fresh = sum(1 for p in candidates if policy.fresh(p))
             missing = cfg.presence_sample - fresh
-            if missing <= 0 and n_pref == 0:
+            if missing <= 0 and n_must == 0:
                 break
             density = fresh / stats.shards_read  # fresh candidates per shard so far
             wave = len(order) if density == 0 else max(1, math.ceil(missing / density))
-            wave = min(len(order), MAX_WAVE_SHARDS, max(wave, min(n_pref, MAX_WAVE_SHARDS)))
+            wave = min(len(order), MAX_WAVE_SHARDS, max(wave, min(n_must, MAX_WAVE_SHARDS)))
         stats.candidates = len(candidates)
         return candidates
+
+    def _tier_slice(self) -> list[str]:
+        """This fetch's shards of the tiers >= 1, highest tier first: the next ceil(S_t / TIER_SCAN_ROUNDS)
+        of each tier's S_t shards in rotation (1, 1 and 8 at S = 64)."""
+        keys = []
+        for tier in range(MAX_TIER, 0, -1):
+            n = tier_shards(self.config.presence_shards, tier)
+            step, start = math.ceil(n / TIER_SCAN_ROUNDS), self._scan_at[tier]
+            keys += [presence_key(self.config.swarm, (start + i) % n, tier) for i in range(step)]
+            self._scan_at[tier] = (start + step) % n
+        return keys
 
     def _take_presence(
         self, entries: dict[bytes, bytes], trusted: Callable[[bytes], bool], candidates: dict[bytes, int],

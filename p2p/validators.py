@@ -68,8 +68,10 @@ def presence_key(swarm: str, shard: int, tier: int = 0) -> str:
 
 
 def tier_shards(shards: int, tier: int) -> int:
-    """Shards of a work tier: 16x fewer per tier (a tier's keys cost 16x more, so expect 16x fewer of them)."""
-    return max(1, shards >> (TIER_BITS * tier))
+    """Shards of a work tier. Tier 1, where the reference node mints its key, has as many as tier 0 (it holds
+    most honest peers, so its shards must stay as small); each tier above has 16x fewer (its keys cost 16x
+    more, so expect 16x fewer of them)."""
+    return shards if tier == 0 else max(1, shards >> (TIER_BITS * (tier - 1)))
 
 
 def presence_home(swarm: str, publisher: bytes, tier: int, shards: int) -> str:

@@ -20,6 +20,7 @@ the trainer forms pi_old with the training model (node/learn/trainer.py).
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import shutil
@@ -84,17 +85,33 @@ class LlamaEngine:
         lora = hasattr(model, "peft_config")
         if lora and self.weight_type not in gguf_export.MERGEABLE:
             if not self._base_loaded:  # written once; each sync then swaps a few-MB adapter
-                base = gguf_export.write_model(Path(self.dir.name) / "base.gguf", model, self.fields, self.weight_type)
+                base = self._write(lambda d: gguf_export.write_model(d / "base.gguf", model, self.fields,
+                                                                     self.weight_type))
                 self._load_model(base)
                 self._base_loaded = True
             self._version += 1
-            path = gguf_export.write_lora(Path(self.dir.name) / f"adapter-{self._version}.gguf", model)
+            path = self._write(lambda d: gguf_export.write_lora(d / f"adapter-{self._version}.gguf", model))
             self._load_adapter(path)
         else:  # full weights, or LoRA merged into them (an adapter on top samples at half the speed)
             self._version += 1
-            path = gguf_export.write_model(Path(self.dir.name) / f"model-{self._version}.gguf", model, self.fields,
-                                           self.weight_type, merge_lora=lora, frozen=self._frozen if lora else None)
+            path = self._write(lambda d: gguf_export.write_model(
+                d / f"model-{self._version}.gguf", model, self.fields, self.weight_type, merge_lora=lora,
+                frozen=self._frozen if lora else None))
             self._load_model(path)
+
+    def _write(self, write):
+        """Write a model file into the scratch directory. Shared memory can fill up after the engine started
+        (other processes use it too): then the scratch directory moves, once, to the default temporary
+        directory and the write is repeated there, instead of failing the round."""
+        try:
+            return write(Path(self.dir.name))
+        except OSError as e:
+            if e.errno != errno.ENOSPC or not self.dir.name.startswith("/dev/shm/"):
+                raise
+        old, self.dir = self.dir, tempfile.TemporaryDirectory(prefix="sapo-llama-")
+        log.warning("/dev/shm is full: the llama engine writes its model files to %s from now on", self.dir.name)
+        old.cleanup()
+        return write(Path(self.dir.name))
 
     def _load_model(self, path: Path) -> None:
         ll = self.ll

@@ -12,18 +12,22 @@ A round has K fetch slots:
   best usefulness first. The transport reads their presence shards first, so they are never lost in
   a sample of a crowded presence.
 * **Explore.** At least E = max(1, K // 4) slots, plus every exploit slot left free, go to keys that
-  are not proven: never-seen keys first (higher work tier first, `p2p.pow`; random order within a
-  tier), and a quarter of them (at least one) to
+  are not proven: never-tried keys first, from a queue of the never-tried keys seen in presence (higher
+  work tier first, `p2p.pow`; first seen first within a tier; random order among keys first seen in the
+  same round), and a quarter of them (at least one) to
   keys that failed before and whose cool-down is over, fewest failures in a row first. Each consecutive
   failure of an unproven key doubles its cool-down (1, 2, 4 … `max_cooldown` rounds), so a key
   found useless once stays out of the way while the unexplored keys are tried. A ghost or a caught
   copy counts as STRONG failures at once (8 rounds): honest software never makes one, while a batch
   without signal is what a weak honest model also publishes, so it parks a key for one round only.
 
-Why this bound holds for a new honest peer (PROTOCOL.md states it): with U never-seen live keys of the
-newcomer's work tier or above in a reader's view, the reader tries at least min(U, E_new) of them per
-round before any cheaper key, so the newcomer is tried within ceil(U / E_new) rounds, and a failed
-newcomer is retried with priority over keys that failed more often. Every Sybil key costs one try
+Why this bound holds for a new honest peer (PROTOCOL.md states it): once a reader has seen the newcomer
+(the transport's rotation over the tier shards guarantees that within TIER_SCAN_ROUNDS rounds), it stays
+queued until tried, and its presence shard is read among the preferred ones, so it stays a candidate.
+Each round the reader tries E_new queued keys, none twice, and only keys of the newcomer's tier or above
+(seen before it, or of a higher tier) go ahead of it: with U such keys the newcomer is tried within
+ceil(U / E_new) rounds of being seen, and a failed newcomer is retried with priority over keys that
+failed more often. Every Sybil key costs one try
 before it is parked; a Sybil swarm therefore delays a newcomer by its number of *untried* keys at the
 newcomer's tier or above, which only fresh proofs of work at that tier (16x the mint per tier) replenish.
 
@@ -50,6 +54,7 @@ class BanditConfig:
     memory: float = 20.0  # ok + bad are scaled down past this: old evidence fades
     max_cooldown: int = 64  # rounds an unproven key waits after repeated failures, at most
     max_tracked: int = 8192
+    max_queued: int = 4096  # never-tried keys remembered; when full the lowest tier's newest is dropped
 
 
 @dataclass
@@ -72,6 +77,10 @@ class PublisherBandit:
         self.rng = rng or random.Random()
         self.round = 0
         self._table: OrderedDict[bytes, Record] = OrderedDict()
+        # never-tried keys seen in presence: key -> (work tier, first seen: ordinal)
+        self._queue: dict[bytes, tuple[int, int]] = {}
+        self._seen = 0
+        self._asked: set[bytes] = set()  # queued keys whose presence shards the last preferred() asked for
         self._lock = threading.Lock()
 
     # --- evidence (verifier thread and event loop) -----------------------------------------------------
@@ -82,6 +91,7 @@ class PublisherBandit:
         without a useful group (a weak honest model publishes those too)."""
         cfg = self.cfg
         with self._lock:
+            self._queue.pop(publisher, None)  # tried
             r = self._table.pop(publisher, None) or Record()
             self._table[publisher] = r  # most recently updated last
             if useful:
@@ -126,11 +136,42 @@ class PublisherBandit:
         return r is not None and r.ok >= 1 and r.mean >= self.cfg.proven_mean
 
     def preferred(self, limit: int) -> list[bytes]:
-        """Proven publishers, best first (their presence shards are read before any other)."""
+        """Whose presence shards are read before any other (at most `limit`): proven publishers, best
+        first, in at most limit - E places, then the head of the never-tried queue (so a key met once stays
+        a candidate until it is tried, even when the rotation reads other shards)."""
+        explore_min = max(1, math.floor(limit * self.cfg.explore_share))
         with self._lock:
-            proven = [(r.mean, k) for k, r in self._table.items() if self._proven(r)]
-        proven.sort(key=lambda mk: -mk[0])
-        return [k for _, k in proven[:limit]]
+            proven = sorted(((r.mean, k) for k, r in self._table.items() if self._proven(r)), key=lambda mk: -mk[0])
+            proven = [k for _, k in proven[:max(0, limit - explore_min)]]
+            head = sorted(self._queue, key=self._queue_order)[:limit - len(proven)]
+            self._asked = set(head)
+        return proven + head
+
+    def _queue_order(self, publisher: bytes) -> tuple[int, int]:
+        tier, first = self._queue[publisher]
+        return -tier, first
+
+    def _enqueue(self, new: list[bytes], tiers: dict[bytes, int]) -> None:
+        """Remember never-tried candidates (caller holds the lock; `new` in random order), and forget the
+        queued keys whose presence shard was read for them but no longer holds them (left, or expired)."""
+        for pub in self._asked.difference(new):
+            self._queue.pop(pub, None)
+        self._asked = set()
+        worst = None  # the queued key a full queue drops first: lowest tier, newest (found once per call)
+        for pub in new:
+            tier = tiers.get(pub, 0)
+            if pub in self._queue:
+                t, first = self._queue[pub]
+                self._queue[pub] = (max(t, tier), first)
+                continue
+            if len(self._queue) >= self.cfg.max_queued:
+                worst = worst or max(self._queue, key=self._queue_order)
+                if self._queue_order(worst) <= (-tier, self._seen):
+                    continue  # the new key would be the one dropped
+                del self._queue[worst]
+                worst = None
+            self._queue[pub] = (tier, self._seen)
+            self._seen += 1
 
     def fresh(self, publisher: bytes) -> bool:
         """Worth a slot now: proven, never tried, or past its cool-down (counts toward a presence sample)."""
@@ -150,8 +191,12 @@ class PublisherBandit:
         proven = sorted((p for p in keys if self._proven(recs[p])), key=lambda p: -recs[p].mean)
         exploit = proven[:max(0, k - explore_min)]
         slots = k - len(exploit)
-        tiers = tiers or {}
-        new = sorted((p for p in keys if recs[p] is None), key=lambda p: -tiers.get(p, 0))  # stable: random in a tier
+        with self._lock:
+            self._enqueue([p for p in keys if recs[p] is None], tiers or {})
+            queued = sorted((p for p in keys if recs[p] is None and p in self._queue), key=self._queue_order)
+            turned_away = [p for p in keys if recs[p] is None and p not in self._queue]
+        # keys a full queue turned away still get a slot the queued ones leave free
+        new = queued + sorted(turned_away, key=lambda p: -(tiers or {}).get(p, 0))
         retry = sorted((p for p in keys if recs[p] is not None and not self._proven(recs[p])
                         and recs[p].next_try <= now), key=lambda p: (recs[p].fails_in_row, -recs[p].mean))
         n_retry = min(len(retry), max(1, slots // 4), slots)
@@ -162,5 +207,7 @@ class PublisherBandit:
     def snapshot(self) -> dict:
         with self._lock:
             recs = list(self._table.values())
+            queued = len(self._queue)
         return {"tracked": len(recs), "proven": sum(1 for r in recs if self._proven(r)),
-                "parked": sum(1 for r in recs if not self._proven(r) and r.next_try > self.round)}
+                "parked": sum(1 for r in recs if not self._proven(r) and r.next_try > self.round),
+                "queued": queued}

@@ -4,6 +4,7 @@ the first optimizer step) when the samples' log-probs are not the trained model'
 
 import copy
 import logging
+import os
 import sys
 
 import pytest
@@ -239,3 +240,35 @@ async def test_a_node_with_the_llama_engine_syncs_after_each_update(tmp_path, sm
     assert "sync" not in records[0]["phase_s"]
     assert ("sync" in records[1]["phase_s"]) == (records[0]["optimizer_steps"] > 0)
     assert all(r["tokens_generated"] > 0 for r in records)
+
+
+@pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="no writable /dev/shm here")
+def test_a_full_dev_shm_moves_the_engine_scratch_dir_instead_of_failing_the_round(caplog):
+    """Shared memory checked at start can fill up later (other processes use it): the write that hits ENOSPC
+    is repeated in the default temporary directory, and later writes go there."""
+    import errno
+    import tempfile
+    from pathlib import Path
+
+    from node.learn.engine_llama import LlamaEngine
+
+    engine = LlamaEngine.__new__(LlamaEngine)  # only the scratch directory matters here: no llama.cpp needed
+    engine.dir = tempfile.TemporaryDirectory(prefix="sapo-test-", dir="/dev/shm")
+    shm_dir = engine.dir.name
+    tries = []
+
+    def write(d: Path) -> Path:
+        tries.append(d)
+        if str(d).startswith("/dev/shm/"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        (d / "model.gguf").write_bytes(b"x")
+        return d / "model.gguf"
+
+    with caplog.at_level(logging.WARNING):
+        path = engine._write(write)
+    assert path.read_bytes() == b"x" and not str(path).startswith("/dev/shm/")
+    assert [str(t) for t in tries] == [shm_dir, engine.dir.name] and not os.path.exists(shm_dir)
+    assert "/dev/shm is full" in caplog.text
+    with pytest.raises(OSError):  # any other error is the caller's
+        engine._write(lambda d: (_ for _ in ()).throw(OSError(errno.EACCES, "denied")))
+    engine.dir.cleanup()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import time
 from functools import partial
@@ -15,8 +16,10 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from p2p.identity import Identity
-from p2p.transport import SwarmTransport, TransportConfig, TransportError
-from p2p.validators import RECORD_SIG_MAGIC, SapoRecordValidator, batch_key, key_id_bytes, owner_subkey, record_message
+from p2p.pow import MAX_TIER
+from p2p.transport import TIER_SCAN_ROUNDS, SwarmTransport, TransportConfig, TransportError
+from p2p.validators import RECORD_SIG_MAGIC, SapoRecordValidator, batch_key, key_id_bytes, owner_subkey, \
+    presence_key, record_message, tier_shards
 from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireGroup, decode_signed, encode_signed
 
 SWARM = "ttest"
@@ -214,3 +217,20 @@ async def _local_entries(_dht, node, keys: list[str]) -> dict:
             entries[subkey] = (MSGPackSerializer.loads(node.protocol.record_validator.strip_value(rec)), exp)
         out[key] = entries
     return out
+
+
+@pytest.mark.parametrize("shards", [1, 64, 1024])
+def test_the_rotation_reads_every_tier_shard_within_its_rounds_and_a_bounded_slice_per_fetch(tmp_path, shards):
+    """The newcomer bound's first half (PROTOCOL §7): every shard of tiers 1-3 is read at least once in
+    TIER_SCAN_ROUNDS fetches, highest tier first, and one fetch reads only ceil(S_t / TIER_SCAN_ROUNDS) of
+    each tier's S_t shards, whatever the number of keys there."""
+    reader = SwarmTransport(config(tmp_path, "reader", presence_shards=shards, create_identity=True))
+    every = {presence_key(SWARM, s, t) for t in range(1, MAX_TIER + 1) for s in range(tier_shards(shards, t))}
+    per_fetch = sum(math.ceil(tier_shards(shards, t) / TIER_SCAN_ROUNDS) for t in range(1, MAX_TIER + 1))
+    read: set[str] = set()
+    for _ in range(TIER_SCAN_ROUNDS):
+        keys = reader._tier_slice()
+        assert len(keys) == per_fetch and keys[0].startswith(presence_key(SWARM, 0, MAX_TIER).rsplit("/", 1)[0])
+        read.update(keys)
+    assert read == every
+    assert tier_shards(shards, 1) == shards  # tier 1 (the default) holds most keys: as many shards as tier 0

@@ -198,3 +198,45 @@ def test_a_copy_between_keys_of_equal_standing_charges_nobody():
     assert ex._verify_all([(d.public_key_bytes, recopy(data, d, 1))]) == []
     assert ex.stats.rejected[d.public_key_hex] == {"duplicate": 2}  # counted, not charged
     assert abs(ex.reputation.score(c.public_key_bytes) - ex.reputation.score(d.public_key_bytes)) < 1e-9
+
+
+def test_a_newcomer_seen_once_is_queued_and_tried_within_the_bound_without_being_seen_again():
+    """The bound's second half: a reader meets the newcomer once (its shard came up in the rotation) behind
+    300 never-tried keys of its tier met earlier. Afterwards the reader's sample holds only what it reads
+    first (the preferred shards: proven keys and the queue's head) plus a random handful, so the newcomer
+    is a candidate again only because it is queued. It is tried within ceil(U / n) rounds; queued keys
+    whose shards were read without them (gone) are forgotten."""
+    b = bandit()
+    k = 16
+    honest = [key(i) for i in range(3)]
+    for p in honest:
+        b.observe(p, useful=True)
+    sybils, newcomer, gone = [key(1000 + i) for i in range(300)], key(5000), key(6000)
+    rng = random.Random(1)
+    b.choose({p: 1 for p in honest + sybils + [gone]}, k)  # round 1: meets the crowd (and tries some)
+    b.new_round()
+    seen_once = {p: 2 for p in honest + sybils + [newcomer]}  # met once, behind the crowd
+    slots = k - len(honest)
+    n = slots - max(1, slots // 4)  # never-tried slots per round (PROTOCOL: the rest go to retries)
+    for rnd in range(2, 100):
+        head = b.preferred(k)
+        assert set(honest) <= set(head) and len(head) <= k
+        candidates = seen_once if rnd == 2 else {
+            p: rnd for p in set(head) | set(rng.sample(sybils, 5)) if p != gone and b.fresh(p)}
+        chosen = b.choose(candidates, k)
+        if newcomer in chosen:
+            break
+        for p in chosen:
+            b.observe(p, useful=p in honest)
+        b.new_round()
+    assert rnd <= 2 + -(-len(sybils) // n), rnd
+    assert b.record(gone) is None and gone not in b.preferred(k)  # read for, absent: dropped, never tried
+
+
+def test_a_full_queue_keeps_the_higher_tiers_and_the_earliest():
+    b = bandit(max_queued=10)
+    b.choose({key(i): 1 for i in range(10)}, 1)  # ten tier-0 keys queued (one of them tried below)
+    b.choose({key(100): 1, key(101): 1}, 1, {key(100): 1})  # a tier-1 key displaces the newest tier-0 key
+    assert b.snapshot()["queued"] == 10
+    assert b.preferred(16)[0] == key(100)
+    assert key(101) not in b.preferred(16)  # a later tier-0 key does not displace earlier ones

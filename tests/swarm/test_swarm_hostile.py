@@ -32,8 +32,9 @@ from node.swarm.exchange import ExchangeStats
 from node.swarm.verify import Verifier, VerifyConfig
 from p2p.identity import Identity
 from p2p.pow import check_pow, tier_difficulty, work_tier
+from p2p.transport import TIER_SCAN_ROUNDS
 from p2p.validators import DEFAULT_PRESENCE_SHARDS, RECORD_SIG_MAGIC, SapoRecordValidator, batch_key, \
-    key_id_bytes, owner_subkey, presence_key, presence_shard, record_message
+    key_id_bytes, owner_subkey, presence_key, presence_shard, record_message, tier_shards
 from p2p.wire import HEADER_LEN, MAX_ROUND, WIRE_VERSION, PresenceRecord, RolloutBatch, WireGroup, \
     canonical_json, encode_presence, encode_signed, seal
 
@@ -299,14 +300,16 @@ async def test_announced_rounds_cannot_inflate_a_fetch(tmp_path):
 
 async def test_a_newcomer_with_more_work_is_met_before_a_crowd_of_fresh_cheaper_keys(tmp_path):
     """Issue 20's newcomer bound: 400 never-tried Sybil keys at the swarm's minimum work appear together with
-    a newcomer whose key carries one work tier more (what a node mints by default). The reader's first
-    fetch already trains on the newcomer: tier shards are read before tier 0's, and the bandit explores
-    never-tried keys of higher tiers first (uniformly, the newcomer would be one of 401)."""
+    a newcomer whose key carries one work tier more (what a node mints by default). The reader's rotation
+    over the tier-1 shards is set so that it reaches the newcomer's shard in its last fetch of a cycle: the
+    newcomer is fetched within TIER_SCAN_ROUNDS fetches, and again in the next fetch (queued ahead of every
+    tier-0 key, its shard is read first). Uniformly, each fetch would choose it with chance 16 in 401."""
     swarm = "hostile-tiers"
     reader = transport(tmp_path, "reader", swarm, [], fetch_max=16)
     await reader.start()
-    newcomer = transport(tmp_path, "newcomer", swarm, reader.visible_maddrs(),
-                         identity=Identity.generate(tier_difficulty(POW, 1)))
+    newcomer_key = next(i for i in (Identity.generate(tier_difficulty(POW, 1)) for _ in range(100))
+                        if work_tier(i.public_key_bytes, i.pow_nonce, POW) == 1)  # 1 in 16 mints reach tier 2
+    newcomer = transport(tmp_path, "newcomer", swarm, reader.visible_maddrs(), identity=newcomer_key)
     sybils = [i for i in (Identity.generate(POW) for _ in range(440))
               if work_tier(i.public_key_bytes, i.pow_nonce, POW) == 0][:400]
     attacker = hivemind.DHT(initial_peers=reader.visible_maddrs(), start=True, host_maddrs=[LOOPBACK],
@@ -322,9 +325,24 @@ async def test_a_newcomer_with_more_work_is_met_before_a_crowd_of_fresh_cheaper_
              batch(ident, swarm, 3, [smoke_group(46)]), exp),
             (shard_key(swarm, ident), owner_subkey(ident.public_key_bytes), presence(ident, swarm, 3), exp))]
         assert all(await store_all(attacker, items))
-        got = await reader.fetch(policy=PublisherBandit(rng=random.Random(0)))
-        assert reader.last_fetch.candidates >= 16 and len(got) == 16
-        assert newcomer.identity.public_key_bytes in [r.publisher for r in got]
+        me = newcomer.identity.public_key_bytes
+        shards = tier_shards(DEFAULT_PRESENCE_SHARDS, 1)
+        step = shards // TIER_SCAN_ROUNDS
+        reader._scan_at[1] = (presence_shard(me, shards) + 1) % shards  # its shard comes last in the cycle
+        bandit = PublisherBandit(rng=random.Random(0))
+        met = None
+        for fetch in range(TIER_SCAN_ROUNDS):
+            got = await reader.fetch(policy=bandit)
+            assert len(got) == 16
+            if me in [r.publisher for r in got]:
+                met = fetch
+                break
+            bandit.new_round()
+        assert met is not None, "a tier-1 newcomer must be met within one rotation of the tier shards"
+        # not judged here, so never tried: it stays first in the queue, and its shard is read first
+        assert await newcomer.publish(4, batch(newcomer.identity, swarm, 4, [smoke_group(47)]))
+        bandit.new_round()
+        assert me in [r.publisher for r in await reader.fetch(policy=bandit)]
     finally:
         attacker.shutdown()
         await asyncio.gather(reader.shutdown(), newcomer.shutdown())
