@@ -9,6 +9,7 @@ and a launcher forwarding it arrive together); a third signal, or one after the 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -118,6 +119,8 @@ def build_exchange(cfg: NodeConfig, mix):
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # `kill -USR1 <pid>` prints every thread's stack on stderr: what a node that seems stuck is waiting on
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         cfg = load_config(argv)
     except ConfigError as exc:

@@ -229,7 +229,7 @@ class SwarmTransport:
             await loop.run_in_executor(None, dht.wait_until_ready, cfg.start_timeout_s)
             await loop.run_in_executor(None, die_with_parent, dht)
             await loop.run_in_executor(None, keep_valid_subkeys_in, dht)
-            maddrs = await loop.run_in_executor(None, dht.get_visible_maddrs)
+            maddrs = await loop.run_in_executor(None, visible_maddrs, dht)
         except Exception as e:
             await self.shutdown()
             hint = f" (initial peers: {cfg.initial_peers})" if cfg.initial_peers else ""
@@ -600,6 +600,16 @@ def keep_valid_subkeys_in(dht: hivemind.DHT, timeout: float = 10.0) -> bool:
 async def _routing_peers(_dht: hivemind.DHT, node: Any) -> list[str]:
     """Runs inside the DHT process: peer ids currently in the routing table (not replacements)."""
     return [str(pid) for bucket in node.protocol.routing_table.buckets for pid in bucket.nodes_to_peer_id.values()]
+
+
+async def _visible_maddrs(_dht: hivemind.DHT, node: Any) -> list[Any]:
+    return await node.get_visible_maddrs()
+
+
+def visible_maddrs(dht: hivemind.DHT, timeout: float = 10.0) -> list[Any]:
+    """Blocking: our multiaddrs as p2pd reports them; unlike hivemind's get_visible_maddrs it cannot wait forever
+    on a stalled daemon (a restart on a loaded host once hung there with no message)."""
+    return dht.run_coroutine(_visible_maddrs, return_future=True).result(timeout)
 
 
 def routing_peers(dht: hivemind.DHT, timeout: float = 10.0) -> list[str]:

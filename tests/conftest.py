@@ -87,6 +87,7 @@ class Proc:
 
     def __init__(self, args: list[str], out: Path):
         self.out = out
+        self.dumps_stacks = args[:2] == ["-m", "node.cli"]  # sapo-node registers SIGUSR1 (faulthandler)
         self._fh = open(out, "ab")
         self.p = subprocess.Popen([sys.executable, *args], cwd=REPO, env=node_env(), stdout=self._fh,
                                   stderr=subprocess.STDOUT, start_new_session=True)
@@ -178,7 +179,12 @@ def wait_for(pred, procs: list[Proc], timeout: float, what: str, poll: float = 0
                 raise AssertionError(f"{p.out.name} exited (rc {p.p.returncode}) while waiting for {what}:\n"
                                      f"{p.text()[-3000:]}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            for p in procs:  # a node prints every thread's stack on SIGUSR1: where it is stuck
+                if p.alive() and p.dumps_stacks:
+                    p.p.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            tails = "\n".join(f"--- {p.out.name} (alive {p.alive()}):\n{p.text()[-2000:]}" for p in procs)
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{tails}")
         time.sleep(poll)
 
 
