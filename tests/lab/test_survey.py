@@ -3,6 +3,7 @@ CPU preset it chose builds, with its held-out set and constant-answer baseline."
 
 import json
 
+import pytest
 import torch
 
 from node.lab.survey import Cell, easiest_config, load_records, run_cells, summarize
@@ -50,3 +51,26 @@ def test_cpu_learn_preset_builds_with_eval_set_and_baseline():
     assert len(tasks) == 64 and all(t.spec.index >= EVAL_INDEX_START for t in tasks)
     assert set(t.spec.dataset for t in tasks) == set(mix.datasets)
     assert 0 < constant_answer_baseline(tasks) <= 0.3
+
+
+def test_survey_samples_through_the_llama_engine_and_says_so(tmp_path):
+    """--engine llama: the pass@8 samples come from llama.cpp (greedy answers still from torch), the record
+    names the engine, and a cell samples the same on a second run (seeded from torch's RNG)."""
+    pytest.importorskip("llama_cpp")
+    from node.learn.engine import make_engine
+
+    torch.set_num_threads(1)
+    model, tok = load_model("tiny-random-smol", torch.device("cpu"))
+    engine = make_engine("llama", model, tok, "tiny-random-smol")
+    assert engine.name == "llama"
+    try:
+        cell = Cell("basic_arithmetic", "easiest", "direct", 1.0, 3)
+        runs = []
+        for name in ("a", "b"):
+            assert run_cells(model, tok, [cell], tmp_path / f"{name}.jsonl", samples=2, engine=engine) == 1
+            runs.append(load_records(tmp_path / f"{name}.jsonl")[cell.key()])
+    finally:
+        engine.close()
+    assert runs[0]["engine"] == "llama" and 0 <= runs[0]["pass2"] <= 1 and runs[0]["median_tokens"] > 0
+    timings = {"s_per_task", "greedy_s"}
+    assert {k: v for k, v in runs[0].items() if k not in timings} == {k: v for k, v in runs[1].items() if k not in timings}
