@@ -282,8 +282,8 @@ def summarize(log_path: Path, out_dir: Path) -> str:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "survey.json").write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
     lines = ["| dataset | level | format | n | pass@1 (greedy) | pass@8 | pass@8 − pass@1 | sampled mean "
-             "| groups with signal | constant baseline | distinct gold / correct | median tokens | s/task |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| groups with signal | constant baseline | distinct gold / correct | median tokens | s/task | sampler |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     errors = []
     for r in rows:
         if "error" in r:
@@ -293,7 +293,7 @@ def summarize(log_path: Path, out_dir: Path) -> str:
         lines.append(f"| {r['dataset']} | {r['level']} | {r['fmt']} | {r['n_tasks']} | {r['pass1']:.2f} | "
                      f"{passk:.2f} | {passk - r['pass1']:+.2f} | {r['sample_mean']:.2f} | "
                      f"{r['signal_frac']:.2f} | {r['baseline']:.2f} | {r['distinct_gold']} / {r['distinct_correct']} | "
-                     f"{r['median_tokens']:g} | {r['s_per_task']:.2f} |")
+                     f"{r['median_tokens']:g} | {r['s_per_task']:.2f} | {r.get('engine', 'torch')} |")
     text = "\n".join(lines) + ("\n\nFailed to build:\n" + "\n".join(errors) if errors else "") + "\n"
     (out_dir / "survey.md").write_text(text)
     return text
