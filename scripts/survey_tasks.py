@@ -8,8 +8,10 @@ most useful first:
   full     datasets that passed the screen: easiest config, both formats, 64 tasks
   harder   the same datasets at their default config, both formats, 64 tasks
   rescreen datasets that failed the screen, "reason" format, 16 tasks
+  harder-screen  datasets that passed neither screen (or failed to build): default config, "direct",
+           16 tasks, where the default differs from the easiest (is the harder setting any better?)
 
-    nice -n 10 python scripts/survey_tasks.py --model default --stages screen full harder rescreen
+    nice -n 10 python scripts/survey_tasks.py --model default --stages screen full harder rescreen harder-screen
     python scripts/survey_tasks.py --summarize   # docs/data/survey/survey.json + survey.md
 """
 
@@ -28,40 +30,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reasoning_gym  # noqa: E402
 import torch  # noqa: E402
 
-from node.lab.survey import EASIEST_OVERRIDES, FORMATS, Cell, PresetRule, choose_preset, load_records, run_cells, summarize  # noqa: E402
+from node.lab.survey import (EASIEST_OVERRIDES, FORMATS, SCREEN_TASKS, STAGES, PresetRule, choose_preset,  # noqa: E402
+                             load_records, run_cells, stage_cells, summarize)
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "data" / "survey"
-SCREEN_TASKS = 16
 # composite needs a list of datasets; arc_agi / rearc / codeio read big data files: tried, not special-cased
 SKIP: dict[str, str] = {"composite": "a mix of other datasets, not a dataset"}
-
-
-def passed_screen(records: dict, name: str, fmt: str = "direct") -> bool | None:
-    rec = records.get(Cell(name, "easiest", fmt, 1.0, SCREEN_TASKS).key())
-    if rec is None:
-        return None
-    return "error" not in rec and rec.get("pass8", 0) > 0
-
-
-def stage_cells(stage: str, names: list[str], records: dict, n_tasks: int, temperature: float,
-                screen_formats: tuple[str, ...] = ("direct",)) -> list[Cell]:
-    if stage == "screen":
-        return [Cell(n, "easiest", fmt, temperature, SCREEN_TASKS) for fmt in screen_formats for n in names]
-    if stage == "rescreen":
-        return [Cell(n, "easiest", "reason", temperature, SCREEN_TASKS) for n in names
-                if passed_screen(records, n) is False and "error" not in records[Cell(n, "easiest", "direct",
-                                                                                        temperature, SCREEN_TASKS).key()]]
-    passed = [n for n in names if passed_screen(records, n) or passed_screen(records, n, "reason")]
-    level = "easiest" if stage == "full" else "harder"
-    # format-major: the cheap direct cells of every dataset before the 3x longer reasoning ones
-    return [Cell(n, level, fmt, temperature, n_tasks) for fmt in FORMATS for n in passed]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--stages", nargs="+", default=["screen", "full", "harder", "rescreen"],
-                    choices=["screen", "full", "harder", "rescreen"])
+    ap.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
     ap.add_argument("--datasets", default="", help="comma list (default: every reasoning-gym dataset)")
     ap.add_argument("--screen-formats", nargs="+", default=["direct"], choices=list(FORMATS),
                     help="prompt formats of the screen stage (the plan screens direct only)")

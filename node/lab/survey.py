@@ -275,6 +275,42 @@ def run_cells(model, tokenizer, cells: list[Cell], log_path: Path, samples: int 
     return ran
 
 
+# --- the plan: stages, cheapest and most useful first --------------------------------------------------
+
+SCREEN_TASKS = 16
+STAGES = ("screen", "full", "harder", "rescreen", "harder-screen")
+
+
+def passed_screen(records: dict[str, dict[str, Any]], name: str, fmt: str = "direct",
+                  temperature: float = 1.0) -> bool | None:
+    """Did the dataset's 16-task easiest cell in this format solve anything? None: not screened yet."""
+    rec = records.get(Cell(name, "easiest", fmt, temperature, SCREEN_TASKS).key())
+    if rec is None:
+        return None
+    return "error" not in rec and rec.get("pass8", 0) > 0
+
+
+def stage_cells(stage: str, names: list[str], records: dict[str, dict[str, Any]], n_tasks: int,
+                temperature: float, screen_formats: tuple[str, ...] = ("direct",)) -> list[Cell]:
+    """The cells of one stage, given what earlier stages recorded (see scripts/survey_tasks.py)."""
+    if stage == "screen":
+        return [Cell(n, "easiest", fmt, temperature, SCREEN_TASKS) for fmt in screen_formats for n in names]
+    direct = {n: records.get(Cell(n, "easiest", "direct", temperature, SCREEN_TASKS).key()) for n in names}
+    if stage == "rescreen":
+        return [Cell(n, "easiest", "reason", temperature, SCREEN_TASKS) for n in names
+                if passed_screen(records, n, temperature=temperature) is False and "error" not in direct[n]]
+    passed = [n for n in names if passed_screen(records, n, temperature=temperature)
+              or passed_screen(records, n, "reason", temperature)]
+    if stage == "harder-screen":
+        # a dataset never solved (or never built) at its easiest: does its default config differ, build, solve?
+        return [Cell(n, "harder", "direct", temperature, SCREEN_TASKS) for n in names
+                if n not in passed and direct[n] is not None
+                and level_config(n, "easiest") != level_config(n, "harder")]
+    level = {"full": "easiest", "harder": "harder"}[stage]
+    # format-major: the cheap direct cells of every dataset before the 3x longer reasoning ones
+    return [Cell(n, level, fmt, temperature, n_tasks) for fmt in FORMATS for n in passed]
+
+
 def summarize(log_path: Path, out_dir: Path) -> str:
     """survey.json (every record) and survey.md (a table, failures listed with their error) in out_dir;
     returns the markdown."""

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from node.lab.survey import Cell, easiest_config, load_records, run_cells, summarize
+from node.lab.survey import SCREEN_TASKS, Cell, easiest_config, load_records, run_cells, stage_cells, summarize
 from node.learn.evaluate import constant_answer_baseline
 from node.learn.policy import load_model
 from node.learn.tasks import EVAL_INDEX_START, PRESETS, eval_tasks, resolve_mix
@@ -36,6 +36,27 @@ def test_survey_measures_resumes_and_lists_failures(tmp_path):
     table = summarize(log, tmp_path / "out")
     assert "| basic_arithmetic | easiest | direct | 3 |" in table and "not_a_dataset" in table
     assert len(json.loads((tmp_path / "out" / "survey.json").read_text())) == 3
+
+
+def test_stages_follow_the_screens():
+    """Each stage picks its datasets from what the screens recorded: solved ones go on to 64-task cells in
+    both formats, unsolved ones to the reasoning rescreen and, where the default config differs, the
+    harder screen; a dataset that failed to build is not rescreened but gets its harder screen."""
+    def screen(name, fmt, **rec):
+        cell = Cell(name, "easiest", fmt, 1.0, SCREEN_TASKS)
+        return {cell.key(): {"key": cell.key(), **rec}}
+
+    names = ["basic_arithmetic", "chain_sum", "gcd", "lcm", "bitwise_arithmetic"]
+    records = {**screen("basic_arithmetic", "direct", pass8=0.5), **screen("chain_sum", "direct", pass8=0.0),
+               **screen("chain_sum", "reason", pass8=0.1), **screen("gcd", "direct", pass8=0.0),
+               **screen("lcm", "direct", error="ValueError: x")}  # bitwise_arithmetic: not screened yet
+    plan = {s: {(c.dataset, c.level, c.fmt, c.n_tasks) for c in stage_cells(s, names, records, 64, 1.0)}
+            for s in ("screen", "full", "harder", "rescreen", "harder-screen")}
+    assert plan["screen"] == {(n, "easiest", "direct", SCREEN_TASKS) for n in names}
+    assert plan["full"] == {(n, "easiest", f, 64) for n in ("basic_arithmetic", "chain_sum") for f in ("direct", "reason")}
+    assert plan["harder"] == {(n, "harder", f, 64) for n in ("basic_arithmetic", "chain_sum") for f in ("direct", "reason")}
+    assert plan["rescreen"] == {("chain_sum", "easiest", "reason", SCREEN_TASKS), ("gcd", "easiest", "reason", SCREEN_TASKS)}
+    assert plan["harder-screen"] == {("gcd", "harder", "direct", SCREEN_TASKS), ("lcm", "harder", "direct", SCREEN_TASKS)}
 
 
 def test_easiest_config_shrinks_ranges_generically():
