@@ -11,6 +11,7 @@
 #
 # Settings (environment): SAPO_PEERS=5 SAPO_MODEL=default SAPO_TASKS=cpu-learn (CPU) / paper (GPU)
 #   SAPO_LOCAL_ROUNDS=100 SAPO_NUM_LOCAL=2 SAPO_NUM_EXTERNAL=2 SAPO_GENERATIONS=6 SAPO_RUN_ROOT=runs/local-swarm
+#   SAPO_MICRO_BATCH_SIZE=2 (CPU) / 8 (GPU)
 #   SAPO_STATUS_BASE_PORT=0 (e.g. 8100: peer i serves its dashboard on 8100+i) SAPO_SKIP_SETUP=0
 #   SAPO_PROGRESS=1 (0: no live progress view). Arguments are passed on to every sapo-node.
 set -euo pipefail

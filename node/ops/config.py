@@ -28,9 +28,9 @@ class NodeConfig:
     # model and tasks
     model: str = opt("default", "HF model id, local dir, .gguf file, 'default' (embedded SmolLM2-135M-Instruct) "
                                 "or 'tiny-random' / 'tiny-random-smol'")
-    tasks: str = opt("paper", "task mix: a preset (paper, cpu-learn, cpu-easy) or comma-separated reasoning-gym datasets")
+    tasks: str = opt("paper", "task mix: a preset (paper, cpu-learn, cpu-easy, smoke) or comma-separated reasoning-gym datasets")
     device: str = opt("auto", "auto, cpu, cuda, cuda:N")
-    threads: int = opt(0, "torch CPU threads for this process (0 = all cores / local peers)")
+    threads: int = opt(0, "torch CPU threads for this process (0 = all cores)")
     # SAPO round
     num_local: int = opt(4, "I: local groups (tasks sampled and trained on) per round")
     num_external: int = opt(4, "J: external groups from other peers per round (upper bound for adaptive policies)")
