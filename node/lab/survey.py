@@ -256,11 +256,11 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
 def run_cells(model, tokenizer, cells: list[Cell], log_path: Path, samples: int = 8,
               on_record=None, engine=None) -> int:
     """Measures every cell not already in the log, appending each as it finishes; returns how many ran.
-    A dataset that fails to build is recorded with its error (and not retried)."""
-    done = load_records(log_path)
+    A dataset that fails to build is recorded with its error (and not retried). The log is read again
+    before each cell, so processes sharing one log skip what another has finished meanwhile."""
     ran = 0
     for cell in cells:
-        if cell.key() in done:
+        if cell.key() in load_records(log_path):
             continue
         torch.manual_seed(0)
         try:
@@ -268,7 +268,6 @@ def run_cells(model, tokenizer, cells: list[Cell], log_path: Path, samples: int 
         except Exception as exc:  # reasoning-gym generators fail in many ways
             record = {"key": cell.key(), **dataclasses.asdict(cell), "error": f"{type(exc).__name__}: {exc}"[:300]}
         append_record(log_path, record)
-        done[cell.key()] = record
         ran += 1
         if on_record is not None:
             on_record(record)

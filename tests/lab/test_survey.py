@@ -38,6 +38,22 @@ def test_survey_measures_resumes_and_lists_failures(tmp_path):
     assert len(json.loads((tmp_path / "out" / "survey.json").read_text())) == 3
 
 
+def test_survey_skips_a_cell_another_process_finished_meanwhile(tmp_path):
+    """Two survey processes may share one log: a cell recorded by the other one after this one started
+    is not measured twice."""
+    torch.set_num_threads(1)
+    model, tok = load_model("tiny-random", torch.device("cpu"))
+    log = tmp_path / "cells.jsonl"
+    first, second = Cell("chain_sum", "easiest", "direct", 1.0, 2), Cell("products", "easiest", "direct", 1.0, 2)
+
+    def other_process_finishes_second(_record):
+        with log.open("a") as f:
+            f.write(json.dumps({"key": second.key(), "by": "other"}) + "\n")
+
+    assert run_cells(model, tok, [first, second], log, samples=2, on_record=other_process_finishes_second) == 1
+    assert load_records(log)[second.key()] == {"key": second.key(), "by": "other"}
+
+
 def test_stages_follow_the_screens():
     """Each stage picks its datasets from what the screens recorded: solved ones go on to 64-task cells in
     both formats, unsolved ones to the reasoning rescreen and, where the default config differs, the
