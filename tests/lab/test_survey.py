@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from node.lab.survey import SCREEN_TASKS, Cell, easiest_config, load_records, run_cells, stage_cells, summarize
+from node.lab.survey import (SCREEN_TASKS, Cell, append_record, easiest_config, load_records, run_cells, stage_cells,
+                             summarize)
 from node.learn.evaluate import constant_answer_baseline
 from node.learn.policy import load_model
 from node.learn.tasks import EVAL_INDEX_START, PRESETS, eval_tasks, resolve_mix
@@ -47,8 +48,7 @@ def test_survey_skips_a_cell_another_process_finished_meanwhile(tmp_path):
     first, second = Cell("chain_sum", "easiest", "direct", 1.0, 2), Cell("products", "easiest", "direct", 1.0, 2)
 
     def other_process_finishes_second(_record):
-        with log.open("a") as f:
-            f.write(json.dumps({"key": second.key(), "by": "other"}) + "\n")
+        append_record(log, {"key": second.key(), "by": "other"})
 
     assert run_cells(model, tok, [first, second], log, samples=2, on_record=other_process_finishes_second) == 1
     assert load_records(log)[second.key()] == {"key": second.key(), "by": "other"}
