@@ -1,0 +1,59 @@
+"""The collapse guard's decisions (node/learn/guard.py) on hand-made evaluations."""
+
+from node.learn.guard import CollapseGuard, EvalSummary, GuardConfig, collapsed
+
+
+def ev(r, acc, distinct=0.4, baseline=0.12, gold=0.35):
+    return EvalSummary(round=r, accuracy=acc, baseline=baseline, distinct=distinct, distinct_gold=gold)
+
+
+def test_definition_of_collapse():
+    assert collapsed(ev(0, 0.16))  # within 0.05 of the constant answer
+    assert collapsed(ev(0, 0.60, distinct=0.10))  # answers do not vary with the question
+    assert not collapsed(ev(0, 0.60, distinct=0.30))
+
+
+def test_best_evaluation_is_the_restore_point_and_a_collapse_from_it_restores():
+    g = CollapseGuard()
+    assert g.judge(ev(0, 0.15, distinct=0.13)).action == "snapshot"  # the base model: collapsed, but nothing to fall from
+    assert g.judge(ev(10, 0.40)).action == "snapshot"
+    assert g.judge(ev(20, 0.35)).action == "keep"  # worse, but still answering
+    v = g.judge(ev(30, 0.11, distinct=0.05))
+    assert (v.action, v.restored_to, v.lr_scale) == ("restore", 10, 0.5)
+    assert "constant answer" in v.reason
+    assert g.judge(ev(40, 0.10, distinct=0.05)).lr_scale == 0.25  # each restore lowers the rate again
+    assert g.state.restores == 2 and [h["restored_to"] for h in g.state.history] == [10, 10]
+
+
+def test_collapse_straight_from_the_base_model_is_caught_by_its_answers():
+    g = CollapseGuard()
+    g.judge(ev(0, 0.15, distinct=0.13))
+    assert g.judge(ev(10, 0.12, distinct=0.10)).action == "keep"  # as varied as the base model: not a collapse
+    v = g.judge(ev(20, 0.12, distinct=0.03))
+    assert v.action == "restore" and v.restored_to == 0 and "distinct" in v.reason
+
+
+def test_rate_has_a_floor_and_the_guard_can_be_off():
+    g = CollapseGuard(GuardConfig(lr_factor=0.1, min_lr_scale=0.01))
+    g.judge(ev(0, 0.5))
+    for r in range(1, 5):
+        v = g.judge(ev(r, 0.1, distinct=0.02))
+    assert v.lr_scale == 0.01
+    off = CollapseGuard(GuardConfig(enabled=False))
+    off.judge(ev(0, 0.5))
+    assert off.judge(ev(1, 0.1, distinct=0.02)).action == "keep"
+
+
+def test_state_round_trips():
+    g = CollapseGuard()
+    g.judge(ev(0, 0.5))
+    g.judge(ev(1, 0.1, distinct=0.02))
+    h = CollapseGuard()
+    h.load_state_dict(g.state_dict())
+    assert h.state == g.state and h.best == g.best
+
+
+def test_summary_from_a_metrics_record():
+    rec = {"eval_accuracy": 0.3, "eval_baseline": 0.12, "eval_distinct_answers": 0.3, "eval_distinct_gold": 0.35}
+    assert EvalSummary.from_record(7, rec) == EvalSummary(7, 0.3, 0.12, 0.3, 0.35)
+    assert EvalSummary.from_record(7, {"reward_mean": 0.2}) is None
