@@ -1,0 +1,161 @@
+"""The recipe sweep of docs/RESULTS.md section 7: run its cells, and apply its rule to what they show.
+
+    python scripts/recipe_sweep.py run [--part 0/2] [--settings lr1e-4-b0 ...] [--seeds 100 101 102]
+    python scripts/recipe_sweep.py summarize [--data docs/data/recipe-sweep] [--json out.json]
+
+`run` runs each (setting, seed) cell as one `sapo-experiment 4/0` in memory mode (resumable: a finished cell
+is skipped, an unfinished one continues from its checkpoints) and copies a finished cell's run.json and
+peer*/metrics.jsonl to docs/data/recipe-sweep/<setting>/4-0/seed<k>/, where `sapo-report` reads them too.
+`--part i/n` takes every n-th cell, so n processes share the grid on n cores.
+
+`summarize` reads the committed cells and applies the rule written before the sweep: among settings with
+no collapsed peer (node/learn/guard.py `collapsed`, on each peer's final evaluation), the highest mean final
+held-out accuracy; within 0.01 of the best is a tie, won by the lower learning rate, then by beta 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from node.learn.guard import EvalSummary, collapsed  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    lr: float
+    beta: float
+
+
+# in the order the design runs them
+GRID = [Setting("lr1e-4-b0", 1e-4, 0.0), Setting("lr2e-4-b0", 2e-4, 0.0), Setting("lr1e-4-b0.04", 1e-4, 0.04),
+        Setting("lr2e-4-b0.04", 2e-4, 0.04), Setting("lr5e-5-b0", 5e-5, 0.0), Setting("lr5e-5-b0.04", 5e-5, 0.04)]
+SEEDS = [100, 101, 102]
+CONFIG = "4/0"
+ROUNDS = 30
+TIE = 0.01
+
+
+def cell_command(s: Setting, seed: int, out: Path, engine: str) -> list[str]:
+    return [sys.executable, "-m", "node.lab.experiment", CONFIG, "--out", str(out), "--rounds", str(ROUNDS),
+            "--mode", "memory", "--lora-rank", "8", "--lr", str(s.lr), "--tasks", "cpu-learn", "--eval-every", "10",
+            "--eval-size", "128", "--threads", "1", "--seeds", str(seed), f"--node-arg=--beta={s.beta}",
+            f"--node-arg=--rollout-engine={engine}"]
+
+
+def copy_cell(run_dir: Path, dest: Path) -> int:
+    """run.json and each peer's metrics.jsonl of a finished cell; returns the number of peers copied."""
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(run_dir / "run.json", dest / "run.json")
+    peers = sorted(p for p in run_dir.glob("peer*") if (p / "metrics.jsonl").exists())
+    for peer in peers:
+        (dest / peer.name).mkdir(exist_ok=True)
+        shutil.copy2(peer / "metrics.jsonl", dest / peer.name / "metrics.jsonl")
+    return len(peers)
+
+
+def run(args: argparse.Namespace) -> int:
+    index, parts = (int(x) for x in args.part.split("/"))
+    grid = [s for s in GRID if not args.settings or s.name in args.settings]
+    cells = [(s, seed) for s in grid for seed in args.seeds][index::parts]
+    for s, seed in cells:
+        out = Path(args.runs) / s.name
+        dest = Path(args.data) / s.name / CONFIG.replace("/", "-") / f"seed{seed}"
+        if (dest / "run.json").exists():
+            print(f"[sweep] {s.name} seed {seed}: committed already", flush=True)
+            continue
+        print(f"[sweep] {s.name} seed {seed}: running", flush=True)
+        rc = subprocess.call(cell_command(s, seed, out, args.engine), cwd=REPO)
+        if rc != 0:
+            print(f"[sweep] {s.name} seed {seed}: sapo-experiment exited {rc}; stopping", flush=True)
+            return rc
+        peers = copy_cell(out / CONFIG.replace("/", "-") / f"seed{seed}", dest)
+        print(f"[sweep] {s.name} seed {seed}: finished, {peers} peers copied to {dest}", flush=True)
+    return 0
+
+
+def final_eval(metrics: Path) -> EvalSummary | None:
+    last = None
+    for line in metrics.read_bytes().splitlines():
+        rec = orjson.loads(line)
+        summary = EvalSummary.from_record(int(rec["round"]), rec)
+        if summary is not None:
+            last = (summary, rec)
+    return last
+
+
+def summarize(args: argparse.Namespace) -> int:
+    rows = []
+    for s in GRID:
+        finals = []
+        for metrics in sorted((Path(args.data) / s.name).glob("*/seed*/peer*/metrics.jsonl")):
+            found = final_eval(metrics)
+            if found is not None:
+                finals.append(found)
+        if not finals:
+            continue
+        accs = [e.accuracy for e, _ in finals]
+        unseen = [rec["eval_unseen_accuracy"] for _, rec in finals if rec.get("eval_unseen_accuracy") is not None]
+        rows.append({"setting": s.name, "lr": s.lr, "beta": s.beta, "peers": len(finals),
+                     "seeds": len({m.parent.parent.name for m in (Path(args.data) / s.name).glob("*/seed*/peer*")}),
+                     "final_rounds": sorted({e.round for e, _ in finals}),
+                     "mean_final_accuracy": sum(accs) / len(accs),
+                     "collapsed": sum(collapsed(e) for e, _ in finals),
+                     "mean_final_unseen": sum(unseen) / len(unseen) if unseen else None,
+                     "guard_restores": sum(int(rec.get("guard_restores", 0)) for _, rec in finals)})
+    complete = [r for r in rows if r["seeds"] >= len(SEEDS) and r["final_rounds"] == [ROUNDS - 1]]
+    winner, note = pick(complete)
+    print("| setting | peers | collapsed | mean final held-out | mean final unseen | guard restores |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        unseen = f"{r['mean_final_unseen']:.3f}" if r["mean_final_unseen"] is not None else "–"
+        print(f"| {r['setting']} | {r['peers']} | {r['collapsed']} | {r['mean_final_accuracy']:.3f} | {unseen} "
+              f"| {r['guard_restores']} |")
+    print(f"\nrule: {note}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "winner": winner, "note": note}, indent=1))
+    return 0
+
+
+def pick(rows: list[dict]) -> tuple[str | None, str]:
+    """The pre-registered rule (docs/RESULTS.md section 7) on complete settings."""
+    if len(rows) < len(GRID):
+        return None, f"{len(rows)} of {len(GRID)} settings complete; the rule waits for all"
+    fewest = min(r["collapsed"] for r in rows)
+    eligible = [r for r in rows if r["collapsed"] == fewest]
+    best = max(r["mean_final_accuracy"] for r in eligible)
+    tied = sorted((r for r in eligible if r["mean_final_accuracy"] >= best - TIE), key=lambda r: (r["lr"], r["beta"]))
+    bar = "no collapsed peer" if fewest == 0 else f"NOT MET: the fewest collapsed peers is {fewest}"
+    return tied[0]["setting"], f"{tied[0]['setting']} ({bar}; {len(tied)} setting(s) within {TIE} of the best)"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--part", default="0/1", help="i/n: every n-th cell starting at i")
+    r.add_argument("--settings", nargs="*", default=None, help="names from the grid (default: all)")
+    r.add_argument("--seeds", nargs="*", type=int, default=SEEDS)
+    r.add_argument("--runs", default="runs/recipe-sweep", help="where the run dirs live (not committed)")
+    r.add_argument("--data", default=str(REPO / "docs/data/recipe-sweep"))
+    r.add_argument("--engine", default="auto", help="--rollout-engine of every peer")
+    s = sub.add_parser("summarize")
+    s.add_argument("--data", default=str(REPO / "docs/data/recipe-sweep"))
+    s.add_argument("--json", default=None)
+    args = parser.parse_args()
+    return run(args) if args.cmd == "run" else summarize(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
