@@ -6,6 +6,8 @@
   when the stream is not a TTY (logs, pipes, CI).
 * ``python -m node.ops.progress RUN_DIR...`` tails ``RUN_DIR/metrics.jsonl`` of several local nodes and prints a
   combined table every 2 s (a redrawn table on a terminal, one line per new round otherwise). Ctrl-C exits.
+  Each peer's row shows its last held-out accuracy against the constant-answer baseline (a collapsed policy
+  scores about that), and the unseen set's where its mix has one.
 """
 
 from __future__ import annotations
