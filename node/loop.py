@@ -104,7 +104,7 @@ class SapoNode(RoundRecords):
         self.live = LiveState()
         self.saved_round = -1  # newest round whose checkpoint is on disk (written or resumed from)
         self._stop_event: asyncio.Event | None = None  # wakes network waits; made in run()
-        self.held_out = HeldOutEval(mix, cfg.eval_size, cfg.eval_every, cfg.rounds)
+        self.held_out = HeldOutEval(mix, cfg.eval_size, cfg.eval_every, cfg.rounds, cfg.eval_unseen_size)
         torch.manual_seed(cfg.seed)
 
     # --- the algorithm ----------------------------------------------------------------------------------
@@ -235,8 +235,7 @@ class SapoNode(RoundRecords):
                                                if not isinstance(v, list)}}  # per-task lists: metrics only
         record.update(result.to_record(), t_end=time.time(), round_s=round(time.time() - timer.t0, 4))
         record["phase_s"]["eval"] = round(timer.seconds["eval"], 4)
-        log.info("held-out accuracy %.3f after round %d (%d tasks, greedy, %.1fs; one constant answer per "
-                 "dataset scores %.3f)", result.accuracy, r, result.size, result.seconds, result.baseline or 0.0)
+        log.info("%s", result.log_line(r))
 
     def train(self, groups: list[Group]) -> StepStats:
         seqs = to_sequences(groups, self.tokenizer, self.prompter, self.cfg.scale_std)

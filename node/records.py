@@ -143,7 +143,7 @@ class RoundRecords:
 
 
 # Learning-health keys kept in the live history (status, dashboard)
-HISTORY_EXTRA = ("entropy_mean", "signal_frac", "local_signal_frac", "eval_accuracy")
+HISTORY_EXTRA = ("entropy_mean", "signal_frac", "local_signal_frac", "eval_accuracy", "eval_unseen_accuracy")
 
 
 def _count_sources(groups: list[Group]) -> dict[str, int]:

@@ -190,8 +190,9 @@ def fig_j_trajectory(runs: Sequence[Run], summary: dict, path: Path) -> bool:
 
 
 def fig_learning_health(runs: Sequence[Run], summary: dict, path: Path) -> None:
-    """Held-out accuracy per config (mean over seeds of the swarm mean, band = min/max over seeds), and the
-    collapse signs: share of groups with signal and token entropy (moving averages, mean over agents)."""
+    """Held-out accuracy per config (mean over seeds of the swarm mean, band = min/max over seeds; the unseen
+    set's dashed where the mix has one), and the collapse signs: share of groups with signal and token
+    entropy (moving averages, mean over agents)."""
     from node.lab.stats import eval_curve
 
     configs = summary["configs"]
@@ -201,16 +202,17 @@ def fig_learning_health(runs: Sequence[Run], summary: dict, path: Path) -> None:
     axes = fig.subplots(1, 3)
     cols = _colors(len(configs))
     for i, cfg in enumerate(configs):
-        curves = [eval_curve(r) for r in by[cfg]]
-        curves = [(x, y) for x, y in curves if y.size]
-        if curves:
-            rounds = np.unique(np.concatenate([x for x, _ in curves]))
-            mat = np.full((len(curves), rounds.size), np.nan)
-            for j, (x, y) in enumerate(curves):
-                mat[j, np.searchsorted(rounds, x)] = y
-            lo, hi = np.nanmin(mat, axis=0), np.nanmax(mat, axis=0)
-            axes[0].plot(rounds, nanmean_rows(mat), color=cols[i], lw=2, marker="o", ms=3, label=cfg)
-            axes[0].fill_between(rounds, lo, hi, color=cols[i], alpha=0.15, lw=0)
+        for attr, style, label in (("eval_acc", "-", cfg), ("unseen_acc", "--", f"{cfg}, unseen")):
+            curves = [eval_curve(r, attr) for r in by[cfg]]
+            curves = [(x, y) for x, y in curves if y.size]
+            if curves:
+                rounds = np.unique(np.concatenate([x for x, _ in curves]))
+                mat = np.full((len(curves), rounds.size), np.nan)
+                for j, (x, y) in enumerate(curves):
+                    mat[j, np.searchsorted(rounds, x)] = y
+                lo, hi = np.nanmin(mat, axis=0), np.nanmax(mat, axis=0)
+                axes[0].plot(rounds, nanmean_rows(mat), color=cols[i], lw=2, ls=style, marker="o", ms=3, label=label)
+                axes[0].fill_between(rounds, lo, hi, color=cols[i], alpha=0.15, lw=0)
         for ax, attr in ((axes[1], "signal_frac"), (axes[2], "entropy")):
             series = [p for r in by[cfg] for p in r.peers if getattr(p, attr).size]
             rounds, mat = align_series(series, attr)
@@ -220,6 +222,9 @@ def fig_learning_health(runs: Sequence[Run], summary: dict, path: Path) -> None:
     base = summary.get("eval_baseline", math.nan)
     if axes[0].lines and math.isfinite(base):  # what accuracy must beat: one fixed answer per dataset
         axes[0].axhline(base, color="grey", ls="--", lw=1.2, label=f"constant-answer baseline {base:.3f}")
+    base = summary.get("unseen_baseline", math.nan)
+    if summary.get("has_unseen") and math.isfinite(base):
+        axes[0].axhline(base, color="grey", ls=":", lw=1.2, label=f"constant answer, unseen set {base:.3f}")
     titles = ("Held-out accuracy (greedy); band = min/max over seeds", "Groups with signal (moving average)",
               "Token entropy of the samples, nats (moving average)")
     for ax, title in zip(axes, titles):

@@ -47,6 +47,8 @@ Definitions (also written into the report):
   evaluated round; per seed the final value and the area under that curve divided by its round span
   (trapezoids); compared with the baseline like the cumulative reward (bootstrap CI, sign test).
   When present it is the report's first comparison; training reward stays as the second view.
+  Lines that carry ``eval_unseen_accuracy`` (a task mix split by content) get the same for the
+  unseen set, questions whose content training never draws.
 * collapse signs: ``signal_frac`` (share of groups with differing rewards; older runs:
   ``local_signal_frac``) and ``entropy_mean`` (token entropy of the samples), all rounds and the
   last quarter of each agent's rounds.

@@ -37,6 +37,8 @@ class PeerSeries:
     entropy: np.ndarray = field(default_factory=lambda: np.array([]))  # mean token entropy of the samples
     signal_frac: np.ndarray = field(default_factory=lambda: np.array([]))  # share of groups with signal
     eval_baseline: float = float("nan")  # constant-answer accuracy on the evaluation set (logged since v0.3)
+    unseen_acc: np.ndarray = field(default_factory=lambda: np.array([]))  # the unseen set's (mixes split by content)
+    unseen_baseline: float = float("nan")
 
 
 @dataclass
@@ -144,6 +146,10 @@ def _read_metrics(path: Path, peer: str) -> tuple[PeerSeries | None, int, int]:
     def col(key: str) -> np.ndarray:
         return np.array([_num(o.get(key)) for o in recs], dtype=float)
 
+    def largest(key: str) -> float:
+        values = col(key)
+        return float(np.nanmax(values)) if np.isfinite(values).any() else float("nan")
+
     return (
         PeerSeries(
             peer=peer,
@@ -158,7 +164,9 @@ def _read_metrics(path: Path, peer: str) -> tuple[PeerSeries | None, int, int]:
             round_s=col("round_s"),
             ij_policy=pol,
             eval_acc=col("eval_accuracy"),
-            eval_baseline=float(np.nanmax(b)) if np.isfinite(b := col("eval_baseline")).any() else float("nan"),
+            eval_baseline=largest("eval_baseline"),
+            unseen_acc=col("eval_unseen_accuracy"),
+            unseen_baseline=largest("eval_unseen_baseline"),
             entropy=col("entropy_mean"),
             # older runs logged only the local share
             signal_frac=np.where(np.isnan(sf := col("signal_frac")), col("local_signal_frac"), sf),

@@ -153,9 +153,10 @@ def _max_drawdown(ma: np.ndarray) -> float:
     return float(np.max(np.maximum.accumulate(v) - v))
 
 
-def eval_curve(run: Run) -> tuple[np.ndarray, np.ndarray]:
-    """(evaluated rounds, swarm-mean held-out accuracy there) of one run; empty when it never evaluated."""
-    rounds, mat = align_series([p for p in run.peers if p.eval_acc.size], "eval_acc")
+def eval_curve(run: Run, attr: str = "eval_acc") -> tuple[np.ndarray, np.ndarray]:
+    """(evaluated rounds, swarm-mean held-out accuracy there) of one run; empty when it never evaluated.
+    `attr` "unseen_acc": the unseen set's accuracy."""
+    rounds, mat = align_series([p for p in run.peers if getattr(p, attr).size], attr)
     if not mat.size:
         return rounds, np.array([])
     curve = nanmean_rows(mat)
@@ -181,21 +182,25 @@ def _tail_mean(series: Sequence[np.ndarray], frac: float = 0.25) -> float:
     return float(v.mean()) if v.size else math.nan
 
 
+HELD_OUT_SETS = {"eval": "eval_acc", "unseen": "unseen_acc"}  # summary key prefix -> PeerSeries attribute
+
+
 def learning_health(rs: Sequence[Run]) -> dict:
-    """Held-out accuracy per seed (final and area under the curve) and the collapse signs of one config."""
-    final, area = {}, {}
-    for r in rs:
-        rounds, acc = eval_curve(r)
-        if acc.size:
-            final[r.seed], area[r.seed] = float(acc[-1]), eval_area(rounds, acc)
+    """Held-out accuracy per seed (final and area under the curve), of the in-distribution set (eval_*) and
+    the unseen one (unseen_*; empty without), and the collapse signs of one config."""
+    out: dict = {}
+    for prefix, attr in HELD_OUT_SETS.items():
+        final, area = {}, {}
+        for r in rs:
+            rounds, acc = eval_curve(r, attr)
+            if acc.size:
+                final[r.seed], area[r.seed] = float(acc[-1]), eval_area(rounds, acc)
+        for key, by_seed in (("final", final), ("area", area)):
+            out.update({f"{prefix}_{key}_by_seed": by_seed, f"{prefix}_{key}_mean": _fmean(list(by_seed.values())),
+                        f"{prefix}_{key}_std": _fstd(list(by_seed.values()))})
     peers = [p for r in rs for p in r.peers]
     return {
-        "eval_final_by_seed": final,
-        "eval_final_mean": _fmean(list(final.values())),
-        "eval_final_std": _fstd(list(final.values())),
-        "eval_area_by_seed": area,
-        "eval_area_mean": _fmean(list(area.values())),
-        "eval_area_std": _fstd(list(area.values())),
+        **out,
         "signal_frac_mean": _tail_mean([p.signal_frac for p in peers], 1.0),
         "signal_frac_last_quarter": _tail_mean([p.signal_frac for p in peers]),
         "entropy_mean": _tail_mean([p.entropy for p in peers], 1.0),
@@ -204,9 +209,12 @@ def learning_health(rs: Sequence[Run]) -> dict:
 
 
 def compare_heldout(d: dict, base: dict, n_boot: int, boot_seed: int) -> None:
-    """Adds, for final and area held-out accuracy: % vs the baseline, its bootstrap CI and the sign test."""
-    for key in ("eval_final", "eval_area"):
+    """Adds, for final and area held-out accuracy (and the unseen set's, where both sides have one): % vs the
+    baseline, its bootstrap CI and the sign test."""
+    for key in (f"{prefix}_{kind}" for prefix in HELD_OUT_SETS for kind in ("final", "area")):
         cfg_v, base_v = d[f"{key}_by_seed"], base[f"{key}_by_seed"]
+        if not key.startswith("eval_") and not (cfg_v and base_v):
+            continue
         pt, lo, hi, note = bootstrap_improvement(list(cfg_v.values()), list(base_v.values()), n_boot, boot_seed)
         wins, n, p = paired_sign_test(cfg_v, base_v)
         d[f"{key}_vs_base"] = {"pct": pt, "ci": [lo, hi], "note": note, "wins": wins, "seeds": n, "p": p,
@@ -378,4 +386,7 @@ def summarize(
         "has_eval": any(d["eval_final_by_seed"] for d in per.values()),
         "eval_baseline": next((p.eval_baseline for r in runs for p in r.peers if math.isfinite(p.eval_baseline)),
                               math.nan),
+        "has_unseen": any(d["unseen_final_by_seed"] for d in per.values()),
+        "unseen_baseline": next((p.unseen_baseline for r in runs for p in r.peers
+                                 if math.isfinite(p.unseen_baseline)), math.nan),
     }

@@ -62,13 +62,15 @@ def heldout_section(summary: dict) -> list[str]:
             L.append(f"Constant-answer baseline: **{summary['eval_baseline']:.4f}**, what one fixed answer per "
                      "dataset scores on this set (e.g. always \"True\"). A policy that collapsed onto such answers "
                      "scores about this; only accuracy above it shows the model answering the question.\n")
-        if summary["baseline"] is None:
-            L += md_table(["config", "final (mean ± std)", "area (mean ± std)"], [
-                [c, f"{num(per[c]['eval_final_mean'], '.4f')} ± {num(per[c]['eval_final_std'], '.4f')}",
-                 f"{num(per[c]['eval_area_mean'], '.4f')} ± {num(per[c]['eval_area_std'], '.4f')}"]
-                for c in summary["configs"]])
-        else:
-            L += heldout_comparison(summary)
+        L += heldout_table(summary, "eval")
+    if summary.get("has_unseen"):
+        L.append("## Unseen held-out accuracy\n")
+        L.append("The same, on the unseen set: questions whose content (the arithmetic fact, in either dataset's "
+                 "phrasing) the task mix reserves, so no training task and no accepted group ever asks one. "
+                 "Accuracy here is learned beyond the facts trained on.\n")
+        if math.isfinite(summary.get("unseen_baseline", math.nan)):
+            L.append(f"Constant-answer baseline of the unseen set: **{summary['unseen_baseline']:.4f}**.\n")
+        L += heldout_table(summary, "unseen")
     L.append("## Collapse signs\n")
     L.append("Share of groups (local and external) whose rewards differ, and the mean token entropy (nats) of "
              "the sampled completions: over all rounds and over each agent's last quarter of rounds.\n")
@@ -79,7 +81,19 @@ def heldout_section(summary: dict) -> list[str]:
     return L
 
 
-def heldout_comparison(summary: dict) -> list[str]:
+def heldout_table(summary: dict, prefix: str) -> list[str]:
+    """Final and area accuracy per configuration of one evaluation set ("eval" or "unseen"), against the
+    baseline configuration where there is one."""
+    per = summary["per_config"]
+    if summary["baseline"] is not None:
+        return heldout_comparison(summary, prefix)
+    return md_table(["config", "final (mean ± std)", "area (mean ± std)"], [
+        [c, f"{num(per[c][f'{prefix}_final_mean'], '.4f')} ± {num(per[c][f'{prefix}_final_std'], '.4f')}",
+         f"{num(per[c][f'{prefix}_area_mean'], '.4f')} ± {num(per[c][f'{prefix}_area_std'], '.4f')}"]
+        for c in summary["configs"]])
+
+
+def heldout_comparison(summary: dict, prefix: str = "eval") -> list[str]:
     """Held-out accuracy of each configuration against the baseline: %, CI, sign test, paired effect."""
     per, L = summary["per_config"], []
     L.append("| config | final (mean ± std) | vs baseline | 95% CI | seeds ahead (p) | area (mean ± std) "
@@ -87,9 +101,9 @@ def heldout_comparison(summary: dict) -> list[str]:
     L.append("|---|---|---|---|---|---|---|---|---|")
     for c in summary["configs"]:
         d = per[c]
-        L.append(f"| {c} | {num(d['eval_final_mean'], '.4f')} ± {num(d['eval_final_std'], '.4f')} | "
-                 + " | ".join(vs_cells(d, "eval_final")) + f" | {num(d['eval_area_mean'], '.4f')} ± "
-                 f"{num(d['eval_area_std'], '.4f')} | " + " | ".join(vs_cells(d, "eval_area")) + " |")
+        L.append(f"| {c} | {num(d[f'{prefix}_final_mean'], '.4f')} ± {num(d[f'{prefix}_final_std'], '.4f')} | "
+                 + " | ".join(vs_cells(d, f"{prefix}_final")) + f" | {num(d[f'{prefix}_area_mean'], '.4f')} ± "
+                 f"{num(d[f'{prefix}_area_std'], '.4f')} | " + " | ".join(vs_cells(d, f"{prefix}_area")) + " |")
     L.append("")
     L.append("Paired effect over seeds (config − baseline, same seeds): mean difference in accuracy points "
              "with its 95% bootstrap CI over seeds, Cohen's d_z (mean / sd of the differences) and the "
@@ -98,14 +112,15 @@ def heldout_comparison(summary: dict) -> list[str]:
     L.append("|---|---|---|---|---|---|---|---|---|")
     for c in summary["configs"]:
         cells = []
-        for key in ("eval_final", "eval_area"):
+        for key in (f"{prefix}_final", f"{prefix}_area"):
             v = per[c].get(f"{key}_vs_base") or {}
             ci = f"[{num(v.get('ci_low', math.nan), '+.4f')}, {num(v.get('ci_high', math.nan), '+.4f')}]" if v else ""
             cells += [num(v.get("mean_diff", math.nan), '+.4f'), ci, num(v.get("d_z", math.nan), '+.2f'),
                       num(v.get("p_perm", math.nan), '.3f')] if v else ["baseline", "—", "—", "—"]
         L.append(f"| {c} | " + " | ".join(cells) + " |")
     L.append("")
-    L.append(f"![held-out accuracy per seed, one line per seed]({FIGURES['paired']})\n")
+    if prefix == "eval":
+        L.append(f"![held-out accuracy per seed, one line per seed]({FIGURES['paired']})\n")
     return L
 
 
@@ -115,12 +130,14 @@ def console_table(summary: dict) -> str:
     head = f"{'config':<16}{'seeds':>6}{'agents':>8}"
     vs_head = f"{'vs base':>11}  95% CI" if base is not None else ""
     agents = {c: ",".join(map(str, d["peers"])) for c, d in summary["per_config"].items()}
-    if summary.get("has_eval"):
-        rows.append(f"{head}{'held-out final':>18}{vs_head}")
+    for prefix, title in (("eval", "held-out final"), ("unseen", "unseen final")):
+        if not summary.get(f"has_{prefix}"):
+            continue
+        rows.append(f"{head}{title:>18}{vs_head}")
         for c, d in summary["per_config"].items():
-            vs, ci, _ = vs_cells(d, "eval_final")
+            vs, ci, _ = vs_cells(d, f"{prefix}_final")
             tail = "" if base is None else f"{vs:>11}  {'' if vs == 'baseline' else ci}"
-            rows.append(f"{c:<16}{d['n_seeds']:>6}{agents[c]:>8}{num(d['eval_final_mean'], '.3f'):>18}{tail}")
+            rows.append(f"{c:<16}{d['n_seeds']:>6}{agents[c]:>8}{num(d[f'{prefix}_final_mean'], '.3f'):>18}{tail}")
         rows.append("")
     rows.append(f"{head}{'cumulative':>22}{vs_head}")
     for c, d in summary["per_config"].items():
@@ -134,12 +151,17 @@ def console_table(summary: dict) -> str:
 
 def agents_table(runs: Sequence[Run], window: int = 10) -> list[str]:
     """One row per agent: how each peer of a single configuration did (the curves are in the figures)."""
+    def last(values: np.ndarray) -> str:
+        values = values[np.isfinite(values)] if values.size else values
+        return num(float(values[-1]) if values.size else math.nan, ".4f")
+
+    unseen = any(np.isfinite(p.unseen_acc).any() for r in runs for p in r.peers if p.unseen_acc.size)
     rows = []
     for r in runs:
         for p in r.peers:
             ma = moving_average(p.reward, window)
-            acc = p.eval_acc[np.isfinite(p.eval_acc)] if p.eval_acc.size else p.eval_acc
             rows.append([f"seed {r.seed}", p.peer, str(p.rounds.size), num(float(np.nanmean(p.reward)), ".4f"),
-                         num(float(ma[-1]) if ma.size else math.nan, ".4f"),
-                         num(float(acc[-1]) if acc.size else math.nan, ".4f")])
-    return md_table(["run", "agent", "rounds", "mean reward", "last moving average", "final held-out accuracy"], rows)
+                         num(float(ma[-1]) if ma.size else math.nan, ".4f"), last(p.eval_acc)]
+                        + [last(p.unseen_acc)] * unseen)
+    return md_table(["run", "agent", "rounds", "mean reward", "last moving average", "final held-out accuracy"]
+                    + ["final unseen accuracy"] * unseen, rows)

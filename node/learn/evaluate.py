@@ -1,8 +1,10 @@
 """Held-out evaluation: greedy answers to the mix's fixed evaluation set, accuracy overall and per dataset.
 
-The set comes from `tasks.eval_tasks` (a reserved index range no training task can come from). Greedy
-decoding uses no random numbers, and the torch RNG state is restored anyway, so a run with evaluation
-gives the same training records as one without.
+The set comes from `tasks.eval_tasks` (a reserved index range no training task can come from). A mix
+with a content split (`TaskMix.unseen_share`) has a second, *unseen* set in the same pass: tasks whose
+content training never draws, so its accuracy shows what the node learned beyond the facts it saw.
+Greedy decoding uses no random numbers, and the torch RNG state is restored anyway, so a run with
+evaluation gives the same training records as one without.
 """
 
 from __future__ import annotations
@@ -34,27 +36,43 @@ class EvalResult:
     datasets: list[str] = field(default_factory=list)  # per task
     distinct_gold: float | None = None  # distinct_answers of the gold answers themselves
     baseline_by_dataset: dict[str, float] = field(default_factory=dict)
+    unseen: EvalResult | None = None  # the unseen set's result, evaluated in the same pass (mixes with a split)
 
     def distinct_answers(self) -> float:
         return distinct_share(self.datasets, self.answers)
 
     def to_record(self) -> dict:
-        """Keys of a metrics.jsonl row: eval_accuracy, eval_accuracy/<dataset>, eval_s, eval_size,
-        eval_baseline (the constant-answer yardstick), eval_distinct_answers, and per task (same order
-        every evaluation, so two evaluations pair task by task) eval_scores and eval_answers."""
-        out: dict = {"eval_accuracy": self.accuracy, "eval_s": round(self.seconds, 4), "eval_size": self.size}
-        out.update({f"eval_accuracy/{name}": acc for name, acc in sorted(self.by_dataset.items())})
-        if self.baseline is not None:
-            out["eval_baseline"] = self.baseline
-        out.update({f"eval_baseline/{name}": b for name, b in sorted(self.baseline_by_dataset.items())})
-        if self.distinct_gold is not None:
-            out["eval_distinct_gold"] = round(self.distinct_gold, 4)
-        if self.scores:
-            out["eval_distinct_answers"] = round(self.distinct_answers(), 4)
-            out["eval_scores"] = [round(x, 4) for x in self.scores]
-            out["eval_answers"] = [None if a is None else a[:MAX_ANSWER_CHARS] for a in self.answers]
-            out["eval_datasets"] = list(self.datasets)
+        """Keys of a metrics.jsonl row: eval_accuracy, eval_accuracy/<dataset>, eval_s (the whole pass),
+        eval_size, eval_baseline (the constant-answer yardstick), eval_distinct_answers, and per task (same
+        order every evaluation, so two evaluations pair task by task) eval_scores and eval_answers. With an
+        unseen set, the same keys of it under eval_unseen_ (eval_unseen_accuracy, ...; no eval_unseen_s)."""
+        out = {**self.fields("eval"), "eval_s": round(self.seconds, 4)}
+        if self.unseen is not None:
+            out.update(self.unseen.fields("eval_unseen"))
         return out
+
+    def fields(self, prefix: str) -> dict:
+        out: dict = {f"{prefix}_accuracy": self.accuracy, f"{prefix}_size": self.size}
+        out.update({f"{prefix}_accuracy/{name}": acc for name, acc in sorted(self.by_dataset.items())})
+        if self.baseline is not None:
+            out[f"{prefix}_baseline"] = self.baseline
+        out.update({f"{prefix}_baseline/{name}": b for name, b in sorted(self.baseline_by_dataset.items())})
+        if self.distinct_gold is not None:
+            out[f"{prefix}_distinct_gold"] = round(self.distinct_gold, 4)
+        if self.scores:
+            out[f"{prefix}_distinct_answers"] = round(self.distinct_answers(), 4)
+            out[f"{prefix}_scores"] = [round(x, 4) for x in self.scores]
+            out[f"{prefix}_answers"] = [None if a is None else a[:MAX_ANSWER_CHARS] for a in self.answers]
+            out[f"{prefix}_datasets"] = list(self.datasets)
+        return out
+
+    def log_line(self, r: int) -> str:
+        line = (f"held-out accuracy {self.accuracy:.3f} after round {r} ({self.size} tasks, greedy, "
+                f"{self.seconds:.1f}s; one constant answer per dataset scores {self.baseline or 0.0:.3f})")
+        if self.unseen is not None:
+            line += (f"; unseen accuracy {self.unseen.accuracy:.3f} ({self.unseen.size} tasks whose content "
+                     f"training never draws; constant answer {self.unseen.baseline or 0.0:.3f})")
+        return line
 
 
 def distinct_share(datasets: list[str], answers: list[str | None]) -> float:
@@ -124,14 +142,25 @@ def greedy_texts(model: torch.nn.Module, tokenizer, prompts: list[str], max_new_
 
 
 def evaluate(model: torch.nn.Module, tokenizer, prompter: Prompter, tasks: list[Task], max_new_tokens: int,
-             batch_size: int = 32, stop: StopRequest | None = None) -> EvalResult:
-    """Accuracy of greedy answers on `tasks`, scored by the same reward function as training."""
+             batch_size: int = 32, stop: StopRequest | None = None, unseen: list[Task] | None = None) -> EvalResult:
+    """Accuracy of greedy answers on `tasks`, scored by the same reward function as training; with
+    `unseen`, that set's too (`.unseen`), generated in the same batches."""
     t0 = time.perf_counter()
+    both = tasks + (unseen or [])
     rng_state = torch.random.get_rng_state()
     try:
-        texts = greedy_texts(model, tokenizer, [prompter(t) for t in tasks], max_new_tokens, batch_size, stop)
+        texts = greedy_texts(model, tokenizer, [prompter(t) for t in both], max_new_tokens, batch_size, stop)
     finally:
         torch.random.set_rng_state(rng_state)
+    result = scored(tasks, texts[: len(tasks)], prompter)
+    if unseen:
+        result.unseen = scored(unseen, texts[len(tasks):], prompter)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def scored(tasks: list[Task], texts: list[str], prompter: Prompter) -> EvalResult:
+    """The result of greedy `texts` (completions after the answer prefix) to `tasks`."""
     rewards: dict[str, list[float]] = {}
     flat: list[float] = []
     for task, text in zip(tasks, texts):
@@ -141,7 +170,6 @@ def evaluate(model: torch.nn.Module, tokenizer, prompter: Prompter, tasks: list[
     return EvalResult(
         accuracy=sum(flat) / len(flat) if flat else 0.0,
         by_dataset={name: sum(v) / len(v) for name, v in rewards.items()},
-        seconds=time.perf_counter() - t0,
         size=len(flat),
         scores=flat,
         answers=[extract_answer(prompter.answer_prefix + text) for text in texts],
@@ -149,28 +177,53 @@ def evaluate(model: torch.nn.Module, tokenizer, prompter: Prompter, tasks: list[
     )
 
 
-class HeldOutEval:
-    """When a node evaluates (every `every` rounds from round 0, and after its last round) and on what."""
+@dataclass
+class EvalSet:
+    """A fixed evaluation set and the yardsticks its accuracy is read against."""
 
-    def __init__(self, mix: TaskMix, size: int, every: int, rounds: int):
+    tasks: list[Task]
+    baseline: float  # constant_answer_baseline of the tasks
+    baseline_by_dataset: dict[str, float]
+    distinct_gold: float  # distinct_share of the gold answers
+
+    @staticmethod
+    def of(tasks: list[Task]) -> EvalSet:
+        by_dataset = constant_answer_baselines(tasks)
+        return EvalSet(tasks, constant_answer_baseline(tasks, by_dataset), by_dataset,
+                       distinct_share([t.spec.dataset for t in tasks], [str(t.answer) for t in tasks]))
+
+    def label(self, result: EvalResult) -> EvalResult:
+        result.baseline, result.distinct_gold = self.baseline, self.distinct_gold
+        result.baseline_by_dataset = self.baseline_by_dataset
+        return result
+
+
+class HeldOutEval:
+    """When a node evaluates (every `every` rounds from round 0, and after its last round) and on what: the
+    in-distribution set of `size` tasks and, where the mix splits by content, the unseen set of
+    `unseen_size` tasks (0: `size`)."""
+
+    def __init__(self, mix: TaskMix, size: int, every: int, rounds: int, unseen_size: int = 0):
         self.mix, self.size, self.every, self.rounds = mix, size, every, rounds
-        self.tasks: list[Task] | None = None  # built on first use, in the worker thread
-        self.baseline: float | None = None  # constant_answer_baseline of those tasks
-        self.distinct_gold: float | None = None
-        self.baseline_by_dataset: dict[str, float] = {}
+        self.unseen_size = unseen_size or size
+        self.seen: EvalSet | None = None  # built on first use, in the worker thread
+        self.unseen: EvalSet | None = None  # stays None for a mix without a content split
+
+    @property
+    def tasks(self) -> list[Task] | None:
+        return self.seen.tasks if self.seen is not None else None
 
     def due(self, r: int) -> bool:
         return self.every > 0 and (r % self.every == 0 or r == self.rounds - 1)
 
     def run(self, model: torch.nn.Module, tokenizer, prompter: Prompter, max_new_tokens: int,
             stop: StopRequest | None = None) -> EvalResult:
-        if self.tasks is None:
-            self.tasks = eval_tasks(self.mix, self.size)
-            self.baseline_by_dataset = constant_answer_baselines(self.tasks)
-            self.baseline = constant_answer_baseline(self.tasks, self.baseline_by_dataset)
-            self.distinct_gold = distinct_share([t.spec.dataset for t in self.tasks],
-                                                [str(t.answer) for t in self.tasks])
-        result = evaluate(model, tokenizer, prompter, self.tasks, max_new_tokens, stop=stop)
-        result.baseline, result.distinct_gold = self.baseline, self.distinct_gold
-        result.baseline_by_dataset = self.baseline_by_dataset
-        return result
+        if self.seen is None:
+            self.seen = EvalSet.of(eval_tasks(self.mix, self.size))
+            unseen = eval_tasks(self.mix, self.unseen_size, unseen=True)
+            self.unseen = EvalSet.of(unseen) if unseen else None
+        result = evaluate(model, tokenizer, prompter, self.seen.tasks, max_new_tokens, stop=stop,
+                          unseen=self.unseen.tasks if self.unseen is not None else None)
+        if result.unseen is not None and self.unseen is not None:
+            self.unseen.label(result.unseen)
+        return self.seen.label(result)

@@ -16,6 +16,8 @@ from typing import Any
 
 import reasoning_gym
 
+from node.learn.content import CONTENT_KEYS, is_reserved
+
 # Every dataset is created with this size; items depend only on (seed, index), so any index below it is
 # regenerable by any node (see docs/PROTOCOL.md).
 DATASET_SIZE = 1_000_000
@@ -23,6 +25,9 @@ DATASET_SIZE = 1_000_000
 # sampler never draws them (its counter wraps below), and no peer's group naming one is accepted
 # (TaskMix.allows), so nothing a node trains on can be an evaluation task, whatever the seeds.
 EVAL_INDEX_START = 900_000
+# A mix with an unseen share also splits by content (node.learn.content): the sampler skips a reserved
+# task, no peer's group naming one is accepted, and the unseen evaluation asks only reserved facts.
+MAX_RESERVED_SKIP = 10_000  # consecutive reserved indices after which a dataset is deemed all reserved
 
 
 @dataclass(frozen=True)
@@ -134,12 +139,28 @@ class TaskMix:
     answer_prefix: str = ""  # forced start of the assistant turn, e.g. "<answer>"
     max_new_tokens: int = 256
     examples: dict[str, str] = field(default_factory=dict)  # optional one-line per-dataset example
+    # share of the content space (datasets with a content key) reserved for the unseen evaluation; 0 = none
+    unseen_share: float = 0.0
 
     def allows(self, spec: TaskSpec) -> bool:
-        """Only datasets *and configs* of our own mix are accepted from peers."""
+        """Only datasets *and configs* of our own mix are accepted from peers, never an evaluation task:
+        neither the held-out index range nor a task whose content the unseen evaluation reserves."""
         entry = self.datasets.get(spec.dataset)
-        return (entry is not None and _freeze(entry.get("config", {})) == spec.config
-                and not is_eval_index(spec.index))
+        if entry is None or _freeze(entry.get("config", {})) != spec.config or is_eval_index(spec.index):
+            return False
+        if self.unseen_share > 0 and spec.dataset in CONTENT_KEYS:
+            try:
+                return not self.reserves(regenerate(spec))
+            except TaskError:
+                return True  # not this rule's call: the caller's own regeneration rejects it (bad_task)
+        return True
+
+    def reserves(self, task: Task) -> bool:
+        """Whether the task's content belongs to the unseen evaluation (so training never sees it)."""
+        return is_reserved(task.spec.dataset, task.entry, self.unseen_share)
+
+    def has_unseen(self) -> bool:
+        return self.unseen_share > 0 and any(name in CONTENT_KEYS for name in self.datasets)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -149,6 +170,7 @@ class TaskMix:
             "answer_prefix": self.answer_prefix,
             "max_new_tokens": self.max_new_tokens,
             "examples": self.examples,
+            "unseen_share": self.unseen_share,
         }
 
 
@@ -189,7 +211,8 @@ PRESETS: dict[str, TaskMix] = {
     ),
     # Chosen by the task survey's rule (docs/RESULTS.md section 6): guessing pays little (constant-answer
     # baseline <= 0.15), sampling solves clearly more than greedy decoding (pass@8 - pass@1 >= 0.20),
-    # right answers are spread, completions short. Same prompt as cpu-easy (measured there).
+    # right answers are spread, completions short. Same prompt as cpu-easy (measured there). A fifth of its
+    # arithmetic facts is reserved for the unseen evaluation (docs/RESULTS.md, "cpu-learn v2").
     "cpu-learn": TaskMix(
         name="cpu-learn",
         datasets={
@@ -201,6 +224,7 @@ PRESETS: dict[str, TaskMix] = {
         system_prompt=CPU_EASY_SYSTEM_PROMPT,
         answer_prefix="<answer>",
         max_new_tokens=32,
+        unseen_share=0.2,
     ),
     # Scorers that give graded partial credit even to random text: a tiny random model still produces
     # groups with a learning signal. For tests and smoke runs only.
@@ -230,6 +254,7 @@ def resolve_mix(value: str | dict[str, Any]) -> TaskMix:
             system_prompt=str(value.get("system_prompt", base.system_prompt)),
             answer_prefix=str(value.get("answer_prefix", base.answer_prefix)),
             max_new_tokens=int(value.get("max_new_tokens", base.max_new_tokens)),
+            unseen_share=float(value.get("unseen_share", 0.0)),
         )
     elif value in PRESETS:
         mix = PRESETS[value]
@@ -246,6 +271,8 @@ def validate_mix(mix: TaskMix) -> None:
     known = set(reasoning_gym.factory.DATASETS)
     if not mix.datasets:
         raise TaskError("task mix is empty")
+    if not 0 <= mix.unseen_share < 1:
+        raise TaskError(f"unseen_share must be in [0, 1) (got {mix.unseen_share})")
     for name, entry in mix.datasets.items():
         if name not in known:
             raise TaskError(f"unknown reasoning-gym dataset {name!r} (presets: {', '.join(PRESETS)})")
@@ -257,7 +284,8 @@ def validate_mix(mix: TaskMix) -> None:
 class TaskSampler:
     """Draws task specs from a mix; its whole state is (rng state, counter), so it checkpoints exactly.
 
-    The dataset seed is the node's seed: two nodes with different seeds see different questions.
+    The dataset seed is the node's seed: two nodes with different seeds see different questions. A task
+    the mix reserves for the unseen evaluation is skipped (the counter moves on to the next index).
     """
 
     def __init__(self, mix: TaskMix, seed: int):
@@ -272,9 +300,15 @@ class TaskSampler:
         tasks = []
         for _ in range(n):
             name = self.rng.choices(self._names, weights=self._weights, k=1)[0]
-            spec = TaskSpec.make(name, self.mix.datasets[name].get("config", {}), self.seed, self.counter)
-            self.counter = (self.counter + 1) % EVAL_INDEX_START  # never reaches the held-out range
-            tasks.append(regenerate(spec))
+            config = self.mix.datasets[name].get("config", {})
+            for _ in range(MAX_RESERVED_SKIP):
+                task = regenerate(TaskSpec.make(name, config, self.seed, self.counter))
+                self.counter = (self.counter + 1) % EVAL_INDEX_START  # never reaches the held-out range
+                if not self.mix.reserves(task):
+                    break
+            else:
+                raise TaskError(f"{name}: every task is reserved for the unseen evaluation")
+            tasks.append(task)
         return tasks
 
     def state_dict(self) -> dict[str, Any]:
@@ -293,10 +327,14 @@ def is_eval_index(index: int) -> bool:
 EVAL_SEED = 0  # dataset seed of the held-out set: the same tasks for every node and run of a mix
 
 
-def eval_tasks(mix: TaskMix, size: int) -> list[Task]:
+def eval_tasks(mix: TaskMix, size: int, unseen: bool = False) -> list[Task]:
     """The mix's fixed held-out set: `size` tasks from the reserved index range, datasets in proportion to
-    their weights (largest remainders), so every dataset with weight gets a share and runs compare."""
-    names = list(mix.datasets)
+    their weights (largest remainders), so every dataset with weight gets a share and runs compare.
+    In-distribution (default): the range's first tasks whose content the mix does not reserve. `unseen`:
+    the first ones it does reserve, from the datasets that have a content key (empty without a split)."""
+    names = [n for n in mix.datasets if not unseen or (mix.has_unseen() and n in CONTENT_KEYS)]
+    if not names or size <= 0:
+        return []
     weights = [float(mix.datasets[n].get("weight", 1.0)) for n in names]
     exact = [size * w / sum(weights) for w in weights]
     counts = [int(x) for x in exact]
@@ -304,8 +342,16 @@ def eval_tasks(mix: TaskMix, size: int) -> list[Task]:
         counts[i] += 1
     tasks = []
     for name, count in zip(names, counts):
-        config = mix.datasets[name].get("config", {})
-        tasks += [regenerate(TaskSpec.make(name, config, EVAL_SEED, EVAL_INDEX_START + k)) for k in range(count)]
+        config, found = mix.datasets[name].get("config", {}), []
+        for index in range(EVAL_INDEX_START, DATASET_SIZE):
+            if len(found) == count:
+                break
+            task = regenerate(TaskSpec.make(name, config, EVAL_SEED, index))
+            if mix.reserves(task) == unseen:
+                found.append(task)
+        if len(found) < count:
+            raise TaskError(f"{name}: the evaluation range holds fewer than {count} such tasks")
+        tasks += found
     return tasks
 
 

@@ -73,6 +73,7 @@ class NodeConfig:
     # held-out evaluation
     eval_every: int = opt(10, "greedy held-out evaluation every N rounds (0 = off; 10 keeps its cost near 6 percent)")
     eval_size: int = opt(64, "tasks in the held-out evaluation set (fixed per task mix, never trained on)")
+    eval_unseen_size: int = opt(0, "tasks in the unseen evaluation set of a mix split by content (0 = --eval-size)")
     # run dir, checkpoints, logs
     run_dir: str = opt("runs/node", "where metrics, logs, identity and checkpoints live")
     resume: bool = opt(False, "continue from the newest good checkpoint in --run-dir")
@@ -126,7 +127,7 @@ class ConfigError(ValueError):
 POSITIVE = {"num_local", "generations", "rounds", "epochs", "minibatches", "micro_batch_size",
             "checkpoint_every", "keep_checkpoints", "window", "fetch_max"}
 NON_NEGATIVE = {"num_external", "max_new_tokens", "threads", "beta", "status_port", "seed", "eval_every",
-                "lora_rank"}
+                "lora_rank", "eval_unseen_size"}
 LORA_LR_SCALE = 10.0  # LoRA Without Regret (Thinking Machines, 2025): LoRA's best RL learning rate is ~10x
 
 

@@ -6,6 +6,8 @@
   when the stream is not a TTY (logs, pipes, CI).
 * ``python -m node.ops.progress RUN_DIR...`` tails ``RUN_DIR/metrics.jsonl`` of several local nodes and prints a
   combined table every 2 s (a redrawn table on a terminal, one line per new round otherwise). Ctrl-C exits.
+  Each peer's row shows its last held-out accuracy against the constant-answer baseline (a collapsed policy
+  scores about that), and the unseen set's where its mix has one.
 """
 
 from __future__ import annotations
@@ -55,12 +57,23 @@ def _clean(value: Any, limit: int = 24) -> str:
     return s if len(s) <= limit else s[: limit - 1] + "…"
 
 
-def format_progress_line(rec: Mapping[str, Any]) -> str:
-    """One compact line: peer, round, reward, moving average, external groups used, phase (+ round time).
+def held_out_cell(ev: Mapping[str, Any], key: str = "eval") -> str | None:
+    """``0.420 (const 0.121)``: accuracy of one evaluation set against what one fixed answer scores on it
+    (``key`` "eval", or "eval_unseen" for the set of questions never trained on); None when not evaluated."""
+    acc = ev.get(f"{key}_accuracy")
+    if not _isnum(acc):
+        return None
+    base = ev.get(f"{key}_baseline")
+    return f"{acc:.3f}" + (f" (const {base:.3f})" if _isnum(base) else "")
 
-    Accepts a node status snapshot (keys ``round``, ``last_reward``, ``reward_ma``, ``phase``, ``history``, ...)
-    or a round record from ``metrics.jsonl`` (``round``, ``reward_mean``, ``num_local``, ``num_external``,
-    ``round_s``, ``phase_s``, ``peer``). Missing values print as ``-``.
+
+def format_progress_line(rec: Mapping[str, Any]) -> str:
+    """One compact line: peer, round, reward, moving average, external groups used, phase (+ round time),
+    and after an evaluation the held-out (and unseen) accuracy against the constant-answer baseline.
+
+    Accepts a node status snapshot (keys ``round``, ``last_reward``, ``reward_ma``, ``phase``, ``history``,
+    ``eval``, ...) or a round record from ``metrics.jsonl`` (``round``, ``reward_mean``, ``num_local``,
+    ``num_external``, ``round_s``, ``phase_s``, ``peer``, ``eval_accuracy``, ...). Missing values print as ``-``.
     """
     rec = rec if isinstance(rec, Mapping) else {}
     name = rec.get("name") or rec.get("peer") or _short_peer(rec.get("peer_id"))
@@ -86,6 +99,12 @@ def format_progress_line(rec: Mapping[str, Any]) -> str:
         parts.append(f"phase {_clean(phase, 12)}")
     if _isnum(round_s):
         parts.append(f"{round_s:.1f}s")
+    ev = rec if "eval_accuracy" in rec else rec.get("eval")
+    if isinstance(ev, Mapping):
+        for key, label in (("eval", "held-out"), ("eval_unseen", "unseen")):
+            cell = held_out_cell(ev, key)
+            if cell:
+                parts.append(f"{label} {cell}")
     return " | ".join(parts)
 
 
@@ -204,6 +223,7 @@ class RunView:
     rewards: list = field(default_factory=list)
     updated_at: float | None = None
     peer: str | None = None
+    last_eval: dict | None = None  # the newest record that carries a held-out evaluation
 
     @property
     def name(self) -> str:
@@ -216,6 +236,8 @@ class RunView:
             self.rounds_seen += 1
             if rec.get("peer"):
                 self.peer = str(rec["peer"])
+            if _isnum(rec.get("eval_accuracy")):
+                self.last_eval = rec
             if _isnum(rec.get("reward_mean")):
                 self.rewards.append(float(rec["reward_mean"]))
                 del self.rewards[:-ma_window]
@@ -231,15 +253,20 @@ class RunView:
         return sum(self.rewards) / len(self.rewards) if self.rewards else None
 
 
-_COLUMNS = ("peer", "round", "reward", "ma(10)", "local", "ext", "round_s", "updated")
+_COLUMNS = ("peer", "round", "reward", "ma(10)", "local", "ext", "held-out (const)", "round_s", "updated")
+_UNSEEN = "unseen (const)"  # a column only when some peer's mix has an unseen set
 
 
 def format_table(views: Sequence[RunView], now: float | None = None) -> str:
+    """One row per run; held-out accuracy is the last evaluation's (its round after the @)."""
     now = time.time() if now is None else now
-    rows = [_COLUMNS]
+    unseen = any(v.last_eval and "eval_unseen_accuracy" in v.last_eval for v in views)
+    columns = _COLUMNS[:7] + (_UNSEEN,) * unseen + _COLUMNS[7:]
+    rows = [columns]
     for v in views:
-        r = v.last or {}
+        r, ev = v.last or {}, v.last_eval or {}
         age = f"{now - v.updated_at:.0f}s ago" if v.updated_at else ("waiting" if not v.tail.path.exists() else "-")
+        at = f" @{ev.get('round')}" if ev else ""
         rows.append((
             v.name,
             str(r.get("round", "-")),
@@ -247,10 +274,12 @@ def format_table(views: Sequence[RunView], now: float | None = None) -> str:
             _f(v.reward_ma),
             str(r.get("num_local", "-")),
             str(r.get("num_external", "-")),
+            (held_out_cell(ev) or "-") + at,
+            *(((held_out_cell(ev, "eval_unseen") or "-") + at,) * unseen),
             _f(r.get("round_s"), 1),
             age,
         ))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = []
     for j, row in enumerate(rows):
         cells = [c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)]

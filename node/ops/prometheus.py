@@ -198,13 +198,16 @@ def learning_health(m, snap: dict) -> None:
     m.add("sapo_signal_fraction", "gauge", "Share of the last round's groups whose rewards differ.",
           num(snap.get("signal_frac")))
     ev = as_dict(snap.get("eval"))
-    m.add("sapo_eval_accuracy", "gauge", "Held-out accuracy (greedy) at the last evaluation.",
-          num(ev.get("eval_accuracy")))
-    for key, value in sorted(ev.items()):
-        if key.startswith("eval_accuracy/"):
-            m.add("sapo_eval_accuracy_by_dataset", "gauge", "Held-out accuracy at the last evaluation, by dataset.",
-                  num(value), {"dataset": key.split("/", 1)[1]})
-    m.add("sapo_eval_constant_baseline", "gauge", "Accuracy of one fixed answer per dataset on the evaluation "
-          "set: a collapsed policy scores about this.", num(ev.get("eval_baseline")))
+    # the in-distribution set, and the unseen one (questions whose content training never draws) where
+    # the mix splits by content: absent values are not exported
+    for key, what in (("eval", "Held-out"), ("eval_unseen", "Unseen")):
+        m.add(f"sapo_{key}_accuracy", "gauge", f"{what} accuracy (greedy) at the last evaluation.",
+              num(ev.get(f"{key}_accuracy")))
+        for name, value in sorted(ev.items()):
+            if name.startswith(f"{key}_accuracy/"):
+                m.add(f"sapo_{key}_accuracy_by_dataset", "gauge", f"{what} accuracy at the last evaluation, by "
+                      "dataset.", num(value), {"dataset": name.split("/", 1)[1]})
+        m.add(f"sapo_{key}_constant_baseline", "gauge", "Accuracy of one fixed answer per dataset on the "
+              f"{what.lower()} evaluation set: a collapsed policy scores about this.", num(ev.get(f"{key}_baseline")))
     m.add("sapo_eval_round", "gauge", "Round of the last held-out evaluation.", num(ev.get("round")))
     m.add("sapo_eval_duration_seconds", "gauge", "Seconds the last held-out evaluation took.", num(ev.get("eval_s")))

@@ -33,6 +33,8 @@ SCALARS = {
     "reward_max": "reward/max",
     "eval_accuracy": "eval/accuracy",
     "eval_baseline": "eval/constant_answer_baseline",
+    "eval_unseen_accuracy": "eval/unseen_accuracy",  # mixes split by content: questions never trained on
+    "eval_unseen_baseline": "eval/unseen_constant_answer_baseline",
     "loss": "train/loss",
     "kl": "train/kl",
     "clip_frac": "train/clip_frac",
@@ -62,10 +64,13 @@ SCALARS = {
 }
 # dict-valued keys: one tag per entry
 NESTED = {"phase_s": "time/phase/", "rejected_by_reason": "groups/rejected/"}
-PER_DATASET = ("eval_accuracy/", "eval/accuracy/")
+# per-dataset keys: metrics.jsonl prefix -> tag prefix
+PER_DATASET = {"eval_accuracy/": "eval/accuracy/", "eval_unseen_accuracy/": "eval/unseen_accuracy/"}
 # TensorBoard's "custom scalars" tab: accuracy and the line it must beat in one chart
-LAYOUT = {"held-out": {"accuracy vs constant-answer baseline":
-                       ["Multiline", ["eval/accuracy", "eval/constant_answer_baseline"]]}}
+LAYOUT = {"held-out": {
+    "accuracy vs constant-answer baseline": ["Multiline", ["eval/accuracy", "eval/constant_answer_baseline"]],
+    "unseen accuracy vs constant-answer baseline": [
+        "Multiline", ["eval/unseen_accuracy", "eval/unseen_constant_answer_baseline"]]}}
 
 
 def _number(v: Any) -> bool:
@@ -79,8 +84,9 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         value = record.get(key)
         if isinstance(value, dict):
             out.update({prefix + str(k): float(v) for k, v in value.items() if _number(v)})
-    out.update({PER_DATASET[1] + key[len(PER_DATASET[0]):]: float(v) for key, v in record.items()
-                if key.startswith(PER_DATASET[0]) and _number(v)})
+    for key_prefix, tag_prefix in PER_DATASET.items():
+        out.update({tag_prefix + key[len(key_prefix):]: float(v) for key, v in record.items()
+                    if key.startswith(key_prefix) and _number(v)})
     return out
 
 

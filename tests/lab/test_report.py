@@ -21,9 +21,11 @@ def reward(cfg, s, t):
 
 # held-out accuracy(config, seed, round t) = EVAL_BASE[config] + 0.01 * t + 0.01 * seed, at rounds 0, 5, 9
 EVAL_BASE = {"4/0": 0.20, "2/2": 0.30}
+# unseen accuracy(config, seed, round t) = UNSEEN_BASE[config] + 0.005 * t + 0.01 * seed, at the same rounds
+UNSEEN_BASE = {"4/0": 0.10, "2/2": 0.15}
 
 
-def write_exp(root, *, corrupt=True, held_out=False):
+def write_exp(root, *, corrupt=True, held_out=False, unseen=False):
     for cfg in BASE:
         i, j = map(int, cfg.split("/"))
         for s in SEEDS:
@@ -49,6 +51,9 @@ def write_exp(root, *, corrupt=True, held_out=False):
                         if t % 5 == 0 or t == ROUNDS - 1:
                             rec.update({"eval_accuracy": EVAL_BASE[cfg] + 0.01 * t + 0.01 * s,
                                         "eval_accuracy/count_bits": 0.5, "eval_s": 2.0})
+                            if unseen:
+                                rec.update(eval_unseen_accuracy=UNSEEN_BASE[cfg] + 0.005 * t + 0.01 * s,
+                                           eval_unseen_baseline=0.17, eval_unseen_size=64)
                     lines.append(json.dumps(rec))
                 if corrupt and cfg == "2/2" and s == 1 and p == 0:
                     lines.insert(3, "this is not json")
@@ -117,6 +122,27 @@ def test_report_leads_with_held_out_accuracy(tmp_path, capsys):
     assert d["eval_final_vs_base"]["p_perm"] == pytest.approx(2 / 8)
     printed = capsys.readouterr().out
     assert "held-out final" in printed and "+33.33%" in printed
+    assert "unseen" not in printed and "Unseen" not in md and not b["unseen_final_by_seed"]  # not logged
+
+
+def test_report_compares_the_unseen_set_too(tmp_path, capsys):
+    exp = write_exp(tmp_path / "exp", corrupt=False, held_out=True, unseen=True)
+    out = tmp_path / "out"
+    assert main([str(exp), "--out", str(out)]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    d, b = s["per_config"]["2/2"], s["per_config"]["4/0"]
+    assert s["has_unseen"] and s["unseen_baseline"] == pytest.approx(0.17)
+    # final = value at round 9: 4/0 0.145 + 0.01 s -> mean 0.155; 2/2 -> 0.205
+    assert b["unseen_final_mean"] == pytest.approx(0.155) and d["unseen_final_mean"] == pytest.approx(0.205)
+    assert d["unseen_final_vs_base"]["pct"] == pytest.approx(100 * (0.205 / 0.155 - 1))
+    assert d["unseen_final_vs_base"]["ci_low"] == pytest.approx(0.05) == d["unseen_final_vs_base"]["ci_high"]
+    assert d["unseen_area_mean"] == pytest.approx(0.15 + 0.0225 + 0.01)  # the value at round 4.5
+    assert d["eval_final_mean"] == pytest.approx(0.40)  # the in-distribution figures are unchanged
+    md = (out / "report.md").read_text()
+    assert md.index("## Held-out accuracy") < md.index("## Unseen held-out accuracy") < md.index("## Collapse")
+    assert "Constant-answer baseline of the unseen set: **0.1700**" in md
+    assert f"| 2/2 | 0.2050 ± 0.0100 | {100 * (0.205 / 0.155 - 1):+.2f}% |" in md
+    assert "unseen final" in capsys.readouterr().out
 
 
 def test_summarize_numbers(tmp_path):
@@ -234,7 +260,7 @@ def test_paired_effect_exact_permutation_and_d_z():
     assert math.isnan(paired_effect({"9": 1.0}, base)["p_perm"])  # no common seed: no test
 
 
-def write_local_swarm(root, peers=5, rounds=12):
+def write_local_swarm(root, peers=5, rounds=12, unseen=False):
     """scripts/local_swarm.sh's layout: ROOT/bootstrap/, ROOT/peer<i>/ (metrics, logs, tb/), ROOT/local_swarm.log;
     no run.json. Peer i's reward at round t: 0.1 + 0.01 i + 0.02 t; held-out every 5 rounds and at the end."""
     (root / "bootstrap").mkdir(parents=True)
@@ -253,6 +279,8 @@ def write_local_swarm(root, peers=5, rounds=12):
                    "signal_frac": 0.5, "entropy_mean": 1.0}
             if t % 5 == 0 or t == rounds - 1:
                 rec.update(eval_accuracy=0.5 + 0.01 * t, eval_baseline=0.5625, eval_size=64)
+                if unseen:
+                    rec.update(eval_unseen_accuracy=0.1 + 0.01 * i, eval_unseen_baseline=0.17)
             lines.append(json.dumps(rec))
         (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return root
@@ -277,9 +305,14 @@ def test_local_swarm_dir_is_one_configuration_with_five_agents(tmp_path, capsys)
     assert "vs baseline" not in md and "seeds ahead" not in md and "baseline" not in printed
     # cumulative = sum over 5 peers and 12 rounds: 60 * 0.1 + 12 * 0.01 * (0 + 1 + 2 + 3 + 4) + 5 * 0.02 * 66 = 13.8
     assert "| local-swarm | 13.80 ± 0.00 | s0: 13.80 | 0.2300 |" in md
-    assert "Constant-answer baseline: **0.5625**" in md
+    assert "Constant-answer baseline: **0.5625**" in md and "unseen" not in md
     for name in ("per_agent_rewards.png", "moving_average_band.png", "heldout_and_collapse.png"):
         assert (root / "report" / name).stat().st_size > 1000
+    # with an unseen set, each agent's row ends with its final unseen accuracy
+    other = write_local_swarm(tmp_path / "runs" / "unseen", unseen=True)
+    assert main([str(other)]) == 0
+    md = (other / "report" / "report.md").read_text()
+    assert "final held-out accuracy | final unseen accuracy |" in md and "| 0.6100 | 0.1300 |" in md
 
 
 def test_held_out_plot_draws_the_constant_answer_baseline(tmp_path, monkeypatch):
@@ -294,3 +327,8 @@ def test_held_out_plot_draws_the_constant_answer_baseline(tmp_path, monkeypatch)
     runs = load_runs([write_local_swarm(tmp_path / "ls")])
     figures.fig_learning_health(runs, summarize(runs), tmp_path / "h.png")
     assert (0.5625, "constant-answer baseline 0.562") in drawn
+    assert not [label for _, label in drawn if "unseen" in label]
+    drawn.clear()
+    runs = load_runs([write_exp(tmp_path / "exp", corrupt=False, held_out=True, unseen=True)])
+    figures.fig_learning_health(runs, summarize(runs), tmp_path / "u.png")
+    assert (0.17, "constant answer, unseen set 0.170") in drawn

@@ -69,6 +69,34 @@ def test_constant_answer_baseline_is_the_best_fixed_answer_per_dataset(tiny):
     assert 0 <= record["eval_distinct_answers"] <= 1 and 0 < record["eval_distinct_gold"] <= 1
 
 
+def test_a_mix_split_by_content_is_also_evaluated_on_its_unseen_set(tiny):
+    """cpu-learn: one pass answers both sets; the unseen set's fields sit beside the in-distribution ones,
+    each read against its own constant-answer baseline. A mix without a split records no unseen field."""
+    model, tok = tiny
+    mix = PRESETS["cpu-learn"]
+    held_out = HeldOutEval(mix, 6, every=1, rounds=1, unseen_size=4)
+    result = held_out.run(model, tok, Prompter(tok, mix), max_new_tokens=3)
+    record = result.to_record()
+    unseen = held_out.unseen.tasks
+    assert len(unseen) == 4 and all(mix.reserves(t) for t in unseen)
+    assert not any(mix.reserves(t) for t in held_out.tasks) and record["eval_size"] == 6
+    assert record["eval_unseen_size"] == 4 and record["eval_unseen_datasets"] == [t.spec.dataset for t in unseen]
+    assert record["eval_unseen_baseline"] == constant_answer_baseline(unseen)
+    assert record["eval_baseline"] == constant_answer_baseline(held_out.tasks)
+    assert sum(record["eval_unseen_scores"]) / 4 == pytest.approx(record["eval_unseen_accuracy"], abs=1e-3)
+    assert {f"eval_unseen_accuracy/{n}" for n in mix.datasets} <= set(record)
+    assert {f"eval_unseen_baseline/{n}" for n in mix.datasets} <= set(record)
+    assert len(record["eval_unseen_answers"]) == 4 and 0 < record["eval_unseen_distinct_gold"] <= 1
+    assert "eval_unseen_s" not in record and record["eval_s"] > 0  # one pass, one time
+    alone = evaluate(model, tok, Prompter(tok, mix), unseen, max_new_tokens=3)
+    assert alone.scores == result.unseen.scores  # batched with the other set or alone: the same answers
+    assert "unseen accuracy" in result.log_line(5)
+
+    smoke = HeldOutEval(PRESETS["smoke"], 4, every=1, rounds=1, unseen_size=4)
+    plain = smoke.run(model, tok, Prompter(tok, PRESETS["smoke"]), max_new_tokens=3).to_record()
+    assert smoke.unseen is None and not [k for k in plain if k.startswith("eval_unseen")]
+
+
 def test_training_never_draws_or_accepts_an_eval_task():
     mix = PRESETS["cpu-easy"]
     sampler = TaskSampler(mix, seed=0)  # the eval set's own dataset seed

@@ -218,6 +218,8 @@ async def test_dashboard_renders_in_chromium(tmp_path):
             assert await evaluate(cdp, session, "Number(document.getElementById('phase-chart').dataset.points)") > 0
             assert await evaluate(cdp, session, "document.getElementById('v-round').textContent") == "7"
             assert await evaluate(cdp, session, "document.getElementById('v-eval').textContent") == "0.300 @6"
+            assert await evaluate(cdp, session, "document.getElementById('v-unseen').textContent") == "0.200 @6"
+            assert await evaluate(cdp, session, "document.getElementById('v-baseline').textContent") == "0.125 / 0.175"
             assert await evaluate(cdp, session, "Number(document.getElementById('health-chart').dataset.points)") > 0
             rows = await evaluate(cdp, session, "document.querySelectorAll('#peer-table tbody tr').length")
             assert rows == 2

@@ -41,6 +41,31 @@ def test_format_snapshot():
     assert line.startswith("[12D3Ko…")
 
 
+def test_held_out_accuracy_shows_against_the_constant_answer_baseline():
+    rec = {"round": 10, "reward_mean": 0.5, "peer": "bob", "eval_accuracy": 0.4219, "eval_baseline": 0.1367,
+           "eval_unseen_accuracy": 0.25, "eval_unseen_baseline": 0.168}
+    line = format_progress_line(rec)
+    assert line.endswith("| held-out 0.422 (const 0.137) | unseen 0.250 (const 0.168)")
+    snap = {"round": 12, "last_reward": 0.5, "eval": {"round": 10, "eval_accuracy": 0.4, "eval_baseline": 0.125}}
+    assert format_progress_line(snap).endswith("| held-out 0.400 (const 0.125)")  # no unseen set: not shown
+    assert "held-out" not in format_progress_line({"round": 11, "reward_mean": 0.5})
+
+
+def test_table_shows_each_peers_last_evaluation(tmp_path):
+    evals = {"eval_accuracy": 0.375, "eval_baseline": 0.125}
+    _write(tmp_path / "a", [{"round": 0, "reward_mean": 0.1, **evals}, {"round": 1, "reward_mean": 0.2}])
+    _write(tmp_path / "b", [{"round": 0, "reward_mean": 0.1, **evals, "eval_unseen_accuracy": 0.0625,
+                             "eval_unseen_baseline": 0.1875}])
+    views = [RunView(tmp_path / n, MetricsTail(tmp_path / n / "metrics.jsonl")) for n in ("a", "b")]
+    for v in views:
+        v.poll()
+    lines = format_table(views).splitlines()
+    assert "held-out (const)" in lines[0] and "unseen (const)" in lines[0]
+    assert "0.375 (const 0.125) @0" in lines[2] and lines[2].split()[1] == "1"  # last round 1, eval of round 0
+    assert "0.062 (const 0.188) @0" in lines[3]
+    assert "unseen" not in format_table(views[:1])  # no peer with an unseen set: no such column
+
+
 def test_format_is_robust():
     assert "round -" in format_progress_line({})
     hostile = format_progress_line({"peer": "evil\x1b[2J\rname" * 5, "round": 1, "reward_mean": None})

@@ -36,10 +36,12 @@ def fake_snapshot(**over) -> dict:
         "history": [
             {"round": r, "reward_mean": r / 10, "num_local": 4, "num_external": r % 3,
              "phase_s": {"generate": 3.0, "train": 4.0}, "signal_frac": 0.5, "entropy_mean": 1.5}
-            | ({"eval_accuracy": r / 20} if r % 5 == 1 else {})
+            | ({"eval_accuracy": r / 20, "eval_unseen_accuracy": r / 40} if r % 5 == 1 else {})
             for r in range(1, 7)
         ],
-        "eval": {"round": 6, "eval_accuracy": 0.3, "eval_accuracy/count_bits": 0.25, "eval_s": 4.5, "eval_size": 64},
+        "eval": {"round": 6, "eval_accuracy": 0.3, "eval_accuracy/count_bits": 0.25, "eval_s": 4.5, "eval_size": 64,
+                 "eval_baseline": 0.125, "eval_unseen_accuracy": 0.2, "eval_unseen_accuracy/chain_sum": 0.15,
+                 "eval_unseen_baseline": 0.175, "eval_unseen_size": 64},
         "entropy": 1.5,
         "signal_frac": 0.5,
         "peers": {
@@ -172,6 +174,13 @@ async def test_metrics_exposition(client):
     assert value_of(samples, "sapo_eval_accuracy") == 0.3
     assert value_of(samples, "sapo_eval_accuracy_by_dataset", dataset="count_bits") == 0.25
     assert value_of(samples, "sapo_eval_round") == 6 and value_of(samples, "sapo_eval_duration_seconds") == 4.5
+    assert value_of(samples, "sapo_eval_constant_baseline") == 0.125
+    assert value_of(samples, "sapo_eval_unseen_accuracy") == 0.2
+    assert value_of(samples, "sapo_eval_unseen_accuracy_by_dataset", dataset="chain_sum") == 0.15
+    assert value_of(samples, "sapo_eval_unseen_constant_baseline") == 0.175
+    # a mix without an unseen set exports none of its metrics (not zeros)
+    plain = fake_snapshot(eval={"round": 6, "eval_accuracy": 0.3, "eval_baseline": 0.125})
+    assert not [name for name in parse_prometheus(render_metrics(plain))[0] if "unseen" in name]
     assert value_of(samples, "sapo_token_entropy") == 1.5 and value_of(samples, "sapo_signal_fraction") == 0.5
 
 

@@ -38,6 +38,11 @@ def test_scalars_of_a_record():
     assert tags["eval/accuracy/count_bits"] == 0.75
     assert not any("ij_policy" in t or "sources" in t for t in tags)  # strings and per-peer maps stay out
     assert "eval/accuracy" not in scalars(record(1))  # a round without evaluation has no accuracy point
+    unseen = scalars(record(2, eval_accuracy=0.6, eval_unseen_accuracy=0.3, eval_unseen_baseline=0.17,
+                            **{"eval_unseen_accuracy/chain_sum": 0.25, "eval_unseen_scores": [1.0, 0.0]}))
+    assert unseen["eval/unseen_accuracy"] == 0.3 and unseen["eval/unseen_constant_answer_baseline"] == 0.17
+    assert unseen["eval/unseen_accuracy/chain_sum"] == 0.25 and "eval/accuracy/chain_sum" not in unseen
+    assert not [t for t in tags if "unseen" in t]  # a mix without an unseen set has no such curve
 
 
 def test_event_files_equal_metrics_and_restart_rebuilds(tmp_path):

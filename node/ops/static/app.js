@@ -210,11 +210,13 @@
     renderPhaseTable(s.phase_s || (hist.length ? hist[hist.length - 1].phase_s : null) || {});
   }
 
-  // Held-out accuracy (evaluated rounds only, joined) and the share of groups with signal, both in [0, 1].
+  // Held-out accuracy (evaluated rounds only, joined; the unseen set's where the mix has one) and the share
+  // of groups with signal, all in [0, 1].
   function renderHealthChart(hist, xs) {
     var pick = function (k) { return hist.map(function (r) { return isNum(r[k]) ? r[k] : null; }); };
     drawLineChart($("health-chart"), xs, [
       { values: pick("eval_accuracy"), color: cssVar("--eval", "#dc2626"), width: 2, connect: true },
+      { values: pick("eval_unseen_accuracy"), color: cssVar("--unseen", "#9333ea"), width: 2, connect: true },
       { values: pick("signal_frac"), color: cssVar("--signal", "#0891b2") }
     ]);
   }
@@ -222,6 +224,9 @@
   function renderHealth(s) {
     var ev = s.eval || {};
     setText("v-eval", isNum(ev.eval_accuracy) ? fmt(ev.eval_accuracy) + " @" + ev.round : "–");
+    setText("v-unseen", isNum(ev.eval_unseen_accuracy) ? fmt(ev.eval_unseen_accuracy) + " @" + ev.round : "–");
+    var unseenBase = isNum(ev.eval_unseen_baseline) ? " / " + fmt(ev.eval_unseen_baseline) : "";
+    setText("v-baseline", fmt(ev.eval_baseline) + unseenBase);
     setText("v-health", fmt(s.entropy, 2) + " / " + (isNum(s.signal_frac) ? (100 * s.signal_frac).toFixed(0) + "%" : "–"));
   }
 
