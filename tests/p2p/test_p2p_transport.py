@@ -17,7 +17,8 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from p2p.identity import Identity
 from p2p.pow import MAX_TIER
-from p2p.transport import TIER_SCAN_ROUNDS, SwarmTransport, TransportConfig, TransportError
+from p2p.presence import TIER_SCAN_ROUNDS
+from p2p.transport import SwarmTransport, TransportConfig, TransportError
 from p2p.validators import RECORD_SIG_MAGIC, SapoRecordValidator, batch_key, key_id_bytes, owner_subkey, \
     presence_key, record_message, tier_shards
 from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireGroup, decode_signed, encode_signed
@@ -229,7 +230,7 @@ def test_the_rotation_reads_every_tier_shard_within_its_rounds_and_a_bounded_sli
     per_fetch = sum(math.ceil(tier_shards(shards, t) / TIER_SCAN_ROUNDS) for t in range(1, MAX_TIER + 1))
     read: set[str] = set()
     for _ in range(TIER_SCAN_ROUNDS):
-        keys = reader._tier_slice()
+        keys = reader.sampler.tier_slice()
         assert len(keys) == per_fetch and keys[0].startswith(presence_key(SWARM, 0, MAX_TIER).rsplit("/", 1)[0])
         read.update(keys)
     assert read == every
