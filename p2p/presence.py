@@ -57,7 +57,12 @@ class FetchStats:
 
 
 class FetchPolicy(Protocol):
-    """Whose batches a fetch reads (the node's bandit, `node.swarm.bandit`; `UniformPolicy` by default)."""
+    """Whose batches a fetch reads: the one hook a fetch takes (the node's bandit, `node.swarm.bandit`, whose
+    reputation vetoes banned keys; `UniformPolicy` by default)."""
+
+    def allowed(self, publisher: bytes) -> bool:
+        """May this publisher be a candidate at all? False: none of its batches is fetched (a banned key)."""
+        ...
 
     def preferred(self, limit: int) -> list[bytes]:
         """Publishers whose presence shards are read first (at most `limit`)."""
@@ -77,7 +82,10 @@ class FetchPolicy(Protocol):
 
 
 class UniformPolicy:
-    """Protocol §7's default: no preference, K chosen uniformly at random."""
+    """Protocol §7's default: everyone allowed, no preference, K chosen uniformly at random."""
+
+    def allowed(self, publisher: bytes) -> bool:
+        return True
 
     def preferred(self, limit: int) -> list[bytes]:
         return []
@@ -110,10 +118,9 @@ class PresenceSampler:
             del self.fetched[next(iter(self.fetched))]
 
     async def sample(
-        self, get_many: GetMany, deadline: float, trusted: Callable[[bytes], bool], stats: FetchStats,
-        policy: FetchPolicy,
+        self, get_many: GetMany, deadline: float, stats: FetchStats, policy: FetchPolicy,
     ) -> dict[bytes, int]:
-        """Read presence shards until `presence_sample` fresh trusted candidates (publisher -> round) are known.
+        """Read presence shards until `presence_sample` fresh allowed candidates (publisher -> round) are known.
 
         Must-read, in the first searches: the shards of the policy's preferred publishers, then this
         fetch's slice of every tier >= 1 (highest first; the rotation reads each tier-t shard at least once
@@ -136,7 +143,7 @@ class PresenceSampler:
             answers = await get_many(shards, deadline) or {}
             stats.shards_read += len(shards)
             for entries in answers.values():
-                self._take(entries, trusted, candidates, stats)
+                self._take(entries, policy, candidates, stats)
             n_must = max(0, n_must - len(shards))
             fresh = sum(1 for p in candidates if policy.fresh(p))
             missing = cfg.presence_sample - fresh
@@ -160,8 +167,7 @@ class PresenceSampler:
         return keys
 
     def _take(
-        self, entries: dict[bytes, bytes], trusted: Callable[[bytes], bool], candidates: dict[bytes, int],
-        stats: FetchStats,
+        self, entries: dict[bytes, bytes], policy: FetchPolicy, candidates: dict[bytes, int], stats: FetchStats,
     ) -> None:
         """Add the valid, current presence records of one shard to `candidates` (and to the memories)."""
         cfg = self.config
@@ -181,7 +187,7 @@ class PresenceSampler:
                 continue  # a stale record (or a clock far off): its batches are gone or not yet valid
             remember(self.known, pub.hex(), rec.round)
             remember(self.tiers, pub, work_tier(pub, envelope_nonce(data), cfg.pow_difficulty))
-            if (pub, rec.round) in self.fetched or not trusted(pub):
+            if (pub, rec.round) in self.fetched or not policy.allowed(pub):
                 continue
             candidates[pub] = rec.round
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import hivemind
 from hivemind.utils import get_dht_time
@@ -86,10 +86,6 @@ class FetchedRecord:
     publisher: bytes
     round: int
     data: bytes
-
-
-def always_trusted(_publisher: bytes) -> bool:
-    return True
 
 
 class SwarmTransport:
@@ -204,14 +200,10 @@ class SwarmTransport:
             f.write(value)
         return path
 
-    async def fetch(
-        self, trusted: Callable[[bytes], bool] = always_trusted, max_bytes: Optional[int] = None,
-        policy: Optional[FetchPolicy] = None,
-    ) -> list[FetchedRecord]:
-        """At most `fetch_max` new batches, chosen by `policy` (uniform by default) among a bounded sample.
-
-        `trusted(publisher key)` filters candidates before any batch is fetched (reputation); records
-        beyond `max_bytes` in total are dropped. Partial results on timeout; never raises on network trouble.
+    async def fetch(self, max_bytes: Optional[int] = None, policy: Optional[FetchPolicy] = None) -> list[FetchedRecord]:
+        """At most `fetch_max` new batches among a bounded sample, chosen by `policy` (uniform by default),
+        which also decides whom to skip before any batch is fetched (`FetchPolicy.allowed`). Records beyond
+        `max_bytes` in total are dropped. Partial results on timeout; never raises on network trouble.
         """
         policy = policy or UniformPolicy()
         stats = self.last_fetch = FetchStats()
@@ -221,7 +213,7 @@ class SwarmTransport:
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + self.config.fetch_timeout_s
-        candidates = await self.sampler.sample(self._get_many, deadline, trusted, stats, policy)
+        candidates = await self.sampler.sample(self._get_many, deadline, stats, policy)
         tiers = {pub: self.sampler.tiers.get(pub, 0) for pub in candidates}
         chosen = [(pub, candidates[pub]) for pub in policy.choose(candidates, self.config.fetch_max, tiers)
                   if pub in candidates][:self.config.fetch_max]

@@ -53,7 +53,7 @@ class DhtExchange(SignedExchange):
         # DHT-level refusals (counted in the DHT process) are read alongside the fetch, within its budget
         records: list[FetchedRecord]
         # banned publishers are never fetched; a flood cannot make us receive more than we would verify
-        fetch = self.transport.fetch(trusted=self.trusted, max_bytes=self.verifier.cfg.budget_bytes, policy=self)
+        fetch = self.transport.fetch(max_bytes=self.verifier.cfg.budget_bytes, policy=self.bandit)
         records, totals = await asyncio.gather(
             fetch, self.transport.validator_rejections(self.transport.config.fetch_timeout_s))
         groups = await self._verify_off_loop([(r.publisher, r.data) for r in records])  # starts a new round

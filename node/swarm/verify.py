@@ -257,41 +257,14 @@ class SignedExchange:
         self.identity = identity
         self.stats = ExchangeStats()
         self.reputation = Reputation(verify_cfg.reputation)
-        self.bandit = PublisherBandit(rng=random.Random(verify_cfg.seed + 1))
+        # the transport's fetch policy: the bandit chooses, the reputation vetoes
+        self.bandit = PublisherBandit(rng=random.Random(verify_cfg.seed + 1), reputation=self.reputation)
         self.verifier = Verifier(identity.public_key_bytes, mix, verify_cfg, self.stats, self.reputation,
                                  self.bandit)
         self.swarm = verify_cfg.swarm
         self.model_name = model_name
         self.order_rng = random.Random(verify_cfg.seed)
         self.clock = time.monotonic  # the time budget's clock (tests replace it)
-        self._skipped: set[bytes] = set()  # banned publishers the transport did not fetch this round
-        self._ghosts: list[bytes] = []  # announced batches the transport did not find this round
-
-    # --- the transport's FetchPolicy (p2p.transport): the bandit decides, reputation vetoes -------------
-
-    def preferred(self, limit: int) -> list[bytes]:
-        return [p for p in self.bandit.preferred(limit) if self.reputation.allowed(p)]
-
-    def fresh(self, publisher: bytes) -> bool:
-        return self.bandit.fresh(publisher)
-
-    def choose(self, candidates: dict[bytes, int], k: int, tiers: dict[bytes, int] | None = None) -> list[bytes]:
-        return self.bandit.choose(candidates, k, tiers)
-
-    def missing(self, publisher: bytes, round: int) -> None:
-        """A ghost: its presence announced a batch that a completed search did not find. One useless batch
-        for the bandit and a `ghost` penalty (counted with the round's verification)."""
-        self.bandit.missing(publisher, round)
-        self.reputation.penalize(publisher, "ghost")
-        self._ghosts.append(publisher)
-
-    def trusted(self, publisher: bytes) -> bool:
-        """The transport's fetch hook: may we fetch this publisher? A banned one is skipped, and counted as
-        `banned` (once per round) with the round's verification."""
-        if self.reputation.allowed(publisher):
-            return True
-        self._skipped.add(publisher)
-        return False
 
     def identity_info(self) -> dict:
         return {"peer_id": self.identity.peer_name, "public_key": self.identity.public_key_hex, "maddrs": []}
@@ -333,10 +306,9 @@ class SignedExchange:
     async def _verify_off_loop(self, records: list[tuple[bytes | None, bytes]]) -> list[Group]:
         self.stats.new_round()
         self.bandit.new_round()
-        skipped, self._skipped = self._skipped, set()
-        for publisher in skipped:
+        turned_away, ghosts = self.bandit.take_unfetched()
+        for publisher in turned_away:
             self.stats.reject(publisher.hex(), "banned")
-        ghosts, self._ghosts = self._ghosts, []
         for publisher in ghosts:
             self.stats.reject(publisher.hex(), "ghost")
         return await asyncio.get_running_loop().run_in_executor(None, self._verify_all, records)
