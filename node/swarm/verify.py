@@ -29,6 +29,7 @@ from node.learn.tasks import TaskError, TaskMix, TaskSpec, regenerate
 from node.swarm.bandit import PublisherBandit
 from node.swarm.exchange import ExchangeStats
 from node.swarm.reputation import PENALTIES, Reputation, ReputationConfig
+from node.swarm.settings import SwarmSettings, settings_from_config
 from p2p.identity import Identity, peer_name_of
 from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireError, WireGroup, canonical_json, \
     decode_signed, encode_signed, open_envelope
@@ -54,14 +55,18 @@ class VerifyConfig:
     pow_difficulty: int = 0  # proof-of-work bits a publisher key must carry (the swarm's setting)
     reputation: ReputationConfig = field(default_factory=ReputationConfig)
 
+    @classmethod
+    def from_settings(cls, s: SwarmSettings, **overrides: Any) -> VerifyConfig:
+        """The verifier's and the reputation's share of a node's swarm settings (budgets resolved)."""
+        values = dict(swarm=s.swarm, window=s.window, seed=s.seed, budget_s=s.verify_budget_s or s.net_timeout_s / 3,
+                      budget_bytes=int(s.verify_budget_mb * 1024 * 1024), pow_difficulty=s.pow_difficulty,
+                      reputation=ReputationConfig(ban_s=s.ban_s))
+        return cls(**{**values, **overrides})
+
 
 def verify_config(cfg: Any, **overrides: Any) -> VerifyConfig:
-    """A node's flags (a `NodeConfig`; swarm does not import ops) as the verifier's settings."""
-    values = dict(swarm=cfg.swarm, window=cfg.window, seed=cfg.seed,
-                  budget_s=cfg.verify_budget_s or cfg.net_timeout / 3,
-                  budget_bytes=int(cfg.verify_budget_mb * 1024 * 1024), pow_difficulty=cfg.pow_difficulty,
-                  reputation=ReputationConfig(ban_s=cfg.ban_s))
-    return VerifyConfig(**{**values, **overrides})
+    """A node's flags (a `NodeConfig`, duck-typed: swarm does not import ops) as the verifier's settings."""
+    return VerifyConfig.from_settings(settings_from_config(cfg), **overrides)
 
 
 class Verifier:
