@@ -22,7 +22,7 @@ class MemoryBoard:
         self.newest[publisher] = max(self.newest.get(publisher, -1), round_)
 
     def window(self, exclude: bytes, window: int,
-               allowed: Callable[[bytes], bool] = lambda pub: True) -> list[tuple[bytes, bytes]]:
+               allowed: Callable[[bytes], bool]) -> list[tuple[bytes, bytes]]:
         """Every other publisher's last `window` rounds, skipping those `allowed` refuses (not fetched)."""
         out = []
         for (pub, r), data in sorted(self.records.items(), key=lambda kv: (kv[0][1], kv[0][0])):
