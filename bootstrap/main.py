@@ -88,8 +88,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         identity = Identity.load_or_create(args.identity_dir / KEY_FILENAME, create=True)
         # its own key never publishes, so it needs no proof of work; its validator checks everyone else's
-        dht = start_dht(identity, libp2p_identity_path(args.identity_dir), args.swarm, [], args.host_maddrs, args.announce_maddrs,
-                        pow_difficulty=args.pow_difficulty)
+        dht = start_dht(identity, libp2p_identity_path(args.identity_dir), args.swarm, [], args.host_maddrs,
+                        args.announce_maddrs, pow_difficulty=args.pow_difficulty)
     except IdentityError as e:
         logger.error("%s", e)
         return 2
