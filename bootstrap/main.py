@@ -20,9 +20,9 @@ from typing import Any, Callable, Optional
 from node import __version__
 from node.ops.status import ThreadedStatusServer, start_status_server_in_thread
 from p2p.files import write_atomically
-from p2p.identity import KEY_FILENAME, Identity, IdentityError
+from p2p.dht_process import die_with_parent, keep_valid_subkeys_in, routing_peers, start_dht
+from p2p.identity import KEY_FILENAME, Identity, IdentityError, libp2p_identity_path
 from p2p.pow import DEFAULT_POW_DIFFICULTY, MAX_POW_DIFFICULTY
-from p2p.transport import die_with_parent, keep_valid_subkeys_in, routing_peers, start_dht
 
 logger = logging.getLogger("sapo.bootstrap")
 
@@ -88,8 +88,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         identity = Identity.load_or_create(args.identity_dir / KEY_FILENAME, create=True)
         # its own key never publishes, so it needs no proof of work; its validator checks everyone else's
-        dht = start_dht(identity, args.identity_dir, args.swarm, [], args.host_maddrs, args.announce_maddrs,
-                        pow_difficulty=args.pow_difficulty)
+        dht = start_dht(identity, libp2p_identity_path(args.identity_dir), args.swarm, [], args.host_maddrs,
+                        args.announce_maddrs, pow_difficulty=args.pow_difficulty)
     except IdentityError as e:
         logger.error("%s", e)
         return 2

@@ -35,7 +35,7 @@ from p2p.wire import KIND_BATCH, KIND_PRESENCE, MAX_PRESENCE_BYTES, MAX_ROUND, W
 
 logger = get_logger(__name__)
 
-SUBKEY_RE = re.compile(rb"^\[ed25519:([0-9a-f]{64})\]$")
+SUBKEY_RE = re.compile(rb"\[ed25519:([0-9a-f]{64})\]")  # whole subkey (fullmatch): no trailing newline
 RECORD_SIG_MAGIC = b"SAPOSIG1"
 TRAILER_LEN = len(RECORD_SIG_MAGIC) + SIGNATURE_LEN
 RECORD_SIG_DOMAIN = b"sapo-dht-record-v1\x00"
@@ -49,6 +49,12 @@ KEY_PREFIX = f"sapo/v{WIRE_VERSION}"
 def owner_subkey(public_key: bytes) -> bytes:
     """The DHT subkey a peer owns under every SAPO key."""
     return b"[ed25519:" + public_key.hex().encode() + b"]"
+
+
+def owner_of_subkey(subkey: Any) -> bytes | None:
+    """The public key an `owner_subkey` names; None for anything else (the one parser of the format)."""
+    m = SUBKEY_RE.fullmatch(subkey) if isinstance(subkey, bytes) else None
+    return bytes.fromhex(m.group(1).decode()) if m else None
 
 
 def batch_key(swarm: str, publisher: bytes, round_: int) -> str:
@@ -166,7 +172,7 @@ class SapoRecordValidator(RecordValidatorBase):
 
     def check(self, record: DHTRecord) -> str | None:
         """None if the record is valid, else a short reason (exposed for tests and diagnostics)."""
-        owner = self._owner(record.subkey)
+        owner = self._owner(record.subkey)  # hivemind hands validators the subkey msgpack-serialized
         if owner is None:
             return "subkey is not [ed25519:<hex>]"
         value = record.value
@@ -225,10 +231,7 @@ class SapoRecordValidator(RecordValidatorBase):
             subkey = MSGPackSerializer.loads(subkey_bytes)
         except Exception:
             return None
-        if not isinstance(subkey, bytes):
-            return None
-        m = SUBKEY_RE.match(subkey)
-        return bytes.fromhex(m.group(1).decode()) if m else None
+        return owner_of_subkey(subkey)
 
 
 def keep_valid_subkeys(protocol: Any) -> None:

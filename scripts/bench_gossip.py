@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from p2p.identity import SIGNATURE_LEN, Identity
-from p2p.transport import SwarmTransport, TransportConfig, owner_of_subkey
-from p2p.validators import batch_key
+from p2p.transport import SwarmTransport, TransportConfig
+from p2p.validators import batch_key, owner_of_subkey
 from p2p.wire import HEADER_LEN, WIRE_VERSION, RolloutBatch, TaskSpecWire, WireGroup, decode_signed, encode_signed
 
 SWARM = "bench"

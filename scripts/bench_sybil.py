@@ -129,12 +129,12 @@ class Attacker:
 
     async def _copies(self) -> list[Any]:
         """Every group of each victim's newest batch (read like any peer: presence, then the batch key)."""
-        from p2p.transport import _get_many_in_dht, owner_of_subkey
-        from p2p.validators import DEFAULT_PRESENCE_SHARDS, batch_key, presence_key, presence_shard
+        from p2p.dht_process import get_many_in_dht
+        from p2p.validators import DEFAULT_PRESENCE_SHARDS, batch_key, owner_of_subkey, presence_key, presence_shard
         from p2p.wire import decode_presence, decode_signed
 
         async def get(keys: list[str]) -> dict[str, dict[bytes, bytes]]:
-            fut = self.dht.run_coroutine(partial(_get_many_in_dht, keys=keys), return_future=True)
+            fut = self.dht.run_coroutine(partial(get_many_in_dht, keys=keys), return_future=True)
             try:
                 found = await asyncio.wait_for(fut, 10)
             except Exception:

@@ -31,6 +31,11 @@ failed more often. Every Sybil key costs one try
 before it is parked; a Sybil swarm therefore delays a newcomer by its number of *untried* keys at the
 newcomer's tier or above, which only fresh proofs of work at that tier (16x the mint per tier) replenish.
 
+The bandit is the transport's whole fetch policy (`p2p.presence.FetchPolicy`): given the node's
+`Reputation`, it also vetoes banned keys (never fetched, not even their presence shards read first) and
+charges a ghost to reputation as well; what it turned away and the ghosts are counted with the round's
+verification (`take_unfetched`).
+
 The table is bounded (`max_tracked`, least recently updated first out), thread-safe (the verifier
 thread reports, the event loop chooses), and local: nothing here is ever sent.
 """
@@ -42,6 +47,8 @@ import random
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from node.swarm.reputation import Reputation
 
 
 STRONG = 4  # failures in a row a ghost or a caught copy counts: parked 8 rounds at once
@@ -70,17 +77,22 @@ class Record:
 
 
 class PublisherBandit:
-    """The node's fetch policy (`p2p.transport.FetchPolicy`): preferred keys, fresh candidates, choice, ghosts."""
+    """The node's fetch policy (`p2p.presence.FetchPolicy`): whom to skip (`reputation`'s bans), preferred
+    keys, fresh candidates, choice, ghosts. Without a reputation, nobody is skipped."""
 
-    def __init__(self, cfg: BanditConfig | None = None, rng: random.Random | None = None):
+    def __init__(self, cfg: BanditConfig | None = None, rng: random.Random | None = None,
+                 reputation: Reputation | None = None):
         self.cfg = cfg or BanditConfig()
         self.rng = rng or random.Random()
+        self.reputation = reputation
         self.round = 0
         self._table: OrderedDict[bytes, Record] = OrderedDict()
         # never-tried keys seen in presence: key -> (work tier, first seen: ordinal)
         self._queue: dict[bytes, tuple[int, int]] = {}
         self._seen = 0
         self._asked: set[bytes] = set()  # queued keys whose presence shards the last preferred() asked for
+        self._turned_away: set[bytes] = set()  # banned publishers allowed() refused since take_unfetched()
+        self._ghosts: list[bytes] = []  # announced batches not found since take_unfetched()
         self._lock = threading.Lock()
 
     # --- evidence (verifier thread and event loop) -----------------------------------------------------
@@ -119,8 +131,20 @@ class PublisherBandit:
 
     def missing(self, publisher: bytes, round: int) -> None:
         """A ghost: an announced batch that a completed search did not find (honest software never makes
-        one). The transport's FetchPolicy hook; the node adds its reputation penalty on top."""
+        one). One useless batch here, and a `ghost` penalty in the reputation."""
         self.observe(publisher, useful=False, strikes=STRONG)
+        if self.reputation is not None:
+            self.reputation.penalize(publisher, "ghost")
+        with self._lock:
+            self._ghosts.append(publisher)
+
+    def take_unfetched(self) -> tuple[set[bytes], list[bytes]]:
+        """What the fetches since the last call did not bring, for the round's counters: the banned
+        publishers `allowed` turned away (each once) and the ghosts (each time)."""
+        with self._lock:
+            turned_away, self._turned_away = self._turned_away, set()
+            ghosts, self._ghosts = self._ghosts, []
+        return turned_away, ghosts
 
     def new_round(self) -> None:
         with self._lock:
@@ -132,20 +156,28 @@ class PublisherBandit:
         with self._lock:
             return self._table.get(publisher)
 
+    def allowed(self, publisher: bytes) -> bool:
+        """May the transport fetch this publisher? Not while the reputation bans it."""
+        if self.reputation is None or self.reputation.allowed(publisher):
+            return True
+        with self._lock:
+            self._turned_away.add(publisher)
+        return False
+
     def _proven(self, r: Record | None) -> bool:
         return r is not None and r.ok >= 1 and r.mean >= self.cfg.proven_mean
 
     def preferred(self, limit: int) -> list[bytes]:
         """Whose presence shards are read before any other (at most `limit`): proven publishers, best
         first, in at most limit - E places, then the head of the never-tried queue (so a key met once stays
-        a candidate until it is tried, even when the rotation reads other shards)."""
+        a candidate until it is tried, even when the rotation reads other shards); none that is banned."""
         explore_min = max(1, math.floor(limit * self.cfg.explore_share))
         with self._lock:
             proven = sorted(((r.mean, k) for k, r in self._table.items() if self._proven(r)), key=lambda mk: -mk[0])
             proven = [k for _, k in proven[:max(0, limit - explore_min)]]
             head = sorted(self._queue, key=self._queue_order)[:limit - len(proven)]
             self._asked = set(head)
-        return proven + head
+        return [p for p in proven + head if self.reputation is None or self.reputation.allowed(p)]
 
     def _queue_order(self, publisher: bytes) -> tuple[int, int]:
         tier, first = self._queue[publisher]

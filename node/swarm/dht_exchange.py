@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
+from typing import Any
 
 from node.learn.groups import Group
 from node.learn.tasks import TaskMix
-from node.swarm.verify import SignedExchange, VerifyConfig, make_batch, verify_config
-from p2p.identity import KEY_FILENAME, Identity
+from node.swarm.settings import SwarmSettings, settings_from_config
+from node.swarm.verify import SignedExchange, VerifyConfig, make_batch
+from p2p.identity import Identity
 from p2p.pow import tier_difficulty
 from p2p.transport import FetchedRecord, SwarmTransport, TransportConfig
 
@@ -24,20 +25,25 @@ class DhtExchange(SignedExchange):
         self._dht_rejections: dict[str, int] = {}  # cumulative counts already reported
 
     @classmethod
-    def from_config(cls, cfg, mix: TaskMix) -> "DhtExchange":
-        run_dir = Path(cfg.run_dir)
-        has_state = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
-        # An existing run dir keeps its identity: a missing key there is an error, never a new identity.
-        identity = Identity.load_or_create(run_dir / KEY_FILENAME, create=not has_state,
-                                           pow_difficulty=tier_difficulty(cfg.pow_difficulty, cfg.identity_tier))
-        budget = max(1.0, cfg.net_timeout / 2)
-        tcfg = TransportConfig(identity_dir=run_dir, swarm=cfg.swarm, initial_peers=list(cfg.peers),
-                               host_maddrs=list(cfg.host_maddrs), announce_maddrs=list(cfg.announce_maddrs),
-                               client_mode=cfg.client_mode, fetch_timeout_s=budget,
-                               publish_timeout_s=budget, pow_difficulty=cfg.pow_difficulty,
-                               fetch_max=cfg.fetch_max)
-        vcfg = verify_config(cfg, max_age_s=tcfg.record_ttl_s)
-        return cls(SwarmTransport(tcfg, identity), mix, vcfg, cfg.model)
+    def create(cls, settings: SwarmSettings, mix: TaskMix) -> DhtExchange:
+        """Our identity (minted at our work tier the first time), a transport and a verifier, from the settings."""
+        files = settings.files
+        identity = Identity.load_or_create(
+            files.identity_key, create=settings.create_identity, pow_path=files.pow,
+            pow_difficulty=tier_difficulty(settings.pow_difficulty, settings.identity_tier))
+        budget = max(1.0, settings.net_timeout_s / 2)
+        tcfg = TransportConfig(identity_dir=files.identity_key.parent, p2p_identity_file=files.p2p_identity,
+                               swarm=settings.swarm, initial_peers=list(settings.peers),
+                               host_maddrs=list(settings.host_maddrs), announce_maddrs=list(settings.announce_maddrs),
+                               client_mode=settings.client_mode, fetch_timeout_s=budget, publish_timeout_s=budget,
+                               pow_difficulty=settings.pow_difficulty, fetch_max=settings.fetch_max)
+        vcfg = VerifyConfig.from_settings(settings, max_age_s=tcfg.record_ttl_s)
+        return cls(SwarmTransport(tcfg, identity), mix, vcfg, settings.model)
+
+    @classmethod
+    def from_config(cls, cfg: Any, mix: TaskMix) -> DhtExchange:
+        """`create` from a node's config (a `NodeConfig`, duck-typed): its run dir holds the files."""
+        return cls.create(settings_from_config(cfg), mix)
 
     async def start(self) -> None:
         await self.transport.start()
@@ -52,8 +58,9 @@ class DhtExchange(SignedExchange):
     async def collect(self, round_: int) -> list[Group]:
         # DHT-level refusals (counted in the DHT process) are read alongside the fetch, within its budget
         records: list[FetchedRecord]
-        # banned publishers are never fetched; a flood cannot make us receive more than we would verify
-        fetch = self.transport.fetch(trusted=self.trusted, max_bytes=self.verifier.cfg.budget_bytes, policy=self)
+        # the bandit is the fetch policy: banned publishers are never fetched (its reputation vetoes them),
+        # and a flood cannot make us receive more than we would verify
+        fetch = self.transport.fetch(max_bytes=self.verifier.cfg.budget_bytes, policy=self.bandit)
         records, totals = await asyncio.gather(
             fetch, self.transport.validator_rejections(self.transport.config.fetch_timeout_s))
         groups = await self._verify_off_loop([(r.publisher, r.data) for r in records])  # starts a new round

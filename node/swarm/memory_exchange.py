@@ -22,11 +22,11 @@ class MemoryBoard:
         self.newest[publisher] = max(self.newest.get(publisher, -1), round_)
 
     def window(self, exclude: bytes, window: int,
-               trusted: Callable[[bytes], bool] = lambda pub: True) -> list[tuple[bytes, bytes]]:
-        """Every other publisher's last `window` rounds, skipping those `trusted` refuses (not fetched)."""
+               allowed: Callable[[bytes], bool]) -> list[tuple[bytes, bytes]]:
+        """Every other publisher's last `window` rounds, skipping those `allowed` refuses (not fetched)."""
         out = []
         for (pub, r), data in sorted(self.records.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            if pub != exclude and r > self.newest[pub] - window and trusted(pub):
+            if pub != exclude and r > self.newest[pub] - window and allowed(pub):
                 out.append((pub, data))
         return out
 
@@ -47,7 +47,7 @@ class MemoryExchange(SignedExchange):
                        make_batch(self.identity, self.swarm, round_, self.model_name, groups))
 
     async def collect(self, round_: int) -> list[Group]:
-        records = self.board.window(self.identity.public_key_bytes, self.verifier.cfg.window, self.trusted)
+        records = self.board.window(self.identity.public_key_bytes, self.verifier.cfg.window, self.bandit.allowed)
         return await self._verify_off_loop(records)
 
     async def close(self) -> None:

@@ -29,6 +29,7 @@ from node.learn.tasks import TaskError, TaskMix, TaskSpec, regenerate
 from node.swarm.bandit import PublisherBandit
 from node.swarm.exchange import ExchangeStats
 from node.swarm.reputation import PENALTIES, Reputation, ReputationConfig
+from node.swarm.settings import SwarmSettings, settings_from_config
 from p2p.identity import Identity, peer_name_of
 from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireError, WireGroup, canonical_json, \
     decode_signed, encode_signed, open_envelope
@@ -54,14 +55,18 @@ class VerifyConfig:
     pow_difficulty: int = 0  # proof-of-work bits a publisher key must carry (the swarm's setting)
     reputation: ReputationConfig = field(default_factory=ReputationConfig)
 
+    @classmethod
+    def from_settings(cls, s: SwarmSettings, **overrides: Any) -> VerifyConfig:
+        """The verifier's and the reputation's share of a node's swarm settings (budgets resolved)."""
+        values = dict(swarm=s.swarm, window=s.window, seed=s.seed, budget_s=s.verify_budget_s or s.net_timeout_s / 3,
+                      budget_bytes=int(s.verify_budget_mb * 1024 * 1024), pow_difficulty=s.pow_difficulty,
+                      reputation=ReputationConfig(ban_s=s.ban_s))
+        return cls(**{**values, **overrides})
+
 
 def verify_config(cfg: Any, **overrides: Any) -> VerifyConfig:
-    """A node's flags (a `NodeConfig`; swarm does not import ops) as the verifier's settings."""
-    values = dict(swarm=cfg.swarm, window=cfg.window, seed=cfg.seed,
-                  budget_s=cfg.verify_budget_s or cfg.net_timeout / 3,
-                  budget_bytes=int(cfg.verify_budget_mb * 1024 * 1024), pow_difficulty=cfg.pow_difficulty,
-                  reputation=ReputationConfig(ban_s=cfg.ban_s))
-    return VerifyConfig(**{**values, **overrides})
+    """A node's flags (a `NodeConfig`, duck-typed: swarm does not import ops) as the verifier's settings."""
+    return VerifyConfig.from_settings(settings_from_config(cfg), **overrides)
 
 
 class Verifier:
@@ -257,41 +262,14 @@ class SignedExchange:
         self.identity = identity
         self.stats = ExchangeStats()
         self.reputation = Reputation(verify_cfg.reputation)
-        self.bandit = PublisherBandit(rng=random.Random(verify_cfg.seed + 1))
+        # the transport's fetch policy: the bandit chooses, the reputation vetoes
+        self.bandit = PublisherBandit(rng=random.Random(verify_cfg.seed + 1), reputation=self.reputation)
         self.verifier = Verifier(identity.public_key_bytes, mix, verify_cfg, self.stats, self.reputation,
                                  self.bandit)
         self.swarm = verify_cfg.swarm
         self.model_name = model_name
         self.order_rng = random.Random(verify_cfg.seed)
         self.clock = time.monotonic  # the time budget's clock (tests replace it)
-        self._skipped: set[bytes] = set()  # banned publishers the transport did not fetch this round
-        self._ghosts: list[bytes] = []  # announced batches the transport did not find this round
-
-    # --- the transport's FetchPolicy (p2p.transport): the bandit decides, reputation vetoes -------------
-
-    def preferred(self, limit: int) -> list[bytes]:
-        return [p for p in self.bandit.preferred(limit) if self.reputation.allowed(p)]
-
-    def fresh(self, publisher: bytes) -> bool:
-        return self.bandit.fresh(publisher)
-
-    def choose(self, candidates: dict[bytes, int], k: int, tiers: dict[bytes, int] | None = None) -> list[bytes]:
-        return self.bandit.choose(candidates, k, tiers)
-
-    def missing(self, publisher: bytes, round: int) -> None:
-        """A ghost: its presence announced a batch that a completed search did not find. One useless batch
-        for the bandit and a `ghost` penalty (counted with the round's verification)."""
-        self.bandit.missing(publisher, round)
-        self.reputation.penalize(publisher, "ghost")
-        self._ghosts.append(publisher)
-
-    def trusted(self, publisher: bytes) -> bool:
-        """The transport's fetch hook: may we fetch this publisher? A banned one is skipped, and counted as
-        `banned` (once per round) with the round's verification."""
-        if self.reputation.allowed(publisher):
-            return True
-        self._skipped.add(publisher)
-        return False
 
     def identity_info(self) -> dict:
         return {"peer_id": self.identity.peer_name, "public_key": self.identity.public_key_hex, "maddrs": []}
@@ -333,10 +311,9 @@ class SignedExchange:
     async def _verify_off_loop(self, records: list[tuple[bytes | None, bytes]]) -> list[Group]:
         self.stats.new_round()
         self.bandit.new_round()
-        skipped, self._skipped = self._skipped, set()
-        for publisher in skipped:
+        turned_away, ghosts = self.bandit.take_unfetched()
+        for publisher in turned_away:
             self.stats.reject(publisher.hex(), "banned")
-        ghosts, self._ghosts = self._ghosts, []
         for publisher in ghosts:
             self.stats.reject(publisher.hex(), "ghost")
         return await asyncio.get_running_loop().run_in_executor(None, self._verify_all, records)

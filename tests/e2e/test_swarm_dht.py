@@ -21,8 +21,9 @@ from hivemind.utils import get_dht_time
 from conftest import Proc, await_for, free_port, prefix_of, reasons, smoke_group, sources, start_bootstrap, \
     start_node, stop_all, stored_eventually, transport, wait_for
 from conftest import live_metrics as rounds
+from p2p.dht_process import store_from_file
 from p2p.identity import KEY_FILENAME, Identity
-from p2p.transport import SwarmTransport, _store_from_file
+from p2p.transport import SwarmTransport
 from p2p.validators import DEFAULT_PRESENCE_SHARDS, batch_key, owner_subkey, presence_key, presence_shard
 from p2p.wire import HEADER_LEN, WIRE_VERSION, PresenceRecord, RolloutBatch, TaskSpecWire, WireGroup, encode_presence, \
     encode_signed
@@ -44,14 +45,14 @@ async def raw_store(t: SwarmTransport, key: str, value: bytes, ttl: float = 300)
     """Store arbitrary bytes under our own subkey, bypassing publish()'s envelope check (the record
     trailer is still added by our validator, so only the value itself is bad). Goes by file like publish."""
     path = t._spill(value)
-    fut = t.dht.run_coroutine(partial(_store_from_file, key=key, subkey=owner_subkey(t.identity.public_key_bytes),
+    fut = t.dht.run_coroutine(partial(store_from_file, key=key, subkey=owner_subkey(t.identity.public_key_bytes),
                                       path=path, expiration=get_dht_time() + ttl), return_future=True)
     return bool(await asyncio.wait_for(fut, 30))
 
 
 async def entries(t: SwarmTransport, key: str) -> dict[bytes, bytes]:
     """publisher -> envelope bytes that a fresh DHT get of `key` returns (validated by `t`'s validator)."""
-    return await t._get(key)
+    return ((await t._get_many([key])) or {}).get(key, {})
 
 
 # ------------------------------------------------------------------------------------------------ tests
@@ -95,7 +96,7 @@ async def test_three_peers_share_rollouts_and_records_are_owner_protected(tmp_pa
         victim_subkey = owner_subkey(victim.public_key_bytes)
         spill = mallory._spill(forged)
         ok = await asyncio.wait_for(mallory.dht.run_coroutine(
-            partial(_store_from_file, key=key, subkey=victim_subkey, path=spill, expiration=get_dht_time() + 500),
+            partial(store_from_file, key=key, subkey=victim_subkey, path=spill, expiration=get_dht_time() + 500),
             return_future=True), 30)
         assert ok is False  # refused by every peer (and by her own validator: she cannot sign for peer0)
         # her own record under her own key for the same round is accepted: the refusal is about ownership

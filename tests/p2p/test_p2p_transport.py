@@ -17,7 +17,8 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from p2p.identity import Identity
 from p2p.pow import MAX_TIER
-from p2p.transport import TIER_SCAN_ROUNDS, SwarmTransport, TransportConfig, TransportError
+from p2p.presence import TIER_SCAN_ROUNDS, UniformPolicy
+from p2p.transport import SwarmTransport, TransportConfig, TransportError
 from p2p.validators import RECORD_SIG_MAGIC, SapoRecordValidator, batch_key, key_id_bytes, owner_subkey, \
     presence_key, record_message, tier_shards
 from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireGroup, decode_signed, encode_signed
@@ -50,6 +51,16 @@ def seen(records) -> set[tuple[bytes, int]]:
     return {(r.publisher, r.round) for r in records}
 
 
+class Refusing(UniformPolicy):
+    """A fetch policy that skips one publisher (as the node's skips a banned one)."""
+
+    def __init__(self, refused: bytes):
+        self.refused = refused
+
+    def allowed(self, publisher: bytes) -> bool:
+        return publisher != self.refused
+
+
 async def test_three_peers_publish_and_fetch(tmp_path):
     a = await started(config(tmp_path, "a"))
     b, c = await asyncio.gather(
@@ -67,7 +78,9 @@ async def test_three_peers_publish_and_fetch(tmp_path):
         assert seen(got_c) == {(ka, 3), (kb, 10)}  # each publisher's newest announced round
         for rec in got_c:
             assert decode_signed(rec.data).round == rec.round
-        assert seen(await a.fetch()) == {(kb, 10), (kc, 0)}
+        # the policy's veto: a refused publisher is no candidate (and its batch is still there for later)
+        assert seen(await a.fetch(policy=Refusing(kb))) == {(kc, 0)}
+        assert seen(await a.fetch()) == {(kb, 10)}
         assert c.known_peers() == {ka.hex(): 3, kb.hex(): 10}
         assert await c.fetch() == []  # nothing new: a batch is fetched once
         assert await a.publish(4, batch(a.identity, 4))
@@ -229,7 +242,7 @@ def test_the_rotation_reads_every_tier_shard_within_its_rounds_and_a_bounded_sli
     per_fetch = sum(math.ceil(tier_shards(shards, t) / TIER_SCAN_ROUNDS) for t in range(1, MAX_TIER + 1))
     read: set[str] = set()
     for _ in range(TIER_SCAN_ROUNDS):
-        keys = reader._tier_slice()
+        keys = reader.sampler.tier_slice()
         assert len(keys) == per_fetch and keys[0].startswith(presence_key(SWARM, 0, MAX_TIER).rsplit("/", 1)[0])
         read.update(keys)
     assert read == every

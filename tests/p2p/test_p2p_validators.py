@@ -8,8 +8,8 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from p2p.identity import Identity
 from p2p.pow import MAX_TIER, TIER_BITS, work_bits, work_tier
-from p2p.validators import SapoRecordValidator, batch_key, key_id_bytes, owner_subkey, presence_key, presence_keys_for, \
-    presence_shard, tier_shards
+from p2p.validators import SapoRecordValidator, batch_key, key_id_bytes, owner_of_subkey, owner_subkey, presence_key, \
+    presence_keys_for, presence_shard, tier_shards
 from p2p.wire import HEADER_LEN, WIRE_VERSION, PresenceRecord, RolloutBatch, TaskSpecWire, WireGroup, encode_presence, \
     encode_signed, seal
 
@@ -51,6 +51,14 @@ def test_owner_record_accepted_and_stripped():
     assert MSGPackSerializer.loads(v.strip_value(rec)) == env
     pres = encode_presence(PresenceRecord(WIRE_VERSION, SWARM, HONEST.public_key_bytes, 3, time.time()), HONEST)
     assert v.validate(signed(v, record(presence_key_of(HONEST), HONEST, pres)))
+
+
+def test_the_subkey_parser_reads_exactly_what_owner_subkey_writes():
+    key = HONEST.public_key_bytes
+    assert owner_of_subkey(owner_subkey(key)) == key
+    for other in (owner_subkey(key) + b"\n", owner_subkey(key).upper(), owner_subkey(key[:31]), b"[owner:abc]",
+                  owner_subkey(key).decode(), None):
+        assert owner_of_subkey(other) is None, other
 
 
 def test_cannot_sign_for_another_owner():

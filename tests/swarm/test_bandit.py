@@ -157,8 +157,8 @@ def test_within_a_round_the_proven_publisher_is_judged_before_its_copier():
 def test_a_ghost_is_evidence_against_its_publisher():
     ex = exchange()
     ghost = Identity.generate().public_key_bytes
-    ex.missing(ghost, 3)
-    assert not ex.fresh(ghost) and ex.reputation.score(ghost) < 0
+    ex.bandit.missing(ghost, 3)  # the transport reports ghosts to its fetch policy: the exchange's bandit
+    assert not ex.bandit.fresh(ghost) and ex.reputation.score(ghost) < 0
     assert ex.bandit.record(ghost).next_try - ex.bandit.round == 8  # honest software never makes one
     ex.stats.new_round()
     import asyncio
@@ -166,7 +166,7 @@ def test_a_ghost_is_evidence_against_its_publisher():
     asyncio.run(ex._verify_off_loop([]))
     assert ex.stats.round_rejected["ghost"] == 1
     for r in range(40):  # repeated, it ends in a ban through the reputation machinery
-        ex.missing(ghost, 4 + r)
+        ex.bandit.missing(ghost, 4 + r)
     assert not ex.reputation.allowed(ghost)
 
 

@@ -274,14 +274,17 @@ def test_signed_cap_violations_cost_the_signer():
     assert v.reputation.score(peer.public_key_bytes) == -PENALTIES["too_many_groups"]
 
 
-async def test_transport_hook_skips_banned_publishers_and_counts_them_once_per_round():
+async def test_fetch_policy_skips_banned_publishers_and_counts_them_once_per_round():
     ex = exchange()
     liar, honest = Identity.generate(), Identity.generate()
+    ex.bandit.observe(liar.public_key_bytes, useful=True)  # proven before it lied
+    assert ex.bandit.preferred(16) == [liar.public_key_bytes]
     ex.reputation.penalize(liar.public_key_bytes, "reward_mismatch")
     ex.reputation.penalize(liar.public_key_bytes, "reward_mismatch")
+    assert ex.bandit.preferred(16) == []  # banned: its presence shard is no longer read first
     for _ in range(3):  # the transport may ask several times while it samples candidates
-        assert not ex.trusted(liar.public_key_bytes)
-        assert ex.trusted(honest.public_key_bytes)
+        assert not ex.bandit.allowed(liar.public_key_bytes)
+        assert ex.bandit.allowed(honest.public_key_bytes)
     await ex._verify_off_loop([])
     assert ex.stats.round_rejected == {"banned": 1} and ex.stats.rejected[liar.public_key_hex]["banned"] == 1
     await ex._verify_off_loop([])

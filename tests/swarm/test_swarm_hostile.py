@@ -32,7 +32,7 @@ from node.swarm.exchange import ExchangeStats
 from node.swarm.verify import Verifier, VerifyConfig
 from p2p.identity import Identity
 from p2p.pow import check_pow, tier_difficulty, work_tier
-from p2p.transport import TIER_SCAN_ROUNDS
+from p2p.presence import TIER_SCAN_ROUNDS
 from p2p.validators import DEFAULT_PRESENCE_SHARDS, RECORD_SIG_MAGIC, SapoRecordValidator, batch_key, \
     key_id_bytes, owner_subkey, presence_key, presence_shard, record_message, tier_shards
 from p2p.wire import HEADER_LEN, MAX_ROUND, WIRE_VERSION, PresenceRecord, RolloutBatch, WireGroup, \
@@ -328,7 +328,7 @@ async def test_a_newcomer_with_more_work_is_met_before_a_crowd_of_fresh_cheaper_
         me = newcomer.identity.public_key_bytes
         shards = tier_shards(DEFAULT_PRESENCE_SHARDS, 1)
         step = shards // TIER_SCAN_ROUNDS
-        reader._scan_at[1] = (presence_shard(me, shards) + 1) % shards  # its shard comes last in the cycle
+        reader.sampler.scan_at[1] = (presence_shard(me, shards) + 1) % shards  # its shard comes last in the cycle
         bandit = PublisherBandit(rng=random.Random(0))
         met = None
         for fetch in range(TIER_SCAN_ROUNDS):

@@ -1,0 +1,172 @@
+"""hivemind's DHT process: starting it, and the small functions that run inside it.
+
+hivemind runs the DHT in a forked process; the parent reaches it through `DHT.run_coroutine(fn)`, which
+pickles `fn` and awaits it there with the process's `DHTNode`. Every such function is here (the ones
+named `..._in_dht` and the private coroutines), each beside the wrapper the parent calls, so that the
+rest of p2p/ never has to remember which side of the pipe it is on. Used by `p2p.transport` (a node) and
+by `bootstrap.main` (the DHT-only peer).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import hivemind
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+
+from p2p.identity import Identity, IdentityError
+from p2p.pow import DEFAULT_POW_DIFFICULTY
+from p2p.validators import DEFAULT_PRESENCE_SHARDS, SapoRecordValidator, keep_valid_subkeys
+from p2p.wire import WireCaps
+
+logger = logging.getLogger(__name__)
+
+
+def start_dht(
+    identity: Identity,
+    p2p_identity: Path,
+    swarm: str,
+    initial_peers: list[str],
+    host_maddrs: list[str],
+    announce_maddrs: list[str],
+    client_mode: bool = False,
+    caps: WireCaps = WireCaps(),
+    pow_difficulty: int = DEFAULT_POW_DIFFICULTY,
+    presence_shards: int = DEFAULT_PRESENCE_SHARDS,
+) -> hivemind.DHT:
+    """Fork a DHT process with our validator and the persistent libp2p identity at `p2p_identity` (created by
+    p2pd when absent; see `p2p.identity.libp2p_identity_path`). Not yet awaited."""
+    if p2p_identity.exists():
+        try:
+            PeerID.from_identity(p2p_identity.read_bytes())
+        except Exception as e:
+            raise IdentityError(f"libp2p identity file {p2p_identity} is unreadable or corrupt: {e}") from e
+    kwargs: dict[str, Any] = dict(
+        host_maddrs=host_maddrs,
+        identity_path=str(p2p_identity),
+        client_mode=client_mode,
+        ensure_bootstrap_success=bool(initial_peers),
+    )
+    if announce_maddrs:
+        kwargs["announce_maddrs"] = announce_maddrs
+    return hivemind.DHT(
+        initial_peers=initial_peers or None,
+        start=True,
+        await_ready=False,
+        record_validators=[SapoRecordValidator(identity, swarm, caps, pow_difficulty=pow_difficulty,
+                                               presence_shards=presence_shards)],
+        **kwargs,
+    )
+
+
+async def get_many_in_dht(_dht: hivemind.DHT, node: Any, keys: list[str]) -> dict[str, dict[Any, Any]]:
+    """Runs inside the DHT process: {key: {subkey: value}} of the dictionary values found (validated).
+
+    The first replica that answers is enough (one worker, latest=False): a batch key is written once, and
+    a presence shard is re-read next round anyway, while asking every replica multiplies the bytes received.
+    """
+    found = await node.get_many(keys, sufficient_expiration_time=get_dht_time(), num_workers=1)
+    out: dict[str, dict[Any, Any]] = {}
+    for key, result in found.items():
+        if result is not None and isinstance(result.value, dict):  # hivemind unpacks a dictionary value to a dict
+            out[key] = {subkey: item.value for subkey, item in result.value.items()}
+    return out
+
+
+async def store_from_file(
+    _dht: hivemind.DHT, node: Any, key: str, subkey: bytes, path: str, expiration: float
+) -> bool:
+    """Runs inside the DHT process: store the value spilled to `path` (see `p2p.transport.spill`)."""
+    try:
+        with open(path, "rb") as f:
+            value = f.read()
+    finally:
+        unlink_quietly(path)
+    return bool(await node.store(key, value, expiration, subkey=subkey))
+
+
+def unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+async def validator_rejections_in_dht(_dht: hivemind.DHT, node: Any) -> dict[str, int]:
+    """Runs inside the DHT process: the SAPO validator's rejection counters."""
+    validator = node.protocol.record_validator
+    out: dict[str, int] = {}
+    for v in getattr(validator, "_validators", [validator]):
+        if isinstance(v, SapoRecordValidator):
+            for reason, n in v.rejections.items():
+                out[reason] = out.get(reason, 0) + n
+    return out
+
+
+async def _die_with_parent(_dht: hivemind.DHT, node: Any, parent_pid: int) -> bool:
+    """Runs inside the DHT process: be SIGKILLed (with p2pd, which follows it) when our parent dies (Linux).
+
+    hivemind's DHT process never notices its parent's death (it holds both ends of its command pipe),
+    so a node killed with SIGKILL (or by the OOM killer) left it running: it kept serving the dead
+    peer's records and kept the listen port, so a restart on the same port could not bind.
+    """
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+def die_with_parent(dht: hivemind.DHT, timeout: float = 10.0) -> bool:
+    """Blocking: tie `dht`'s process to this one (call from the thread that started it: the death signal
+    follows the forking thread). False where unsupported or on failure; never raises."""
+    try:
+        return bool(dht.run_coroutine(partial(_die_with_parent, parent_pid=os.getpid()),
+                                      return_future=True).result(timeout))
+    except Exception as e:
+        logger.warning("could not tie the DHT process to this one: %s: %s", type(e).__name__, e)
+        return False
+
+
+async def _keep_valid_subkeys(_dht: hivemind.DHT, node: Any) -> bool:
+    keep_valid_subkeys(node.protocol)
+    return True
+
+
+def keep_valid_subkeys_in(dht: hivemind.DHT, timeout: float = 10.0) -> bool:
+    """Blocking: make `dht` drop only the invalid subkeys of a dictionary answer (see validators.keep_valid_subkeys)."""
+    return bool(dht.run_coroutine(_keep_valid_subkeys, return_future=True).result(timeout))
+
+
+async def _routing_peers(_dht: hivemind.DHT, node: Any) -> list[str]:
+    """Runs inside the DHT process: peer ids currently in the routing table (not replacements)."""
+    return [str(pid) for bucket in node.protocol.routing_table.buckets for pid in bucket.nodes_to_peer_id.values()]
+
+
+def routing_peers(dht: hivemind.DHT, timeout: float = 10.0) -> list[str]:
+    """Blocking: peer ids in `dht`'s routing table (for status counters)."""
+    return dht.run_coroutine(_routing_peers, return_future=True).result(timeout)
+
+
+async def _visible_maddrs(_dht: hivemind.DHT, node: Any) -> list[Any]:
+    return await node.get_visible_maddrs()
+
+
+def visible_maddrs(dht: hivemind.DHT, timeout: float = 10.0) -> list[Any]:
+    """Blocking: our multiaddrs as p2pd reports them; unlike hivemind's get_visible_maddrs it cannot wait forever
+    on a stalled daemon (a restart on a loaded host once hung there with no message)."""
+    return dht.run_coroutine(_visible_maddrs, return_future=True).result(timeout)
