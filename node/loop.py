@@ -36,7 +36,7 @@ from node.swarm.reputation import REPUTATION_FILE
 from node.learn import precision
 from node.learn.evaluate import HeldOutEval
 from node.learn.lora import Adapter, attach, base_fingerprint
-from node.learn.groups import Group, Prompter, collapse_metrics, local_group, select_groups, to_sequences
+from node.learn.groups import Group, Prompter, Selection, local_group, select_groups, to_sequences
 from node.swarm.ij_policy import make_ij_policy
 from node.ops.metrics import MetricsWriter
 from node.ops.tensorboard import TensorBoardLog
@@ -45,7 +45,9 @@ from node.learn.policy import SamplingConfig
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.learn.tasks import TaskMix, TaskSampler
 from node.learn.trainer import StepStats, TrainConfig, Trainer
-from node.records import NodeTotals, RoundRecords
+from node.ops.metrics import peak_memory_mb
+from node.records import NodeTotals, ij_observation, log_line, remember_round, round_record, status_snapshot, \
+    tokens_generated
 
 log = logging.getLogger("sapo.node")
 
@@ -56,7 +58,7 @@ class RoundResult:
     record: dict[str, Any]
 
 
-class SapoNode(RoundRecords):
+class SapoNode:
     """With --lora-rank the node trains a LoRA adapter on `model` (wrapped here), or on the shared base of
     `adapter` when several peers in one process share one base model (node/learn/lora.py)."""
 
@@ -180,12 +182,7 @@ class SapoNode(RoundRecords):
 
     async def run_round(self, r: int) -> RoundResult:
         timer = PhaseTimer(self.live)
-        total = self.cfg.num_local + self.cfg.num_external
-        if self.cfg.ij_policy == "fixed":
-            num_local, num_external = self.cfg.num_local, self.cfg.num_external
-        else:  # I + J stays fixed; at least one local group so this node always contributes to the swarm
-            num_external = min(self.ij.current_j(), total - 1)
-            num_local = total - num_external
+        num_local, num_external = self.ij.split()
         self.live.round = r
 
         with timer("sample"):
@@ -211,15 +208,24 @@ class SapoNode(RoundRecords):
             stats = await self._in_worker(self.train, selection.local + selection.external)
         self.engine_stale = self.engine_stale or stats.optimizer_steps > 0
 
-        record = self._record(r, timer, local, selection, stats, num_local, num_external, sampled)
-        record.update(collapse_metrics(local, external))
+        tokens = tokens_generated(sampled)
+        self.totals.add(selection, tokens)
+        record = round_record(r=r, timer=timer, local=local, external=external, selection=selection,
+                              target=(num_local, num_external), stats=stats, tokens=tokens,
+                              exchange=self.exchange.stats, peak_mem_mb=peak_memory_mb(self.device),
+                              ij_policy=self.cfg.ij_policy)
         if self.held_out.due(r) and not self.stop_requested:
             await self._evaluate(r, timer, record)
-        self.ij.update(self._observation(r, selection, record))
+        self._keep(record, selection)
+        return RoundResult(r, record)
+
+    def _keep(self, record: dict, selection: Selection) -> None:
+        """The finished round into the I/J policy, metrics.jsonl, TensorBoard, the live history and node.log."""
+        self.ij.update(ij_observation(record, selection))
         self.metrics.write(record)
         self.worker.submit(self.tensorboard.write, dict(record))  # model thread, before the next round's work
-        self._log_round(record)
-        return RoundResult(r, record)
+        remember_round(self.live, record)
+        log.info("%s", log_line(record))
 
     async def _evaluate(self, r: int, timer: PhaseTimer, record: dict) -> None:
         """Held-out accuracy into this round's record. The round is complete by now: a stop during the
@@ -237,6 +243,11 @@ class SapoNode(RoundRecords):
         record["phase_s"]["eval"] = round(timer.seconds["eval"], 4)
         log.info("held-out accuracy %.3f after round %d (%d tasks, greedy, %.1fs; one constant answer per "
                  "dataset scores %.3f)", result.accuracy, r, result.size, result.seconds, result.baseline or 0.0)
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-safe status for /status, /metrics and the dashboard."""
+        return status_snapshot(swarm=self.cfg.swarm if self.cfg.swarm_enabled else "silo", model=self.cfg.model,
+                               live=self.live, exchange=self.exchange, totals=self.totals)
 
     def train(self, groups: list[Group]) -> StepStats:
         seqs = to_sequences(groups, self.tokenizer, self.prompter, self.cfg.scale_std)
@@ -286,7 +297,7 @@ class SapoNode(RoundRecords):
             "trainer_rng": _py_rng_state(self.trainer.rng),
             "torch_rng": torch.random.get_rng_state().tolist(),
             "ij_policy": self.ij.state_dict(),
-            "totals": dict(vars(self.totals)),
+            "totals": self.totals.state_dict(),
             "config": self.cfg.to_dict(),
             "version": __version__,
         }
@@ -370,7 +381,7 @@ class SapoNode(RoundRecords):
         if "cuda_rng" in s and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([torch.tensor(x, dtype=torch.uint8) for x in s["cuda_rng"]])
         self.ij.load_state_dict(s["ij_policy"])
-        self.totals = NodeTotals(**s["totals"])
+        self.totals.load_state_dict(s["totals"])
 
 
 def _ignore_outcome(task: asyncio.Future) -> None:
