@@ -90,6 +90,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from node.learn.choices import IJ_POLICIES
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -422,12 +424,9 @@ class UsefulnessPolicy(_Base):
 
 # ----------------------------------------------------------------------------- factory
 
-_REGISTRY: dict[str, Callable[..., _Base]] = {
-    "fixed": FixedPolicy,
-    "ema": EMAPolicy,
-    "usefulness": UsefulnessPolicy,
-}
-POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+_REGISTRY: dict[str, Callable[..., _Base]] = {cls.name: cls for cls in (FixedPolicy, EMAPolicy, UsefulnessPolicy)}
+POLICY_NAMES: tuple[str, ...] = IJ_POLICIES  # what --ij-policy accepts (node/learn/choices.py); each one is
+# in _REGISTRY (tests/swarm/test_ij_policy.py builds every name)
 _PARAMS: dict[str, tuple[str, ...]] = {
     "fixed": (),
     "ema": ("alpha", "ema_beta"),

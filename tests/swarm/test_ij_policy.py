@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from node.swarm import ij_policy
 from node.swarm.ij_policy import (
     POLICY_NAMES,
     EMAPolicy,
@@ -31,7 +32,7 @@ def obs(rnd, r=0.5, *, nl=4, ne=4, avail=10, lsf=1.0, esf=1.0, ext_adv=0.8, loc_
 
 
 def test_names_and_protocol():
-    assert set(POLICY_NAMES) == {"fixed", "ema", "usefulness"}
+    assert set(POLICY_NAMES) == {"fixed", "ema", "usefulness"} == set(ij_policy._REGISTRY)
     for name in POLICY_NAMES:
         p = make_ij_policy(name, 8, 4)
         assert isinstance(p, IJPolicy)
