@@ -1,4 +1,4 @@
-"""`sapo-node`: parse the config, build the pieces (swarm first: hivemind forks), run the round loop.
+"""`sapo-node`: parse the config, build the node (node/build.py; swarm first: hivemind forks), run the round loop.
 
 Stopping (docs/OPERATING.md): SIGINT, SIGTERM, SIGHUP and losing the console (stderr's reader gone) all
 ask for a graceful stop: the round in progress is abandoned at the next safe point, the last completed
@@ -107,16 +107,6 @@ def configure_threads(cfg: NodeConfig) -> int:
     return threads
 
 
-def build_exchange(cfg: NodeConfig, mix):
-    if not cfg.swarm_enabled:
-        from node.swarm.exchange import Silo
-
-        return Silo()
-    from node.swarm.dht_exchange import DhtExchange
-
-    return DhtExchange.from_config(cfg, mix)
-
-
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # `kill -USR1 <pid>` prints every thread's stack on stderr: what a node that seems stuck is waiting on
@@ -146,13 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     except TaskError as exc:
         return fail(f"--tasks: {exc}")
     threads = configure_threads(cfg)
+    from node import build
+    from node.learn.policy import ModelLoadError, load_model, pick_device
+
     try:
-        exchange = build_exchange(cfg, mix)  # before any CUDA work: hivemind's DHT forks a process
+        exchange = build.build_exchange(cfg, mix)  # before any CUDA work: hivemind's DHT forks a process
     except Exception as exc:
         return fail(f"cannot join the swarm: {exc}", 1)
-
-    from node.loop import SapoNode
-    from node.learn.policy import ModelLoadError, load_model, pick_device
 
     device = pick_device(cfg.device)
     log.info("loading model %s on %s (%d CPU threads)", cfg.model, device, threads)
@@ -160,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = load_model(cfg.model, device)
     except ModelLoadError as exc:
         return fail(str(exc), 1)
-    node = SapoNode(cfg, mix, model, tokenizer, exchange, device, stop=stop)
-    signals.saved_round = lambda: node.saved_round
+    node = build.build_node(cfg, mix, model, tokenizer, exchange, device, stop=stop)
+    signals.saved_round = lambda: node.persistence.saved_round
     log.info("task mix %s: %s | I=%d J=%d G=%d | run dir %s", mix.name, ", ".join(mix.datasets),
              cfg.num_local, cfg.num_external, cfg.generations, run_dir)
     log.info("sampling with %s | %s | mixed precision %s", node.engine.name,

@@ -3,7 +3,10 @@
     1. sample I tasks                       5. collect verified external groups (window of recent rounds)
     2. generate G completions per task      6. select: drop zero-advantage groups, keep I local + J external
     3. score them with our own reward       7. one GRPO update (pi_old fixed before the first step)
-    4. publish the groups to the swarm      8. metrics, adapt I/J, checkpoint (every --eval-every: held-out eval)
+    4. publish the groups to the swarm      8. record, held-out eval (every --eval-every), adapt I/J, checkpoint
+
+`SapoNode` holds only the algorithm: node/build.py makes its parts from a `NodeConfig`, node/records.py
+turns a finished round into its record, log line and status, node/persistence.py keeps its state on disk.
 
 Model work runs in a single worker thread; the event loop only awaits it, so swarm I/O, the status
 server and signal handling stay responsive.
@@ -27,25 +30,24 @@ from typing import Any, Callable
 
 import torch
 
-from node import __version__
-from node.ops.checkpoint import CheckpointError, CheckpointStore, load_from
-from node.ops.config import NodeConfig
-from node.ops.live import LiveState, PhaseTimer
-from node.swarm.exchange import Exchange
-from node.swarm.reputation import REPUTATION_FILE
 from node.learn import precision
+from node.learn.engine import RolloutEngine
 from node.learn.evaluate import HeldOutEval
-from node.learn.lora import Adapter, attach, base_fingerprint
-from node.learn.groups import Group, Prompter, collapse_metrics, local_group, select_groups, to_sequences
-from node.swarm.ij_policy import make_ij_policy
-from node.ops.metrics import MetricsWriter
-from node.ops.tensorboard import TensorBoardLog
-from node.learn.engine import make_engine
+from node.learn.groups import Group, Prompter, Selection, local_group, select_groups, to_sequences
+from node.learn.lora import Adapter
 from node.learn.policy import SamplingConfig
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.learn.tasks import TaskMix, TaskSampler
-from node.learn.trainer import StepStats, TrainConfig, Trainer
-from node.records import NodeTotals, RoundRecords
+from node.learn.trainer import StepStats, Trainer
+from node.ops.config import NodeConfig
+from node.ops.live import LiveState, PhaseTimer
+from node.ops.metrics import MetricsWriter, peak_memory_mb
+from node.ops.tensorboard import TensorBoardLog
+from node.persistence import Persistence
+from node.records import NodeTotals, ij_observation, log_line, remember_round, round_record, status_snapshot, \
+    tokens_generated
+from node.swarm.exchange import Exchange
+from node.swarm.ij_policy import IJPolicy
 
 log = logging.getLogger("sapo.node")
 
@@ -56,67 +58,54 @@ class RoundResult:
     record: dict[str, Any]
 
 
-class SapoNode(RoundRecords):
-    """With --lora-rank the node trains a LoRA adapter on `model` (wrapped here), or on the shared base of
-    `adapter` when several peers in one process share one base model (node/learn/lora.py)."""
+@dataclass(eq=False, repr=False)
+class SapoNode:
+    """One peer's rounds. Built by node/build.py (`build_node`); with --lora-rank `model` is wrapped by
+    `adapter`, this peer's LoRA adapter, possibly on a base shared with other peers (node/learn/lora.py)."""
 
-    def __init__(self, cfg: NodeConfig, mix: TaskMix, model: torch.nn.Module, tokenizer, exchange: Exchange,
-                 device: torch.device, stop: StopRequest | None = None, adapter: Adapter | None = None):
-        self.cfg = cfg
-        self.mix = mix
-        if adapter is None and cfg.lora_rank > 0:
-            adapter = attach(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
-        self.adapter = adapter
-        self.model = model = adapter.model if adapter is not None else model
-        # the weights a checkpoint belongs to: taken before any training (an adapter's base never changes)
-        self.base_id = adapter.base.fingerprint if adapter is not None else base_fingerprint(model)
-        self.tokenizer = tokenizer
-        self.exchange = exchange
-        self.device = device
-        self.run_dir = cfg.run_path
-        self.stop = stop or StopRequest()
-        self.sampling = SamplingConfig(cfg.temperature, cfg.top_p, cfg.max_new_tokens or mix.max_new_tokens)
-        self.trainer = Trainer(model, tokenizer.pad_token_id, TrainConfig(
-            lr=cfg.lr, eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, loss_type=cfg.loss_type,
-            scale_std=cfg.scale_std, max_grad_norm=cfg.max_grad_norm, epochs=cfg.epochs,
-            minibatches=cfg.minibatches, micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature,
-            max_completion_len=self.sampling.max_new_tokens, prefix_sharing=cfg.prefix_sharing), seed=cfg.seed,
-            stop=self.stop, adapter=adapter)
-        # every forward pass (sampling, update, evaluation) runs in the model thread under this precision
-        self.precision = precision.resolve(cfg.mixed_precision, device)
-        if adapter is not None and self.precision == "bf16":
-            adapter.base.store_frozen_weights_as(torch.bfloat16)  # cast once, not in every forward
-        self.engine = make_engine(cfg.rollout_engine, model, tokenizer, cfg.model, weight_type=cfg.engine_weights,
-                                  logp_exact=self.precision == "off")
-        self.engine_stale = False  # the weights moved since the engine last synced (an update, a resume)
-        self.prompter = Prompter(tokenizer, mix)
-        self.sampler = TaskSampler(mix, cfg.seed)
-        self.select_rng = random.Random(cfg.seed + 1)
-        total = cfg.num_local + cfg.num_external
-        self.ij = make_ij_policy(cfg.ij_policy, total=total, initial_j=cfg.num_external)
-        self.store = CheckpointStore(self.run_dir, keep=cfg.keep_checkpoints)
-        self.metrics = MetricsWriter(self.run_dir)
-        self.tensorboard = TensorBoardLog(self.run_dir, enabled=cfg.tensorboard)
+    cfg: NodeConfig
+    mix: TaskMix
+    model: torch.nn.Module  # the policy being trained
+    tokenizer: Any
+    device: torch.device
+    adapter: Adapter | None
+    precision: str  # "bf16" or "off": every job of the model thread runs under it (node/learn/precision.py)
+    engine: RolloutEngine  # samples the completions (torch, llama.cpp or vLLM)
+    sampling: SamplingConfig
+    prompter: Prompter
+    sampler: TaskSampler  # seeded: the same tasks again on resume
+    select_rng: random.Random  # which external groups are trained on
+    trainer: Trainer
+    ij: IJPolicy  # this round's split I/J
+    exchange: Exchange  # the swarm (or Silo)
+    held_out: HeldOutEval
+    totals: NodeTotals
+    metrics: MetricsWriter
+    tensorboard: TensorBoardLog
+    persistence: Persistence  # checkpoints, resume, the state an abandoned round rewinds to
+    stop: StopRequest
+
+    def __post_init__(self) -> None:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.live = LiveState()
         self.next_round = 0
         self.rounds_this_run = 0
-        self.totals = NodeTotals()
-        self.live = LiveState()
-        self.saved_round = -1  # newest round whose checkpoint is on disk (written or resumed from)
+        self.engine_stale = False  # the weights moved since the engine last synced (an update, a resume)
         self._stop_event: asyncio.Event | None = None  # wakes network waits; made in run()
-        self.held_out = HeldOutEval(mix, cfg.eval_size, cfg.eval_every, cfg.rounds, cfg.eval_unseen_size)
-        torch.manual_seed(cfg.seed)
-
-    # --- the algorithm ----------------------------------------------------------------------------------
 
     @property
     def stop_requested(self) -> bool:
         return self.stop.is_set()
 
+    @property
+    def pending(self) -> bool:
+        return self.next_round < self.cfg.rounds
+
     async def run(self) -> int:
         """Runs rounds until cfg.rounds (in total) or a stop request; returns the rounds completed now."""
         loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
+
         def wake_network_waits() -> None:  # any thread; the loop may already be gone (late console loss)
             try:
                 loop.call_soon_threadsafe(self._stop_event.set)
@@ -136,26 +125,22 @@ class SapoNode(RoundRecords):
         return self.rounds_this_run
 
     async def open(self) -> None:
-        await self._in_worker(self._load_reputation)
+        await self._in_worker(self.persistence.load_reputation)
         await self.exchange.start()
-        resumed = self.cfg.resume and await self._in_worker(self.resume)
-        if self.cfg.lora_init and not resumed:
-            await self._in_worker(self.load_adapter, self.cfg.lora_init)
+        restored = await self._in_worker(self.persistence.restore)  # --resume, else --lora-init
+        if restored is not None:
+            self.next_round, self.engine_stale = restored, True
         # after resume's truncation: the curves hold each round of metrics.jsonl once, new rounds follow
         await self._in_worker(self.tensorboard.rebuild, self.metrics.path)
-
-    @property
-    def pending(self) -> bool:
-        return self.next_round < self.cfg.rounds
 
     async def step(self) -> dict:
         """One round, then a checkpoint every --checkpoint-every rounds. An abandoned round leaves no trace:
         the state it changed (task sampler, RNG streams) is put back before RoundAbandoned goes on."""
-        at_start = self.state_dict()
+        at_start = self.persistence.capture(self.next_round)
         try:
             result = await self.run_round(self.next_round)
-        except RoundAbandoned:
-            await self._in_worker(self.load_state, at_start)  # after the worker has let go of the round
+        except RoundAbandoned:  # rewound after the worker has let go of the round
+            self.next_round = await self._in_worker(self.persistence.rewind, at_start)
             raise
         self.next_round = result.round + 1
         self.rounds_this_run += 1
@@ -163,29 +148,9 @@ class SapoNode(RoundRecords):
             await self._checkpoint()
         return result.record
 
-    async def close(self) -> None:
-        """Checkpoint the last completed round unless the disk has it, then release the swarm and the worker."""
-        try:
-            if self.next_round - 1 > self.saved_round:
-                await self._checkpoint()
-            else:
-                await self._in_worker(self._save_reputation)
-        finally:
-            await self.exchange.close()
-            self.worker.shutdown(wait=True)  # after the last queued TensorBoard write
-            self.tensorboard.close()
-            if hasattr(self.engine, "close"):
-                self.engine.close()
-            self.live.phase = "stopped"
-
     async def run_round(self, r: int) -> RoundResult:
         timer = PhaseTimer(self.live)
-        total = self.cfg.num_local + self.cfg.num_external
-        if self.cfg.ij_policy == "fixed":
-            num_local, num_external = self.cfg.num_local, self.cfg.num_external
-        else:  # I + J stays fixed; at least one local group so this node always contributes to the swarm
-            num_external = min(self.ij.current_j(), total - 1)
-            num_local = total - num_external
+        num_local, num_external = self.ij.split()
         self.live.round = r
 
         with timer("sample"):
@@ -211,15 +176,20 @@ class SapoNode(RoundRecords):
             stats = await self._in_worker(self.train, selection.local + selection.external)
         self.engine_stale = self.engine_stale or stats.optimizer_steps > 0
 
-        record = self._record(r, timer, local, selection, stats, num_local, num_external, sampled)
-        record.update(collapse_metrics(local, external))
+        tokens = tokens_generated(sampled)
+        self.totals.add(selection, tokens)
+        record = round_record(r=r, timer=timer, local=local, external=external, selection=selection,
+                              target=(num_local, num_external), stats=stats, tokens=tokens,
+                              exchange=self.exchange.stats, peak_mem_mb=peak_memory_mb(self.device),
+                              ij_policy=self.cfg.ij_policy)
         if self.held_out.due(r) and not self.stop_requested:
             await self._evaluate(r, timer, record)
-        self.ij.update(self._observation(r, selection, record))
-        self.metrics.write(record)
-        self.worker.submit(self.tensorboard.write, dict(record))  # model thread, before the next round's work
-        self._log_round(record)
+        self._keep(record, selection)
         return RoundResult(r, record)
+
+    def train(self, groups: list[Group]) -> StepStats:
+        seqs = to_sequences(groups, self.tokenizer, self.prompter, self.cfg.scale_std)
+        return self.trainer.step(seqs)
 
     async def _evaluate(self, r: int, timer: PhaseTimer, record: dict) -> None:
         """Held-out accuracy into this round's record. The round is complete by now: a stop during the
@@ -237,11 +207,38 @@ class SapoNode(RoundRecords):
         record["phase_s"]["eval"] = round(timer.seconds["eval"], 4)
         log.info("%s", result.log_line(r))
 
-    def train(self, groups: list[Group]) -> StepStats:
-        seqs = to_sequences(groups, self.tokenizer, self.prompter, self.cfg.scale_std)
-        return self.trainer.step(seqs)
+    def _keep(self, record: dict, selection: Selection) -> None:
+        """The finished round into the I/J policy, metrics.jsonl, TensorBoard, the live history and node.log."""
+        self.ij.update(ij_observation(record, selection))
+        self.metrics.write(record)
+        self.worker.submit(self.tensorboard.write, dict(record))  # model thread, before the next round's work
+        remember_round(self.live, record)
+        log.info("%s", log_line(record))
 
-    # --- helpers ------------------------------------------------------------------------------------------
+    async def _checkpoint(self) -> None:
+        self.live.phase = "checkpoint"
+        await self._in_worker(self.persistence.save, self.next_round)
+
+    async def close(self) -> None:
+        """Checkpoint the last completed round unless the disk has it, then release the swarm and the worker."""
+        try:
+            if self.next_round - 1 > self.persistence.saved_round:
+                await self._checkpoint()
+            else:
+                await self._in_worker(self.persistence.save_reputation)
+        finally:
+            await self.exchange.close()
+            self.worker.shutdown(wait=True)  # after the last queued TensorBoard write
+            self.tensorboard.close()
+            self.engine.close()
+            self.live.phase = "stopped"
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-safe status for /status, /metrics and the dashboard."""
+        return status_snapshot(swarm=self.cfg.swarm if self.cfg.swarm_enabled else "silo", model=self.cfg.model,
+                               live=self.live, exchange=self.exchange, totals=self.totals)
+
+    # --- the model thread and the network -----------------------------------------------------------------
 
     async def _in_worker(self, fn: Callable, *args):
         def run():
@@ -274,114 +271,8 @@ class SapoNode(RoundRecords):
             log.warning("%s failed: %s", what, exc)
         return None
 
-    # --- checkpoint / resume ------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything besides weights and optimizer that the next round depends on (JSON-safe)."""
-        state = {
-            "next_round": self.next_round,
-            "sampler": self.sampler.state_dict(),
-            "select_rng": _py_rng_state(self.select_rng),
-            "trainer_rng": _py_rng_state(self.trainer.rng),
-            "torch_rng": torch.random.get_rng_state().tolist(),
-            "ij_policy": self.ij.state_dict(),
-            "totals": dict(vars(self.totals)),
-            "config": self.cfg.to_dict(),
-            "version": __version__,
-        }
-        if torch.cuda.is_available():
-            state["cuda_rng"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
-        return state
-
-    async def _checkpoint(self) -> None:
-        self.live.phase = "checkpoint"
-        t0 = time.time()
-        weights = self.adapter.state_dict if self.adapter is not None else self.model.state_dict
-        path = await self._in_worker(lambda: self.store.save(
-            self.next_round - 1, weights(), self.trainer.optimizer.state_dict(), self.state_dict(), self.identity()))
-        await self._in_worker(self._save_reputation)
-        self.saved_round = self.next_round - 1
-        log.info("checkpoint %s written in %.1fs", path.name, time.time() - t0)
-
-    def _load_reputation(self) -> None:
-        """Scores and bans outlive restarts (a banned publisher stays banned); --reset-reputation forgets them."""
-        if not self.cfg.reset_reputation:
-            self.exchange.reputation.load(self.run_dir / REPUTATION_FILE)
-
-    def _save_reputation(self) -> None:
-        self.exchange.reputation.save(self.run_dir / REPUTATION_FILE)
-
-    def identity(self) -> dict[str, Any]:
-        """What a checkpoint's weights belong to (its manifest's meta): the base model, and the LoRA
-        settings when they are an adapter."""
-        lora = self.adapter.settings.to_dict() if self.adapter is not None else None
-        return {"model": self.cfg.model, "base": self.base_id, "lora": lora}
-
-    def _check_identity(self, meta: dict[str, Any] | None, where: str) -> None:
-        """Refuse weights that belong to another base model or another kind (full / LoRA rank, alpha)."""
-        ours = self.identity()
-        theirs = meta or {"lora": None}  # checkpoints from before the manifest said: whole models
-
-        def kind(lora: dict | None) -> str:
-            return f"a LoRA adapter (rank {lora['rank']}, alpha {lora['alpha']})" if lora else "a full model"
-
-        if theirs.get("lora") != ours["lora"]:
-            raise CheckpointError(f"{where} holds {kind(theirs.get('lora'))}, this node trains {kind(ours['lora'])}")
-        if "base" in theirs and theirs["base"] != ours["base"]:
-            raise CheckpointError(f"{where} was trained on another base model ({theirs.get('model')!r}, fingerprint "
-                                  f"{theirs['base']}); this node loaded {ours['model']!r} (fingerprint {ours['base']})")
-
-    def load_adapter(self, path: str) -> None:
-        """--lora-init: adapter weights from another run's checkpoint (not its optimizer or round)."""
-        ckpt = load_from(path, map_location=self.device)
-        self._check_identity(ckpt.meta, f"--lora-init {ckpt.path}")
-        self.adapter.load_state_dict(ckpt.model)
-        self.engine_stale = True
-        log.info("adapter initialised from %s (round %d)", ckpt.path, ckpt.round)
-
-    def resume(self) -> bool:
-        """Loads the newest good checkpoint; False when there is none yet."""
-        ckpt = self.store.load_latest(map_location=self.device)
-        if ckpt is None:
-            log.warning("--resume: no checkpoint in %s yet; starting at round 0", self.store.dir)
-            return False
-        self._check_identity(ckpt.meta, f"checkpoint {ckpt.path}")
-        if self.adapter is not None:
-            self.adapter.load_state_dict(ckpt.model)
-        else:
-            self.model.load_state_dict(ckpt.model)
-        self.trainer.optimizer.load_state_dict(ckpt.optimizer)
-        self.engine_stale = True
-        self.load_state(ckpt.state)
-        self.saved_round = ckpt.round
-        moved = self.metrics.truncate_after(self.next_round - 1)
-        log.info("resumed from %s: next round %d%s", ckpt.path.name, self.next_round,
-                 f" ({moved} metrics lines after it moved to metrics.orphaned.jsonl)" if moved else "")
-        return True
-
-    def load_state(self, s: dict[str, Any]) -> None:
-        """The inverse of state_dict(): on resume, and to undo an abandoned round."""
-        self.next_round = int(s["next_round"])
-        self.sampler.load_state_dict(s["sampler"])
-        self.select_rng.setstate(_to_py_rng(s["select_rng"]))
-        self.trainer.rng.setstate(_to_py_rng(s["trainer_rng"]))
-        torch.random.set_rng_state(torch.tensor(s["torch_rng"], dtype=torch.uint8))
-        if "cuda_rng" in s and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([torch.tensor(x, dtype=torch.uint8) for x in s["cuda_rng"]])
-        self.ij.load_state_dict(s["ij_policy"])
-        self.totals = NodeTotals(**s["totals"])
-
 
 def _ignore_outcome(task: asyncio.Future) -> None:
     """A network call given up on (timeout or stop): fetch its outcome so asyncio does not warn about it."""
     if not task.cancelled():
         task.exception()
-
-
-def _py_rng_state(rng: random.Random) -> list:
-    version, state, gauss = rng.getstate()
-    return [version, list(state), gauss]
-
-
-def _to_py_rng(value: list) -> tuple:
-    return (value[0], tuple(value[1]), value[2])

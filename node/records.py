@@ -1,13 +1,13 @@
-"""What a round leaves behind: its metrics.jsonl record, its log line, the I/J controller's observation,
-and the status snapshot that /status, /metrics and the dashboard render.
+"""What a round leaves behind: its metrics.jsonl record, the I/J controller's observation, its log line and
+its entry in the live history, and the status snapshot that /status, /metrics and the dashboard render.
 
-Kept out of node/loop.py so that the loop reads as the algorithm. Nothing here changes what the node learns:
-it reads the node's state and keeps its running totals.
+Plain functions of what they are given: the loop names every input at the call site, so a reader (or a
+call-graph tool) follows the round into its record. Kept out of node/loop.py so that the loop reads as the
+algorithm; nothing here changes what the node learns. The only state is `NodeTotals`, the running counters.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,135 +15,159 @@ from typing import Any
 import torch
 
 from node import __version__
-from node.learn.groups import Group
+from node.learn.groups import Group, Selection, collapse_metrics
 from node.learn.grpo import group_advantages
+from node.learn.policy import SampledGroup
 from node.learn.trainer import StepStats
-from node.ops.metrics import peak_memory_mb
+from node.ops.live import LiveState, PhaseTimer
+from node.swarm.exchange import Exchange, ExchangeStats
 from node.swarm.ij_policy import RoundObservation
 
-log = logging.getLogger("sapo.node")
+HISTORY_ROUNDS = 500  # rounds the live history keeps (status, dashboard)
+# Learning-health keys kept in the live history (status, dashboard)
+HISTORY_EXTRA = ("entropy_mean", "signal_frac", "local_signal_frac", "eval_accuracy", "eval_unseen_accuracy")
 
 
 @dataclass
 class NodeTotals:
+    """Counters since the run began (checkpointed, so a resumed run goes on counting)."""
+
     rounds: int = 0
     tokens_generated: int = 0
     groups_local: int = 0
     groups_external: int = 0
     dropped_zero_adv: int = 0
 
+    def add(self, selection: Selection, tokens: int) -> None:
+        """One completed round."""
+        self.rounds += 1
+        self.tokens_generated += tokens
+        self.groups_local += len(selection.local)
+        self.groups_external += len(selection.external)
+        self.dropped_zero_adv += selection.dropped_local + selection.dropped_external
 
-class RoundRecords:
-    """SapoNode's reporting side (a mixin): reads the node's state, updates only its totals."""
+    def state_dict(self) -> dict[str, int]:
+        return dict(vars(self))
 
-    def _record(self, r, timer, local, selection, stats: StepStats, num_local, num_external, sampled) -> dict:
-        rewards = [x for g in local for x in g.rewards]
-        tokens = sum(len(ids) for s in sampled for ids in s.completion_ids)
-        ex_stats = self.exchange.stats
-        self.totals.rounds += 1
-        self.totals.tokens_generated += tokens
-        self.totals.groups_local += len(selection.local)
-        self.totals.groups_external += len(selection.external)
-        self.totals.dropped_zero_adv += selection.dropped_local + selection.dropped_external
-        phase_s = {k: round(v, 4) for k, v in timer.seconds.items()}
-        return {
-            "round": r,
-            "t_start": timer.t0,
-            "t_end": time.time(),
-            "round_s": round(time.time() - timer.t0, 4),
-            "phase_s": phase_s,
-            "swarm_io_s": round(phase_s.get("publish", 0.0) + phase_s.get("fetch", 0.0), 4),
-            "reward_mean": float(sum(rewards) / len(rewards)) if rewards else 0.0,
-            "reward_max": float(max(rewards)) if rewards else 0.0,
-            "local_signal_frac": (len(local) - selection.dropped_local) / max(len(local), 1),
-            "target_local": num_local,
-            "target_external": num_external,
-            "num_local": len(selection.local),
-            "num_external": len(selection.external),
-            "dropped_zero_adv_local": selection.dropped_local,
-            "dropped_zero_adv_external": selection.dropped_external,
-            "external_available": selection.external_available,
-            "external_accepted": ex_stats.round_accepted,
-            "external_rejected": sum(ex_stats.round_rejected.values()),
-            "rejected_by_reason": dict(ex_stats.round_rejected),
-            "verified_batches": ex_stats.round_verified,
-            "verify_bytes": ex_stats.round_verify_bytes,
-            "verify_s": round(ex_stats.round_verify_s, 4),
-            "external_sources": _count_sources(selection.external),
-            "loss": stats.loss,
-            "kl": stats.kl,
-            "clip_frac": stats.clip_frac,
-            "ratio_mean": stats.ratio_mean,
-            "grad_norm": stats.grad_norm,
-            "optimizer_steps": stats.optimizer_steps,
-            "tokens_generated": tokens,
-            "peak_mem_mb": round(peak_memory_mb(self.device), 1),
-            "ij_policy": self.cfg.ij_policy,
-        }
-
-    def _observation(self, r, selection, record) -> RoundObservation:
-        return RoundObservation(
-            round=r,
-            reward_mean=record["reward_mean"],
-            num_local=record["num_local"],
-            num_external=record["num_external"],
-            external_available=selection.external_available,
-            local_signal_frac=record["local_signal_frac"],
-            external_signal_frac=record["external_signal_frac"],  # collapse_metrics, already on the record
-            external_adv_abs_mean=_mean_abs_adv(selection.external),
-            local_adv_abs_mean=_mean_abs_adv(selection.local),
-        )
-
-    def _log_round(self, rec: dict) -> None:
-        p = rec["phase_s"]
-        self.live.history.append({k: rec[k] for k in ("round", "reward_mean", "num_local", "num_external")}
-                                 | {"phase_s": p} | {k: rec[k] for k in HISTORY_EXTRA if k in rec})
-        del self.live.history[:-500]
-        self.live.last_round_at = rec["t_end"]
-        log.info(
-            "round %d | reward %.3f (max %.2f) | local %d/%d ext %d/%d (avail %d, got %d, rej %d) | dropped %d "
-            "| loss %+.4f clip %.3f | gen %.1fs train %.1fs swarm %.2fs",
-            rec["round"], rec["reward_mean"], rec["reward_max"], rec["num_local"], rec["target_local"],
-            rec["num_external"], rec["target_external"], rec["external_available"], rec["external_accepted"],
-            rec["external_rejected"], rec["dropped_zero_adv_local"] + rec["dropped_zero_adv_external"],
-            rec["loss"], rec["clip_frac"], p.get("generate", 0), p.get("train", 0), rec["swarm_io_s"],
-        )
-
-    def snapshot(self) -> dict[str, Any]:
-        """JSON-safe status for /status, /metrics and the dashboard."""
-        rewards = [h["reward_mean"] for h in self.live.history]
-        ma = rewards[-20:]
-        info = self.exchange.identity_info()
-        last = self.live.history[-1] if self.live.history else None
-        stats = self.exchange.stats
-        return {
-            **info,
-            "swarm": self.cfg.swarm if self.cfg.swarm_enabled else "silo",
-            "model": self.cfg.model,
-            "version": __version__,
-            "round": self.live.round,
-            "phase": self.live.phase,
-            "uptime_s": time.time() - self.live.started_at,
-            "started_at": self.live.started_at,
-            "last_reward": rewards[-1] if rewards else None,
-            "reward_ma": sum(ma) / len(ma) if ma else None,
-            "phase_s": last["phase_s"] if last else {},
-            "history": list(self.live.history),
-            "peers": dict(stats.peers),
-            "groups": stats.to_dict(),
-            "reputation": self.exchange.reputation.snapshot(),
-            "verify": {"last_round_s": stats.round_verify_s, "last_round_bytes": stats.round_verify_bytes,
-                       "last_round_batches": stats.round_verified},
-            "totals": vars(self.totals).copy(),
-            "last_round_at": self.live.last_round_at,
-            "eval": self.live.last_eval,
-            "entropy": last.get("entropy_mean") if last else None,
-            "signal_frac": last.get("signal_frac") if last else None,
-        }
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        vars(self).update(NodeTotals(**state).state_dict())
 
 
-# Learning-health keys kept in the live history (status, dashboard)
-HISTORY_EXTRA = ("entropy_mean", "signal_frac", "local_signal_frac", "eval_accuracy", "eval_unseen_accuracy")
+def tokens_generated(sampled: list[SampledGroup]) -> int:
+    return sum(len(ids) for s in sampled for ids in s.completion_ids)
+
+
+def round_record(*, r: int, timer: PhaseTimer, local: list[Group], external: list[Group], selection: Selection,
+                 target: tuple[int, int], stats: StepStats, tokens: int, exchange: ExchangeStats,
+                 peak_mem_mb: float, ij_policy: str) -> dict[str, Any]:
+    """The round's metrics.jsonl line: `local` are the groups we sampled, `external` the verified ones we
+    received, `selection` what was trained on out of them, `target` the (I, J) the policy asked for."""
+    rewards = [x for g in local for x in g.rewards]
+    phase_s = {k: round(v, 4) for k, v in timer.seconds.items()}
+    return {
+        "round": r,
+        "t_start": timer.t0,
+        "t_end": time.time(),
+        "round_s": round(time.time() - timer.t0, 4),
+        "phase_s": phase_s,
+        "swarm_io_s": round(phase_s.get("publish", 0.0) + phase_s.get("fetch", 0.0), 4),
+        "reward_mean": float(sum(rewards) / len(rewards)) if rewards else 0.0,
+        "reward_max": float(max(rewards)) if rewards else 0.0,
+        "local_signal_frac": (len(local) - selection.dropped_local) / max(len(local), 1),
+        "target_local": target[0],
+        "target_external": target[1],
+        "num_local": len(selection.local),
+        "num_external": len(selection.external),
+        "dropped_zero_adv_local": selection.dropped_local,
+        "dropped_zero_adv_external": selection.dropped_external,
+        "external_available": selection.external_available,
+        "external_accepted": exchange.round_accepted,
+        "external_rejected": sum(exchange.round_rejected.values()),
+        "rejected_by_reason": dict(exchange.round_rejected),
+        "verified_batches": exchange.round_verified,
+        "verify_bytes": exchange.round_verify_bytes,
+        "verify_s": round(exchange.round_verify_s, 4),
+        "external_sources": _count_sources(selection.external),
+        "loss": stats.loss,
+        "kl": stats.kl,
+        "clip_frac": stats.clip_frac,
+        "ratio_mean": stats.ratio_mean,
+        "grad_norm": stats.grad_norm,
+        "optimizer_steps": stats.optimizer_steps,
+        "tokens_generated": tokens,
+        "peak_mem_mb": round(peak_mem_mb, 1),
+        "ij_policy": ij_policy,
+        **collapse_metrics(local, external),
+    }
+
+
+def ij_observation(record: dict[str, Any], selection: Selection) -> RoundObservation:
+    """What the I/J controller learns from a finished round (its record and what was trained on)."""
+    return RoundObservation(
+        round=record["round"],
+        reward_mean=record["reward_mean"],
+        num_local=record["num_local"],
+        num_external=record["num_external"],
+        external_available=selection.external_available,
+        local_signal_frac=record["local_signal_frac"],
+        external_signal_frac=record["external_signal_frac"],
+        external_adv_abs_mean=_mean_abs_adv(selection.external),
+        local_adv_abs_mean=_mean_abs_adv(selection.local),
+    )
+
+
+def remember_round(live: LiveState, record: dict[str, Any]) -> None:
+    """The round's entry in the live history that /status and the dashboard show."""
+    live.history.append({k: record[k] for k in ("round", "reward_mean", "num_local", "num_external")}
+                        | {"phase_s": record["phase_s"]} | {k: record[k] for k in HISTORY_EXTRA if k in record})
+    del live.history[:-HISTORY_ROUNDS]
+    live.last_round_at = record["t_end"]
+
+
+def log_line(rec: dict[str, Any]) -> str:
+    """The round as one readable line of node.log."""
+    p = rec["phase_s"]
+    return (
+        f"round {rec['round']} | reward {rec['reward_mean']:.3f} (max {rec['reward_max']:.2f}) | "
+        f"local {rec['num_local']}/{rec['target_local']} ext {rec['num_external']}/{rec['target_external']} "
+        f"(avail {rec['external_available']}, got {rec['external_accepted']}, rej {rec['external_rejected']}) | "
+        f"dropped {rec['dropped_zero_adv_local'] + rec['dropped_zero_adv_external']} | "
+        f"loss {rec['loss']:+.4f} clip {rec['clip_frac']:.3f} | gen {p.get('generate', 0):.1f}s "
+        f"train {p.get('train', 0):.1f}s swarm {rec['swarm_io_s']:.2f}s"
+    )
+
+
+def status_snapshot(*, swarm: str, model: str, live: LiveState, exchange: Exchange,
+                    totals: NodeTotals) -> dict[str, Any]:
+    """JSON-safe status for /status, /metrics and the dashboard; `swarm` is the swarm's name or "silo"."""
+    rewards = [h["reward_mean"] for h in live.history]
+    ma = rewards[-20:]
+    last = live.history[-1] if live.history else None
+    stats = exchange.stats
+    return {
+        **exchange.identity_info(),
+        "swarm": swarm,
+        "model": model,
+        "version": __version__,
+        "round": live.round,
+        "phase": live.phase,
+        "uptime_s": time.time() - live.started_at,
+        "started_at": live.started_at,
+        "last_reward": rewards[-1] if rewards else None,
+        "reward_ma": sum(ma) / len(ma) if ma else None,
+        "phase_s": last["phase_s"] if last else {},
+        "history": list(live.history),
+        "peers": dict(stats.peers),
+        "groups": stats.to_dict(),
+        "reputation": exchange.reputation.snapshot(),
+        "verify": {"last_round_s": stats.round_verify_s, "last_round_bytes": stats.round_verify_bytes,
+                   "last_round_batches": stats.round_verified},
+        "totals": totals.state_dict(),
+        "last_round_at": live.last_round_at,
+        "eval": live.last_eval,
+        "entropy": last.get("entropy_mean") if last else None,
+        "signal_frac": last.get("signal_frac") if last else None,
+    }
 
 
 def _count_sources(groups: list[Group]) -> dict[str, int]:

@@ -42,7 +42,8 @@ import torch  # noqa: E402
 from node.ops.config import load_config  # noqa: E402
 from node.swarm.exchange import Silo  # noqa: E402
 from node.learn.groups import Prompter, local_group, to_sequences  # noqa: E402
-from node.loop import SapoNode  # noqa: E402
+from node.build import build_node  # noqa: E402
+from node.learn.choices import MIXED_PRECISION  # noqa: E402
 from node.learn.policy import SamplingConfig, load_model, pick_device, sample_groups  # noqa: E402
 from node.learn.tasks import TaskSampler, resolve_mix  # noqa: E402
 from node.learn.trainer import TrainConfig, Trainer  # noqa: E402
@@ -69,7 +70,7 @@ def rounds_section(args, model, tok, mix, max_new, device) -> dict:
                            "--max-new-tokens", str(max_new), "--run-dir", run_dir, "--checkpoint-every",
                            str(10**6), "--device", str(device), "--eval-every", str(args.eval_every),
                            "--eval-size", str(args.eval_size)], env={})
-        node = SapoNode(cfg, mix, model, tok, Silo(), device)
+        node = build_node(cfg, mix, model, tok, Silo(), device)
         records = []
 
         async def go():
@@ -249,7 +250,7 @@ def main() -> None:
     ap.add_argument("--lora-alpha", type=float, default=32.0)
     ap.add_argument("--engine-weights", default="auto", help="llama engine weights (auto: bf16 on a CPU with "
                     "native bf16, else f16)")
-    ap.add_argument("--mixed-precision", default="auto", choices=("auto", "bf16", "off"),
+    ap.add_argument("--mixed-precision", default="auto", choices=MIXED_PRECISION,
                     help="precision of every variant but the baseline (today's path: fp32)")
     ap.add_argument("--rss-json", default="", help="scripts/bench_lora.py memory JSON: its 1- and P-peer RSS")
     ap.add_argument("--json", default="", help="write the figures to this JSON file")

@@ -155,3 +155,29 @@ def test_readme_env_vars_are_read():
     for name in ("num_local", "tensorboard", "peers", "model"):  # the reading itself, for every kind of option
         env = f"SAPO_{name.upper()}"
         assert getattr(load_config([], env={env: other_value(name)}), name) != getattr(NodeConfig(), name), env
+
+
+def test_help_and_config_checks_do_not_import_torch():
+    """`sapo-node --help` and the config checks answer at once: the allowed values come from torch-free
+    node/learn/choices.py, not from the modules that implement them."""
+    code = ("import sys\nfrom node.cli import main\nfrom node.ops.config import load_config\n"
+            "load_config(['--loss-type', 'dapo', '--ij-policy', 'ema', '--rollout-engine', 'llama'], env={})\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'hivemind') if m in sys.modules)\n"
+            "print('HEAVY', heavy, file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "HEAVY []" in done.stderr, done.stderr[-500:]
+
+
+def test_allowed_values_have_one_source():
+    """config checks a flag against the very list the implementation uses (the engines' lists likewise come
+    from node/learn/choices.py)."""
+    from node.learn import grpo, precision, prefix
+    from node.swarm import ij_policy
+
+    assert CHOICES["loss_type"] is grpo.LOSS_TYPES
+    assert CHOICES["prefix_sharing"] is prefix.PREFIX_SHARING
+    assert CHOICES["mixed_precision"] is precision.MIXED_PRECISION
+    assert CHOICES["ij_policy"] is ij_policy.POLICY_NAMES

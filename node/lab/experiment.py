@@ -166,14 +166,13 @@ class Stop:
 async def run_memory(spec: RunSpec, root: Path) -> bool:
     import torch
 
+    from node.build import build_node, verify_config
     from node.learn.lora import LoraBase, LoraSettings
     from node.learn.policy import load_model, pick_device
     from node.learn.tasks import resolve_mix
-    from node.loop import SapoNode
     from node.ops.config import load_config
     from node.ops.metrics import setup_logging
     from node.swarm.memory_exchange import MemoryBoard, MemoryExchange
-    from node.swarm.verify import verify_config
     from p2p.identity import KEY_FILENAME, Identity
 
     torch.set_num_threads(max(1, spec.threads))
@@ -193,10 +192,10 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
         exchange = MemoryExchange(board, identity, mix, verify_config(cfg), spec.model)
         if shared is not None:  # one base in memory; this peer's own adapter (and optimizer) on it
             adapter = shared.adapter(f"peer{p}", seed=cfg.seed)
-            node = SapoNode(cfg, mix, adapter.model, tokenizer, exchange, device, stop=Stop.node_stop,
-                            adapter=adapter)
+            node = build_node(cfg, mix, adapter.model, tokenizer, exchange, device, stop=Stop.node_stop,
+                              adapter=adapter)
         else:
-            node = SapoNode(cfg, mix, copy.deepcopy(base_model), tokenizer, exchange, device, stop=Stop.node_stop)
+            node = build_node(cfg, mix, copy.deepcopy(base_model), tokenizer, exchange, device, stop=Stop.node_stop)
         await node.open()
         nodes.append(node)
     if shared is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Protocol
 
+from node.learn.choices import ENGINES
 from node.learn.policy import SampledGroup, SamplingConfig
 from node.learn.stop import StopRequest
 
@@ -24,8 +25,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
-
-ENGINES = ("torch", "llama", "vllm")
 
 
 class EngineUnavailable(RuntimeError):
@@ -43,6 +42,9 @@ class RolloutEngine(Protocol):
         """`group_size` completions per prompt, in prompt order; randomness drawn from torch's global RNG
         (so checkpoints, which hold its state, make resumed rounds sample the same), RoundAbandoned between
         two decode steps once `stop` is set."""
+
+    def close(self) -> None:
+        """Release what the engine holds outside Python's memory (native models, scratch files)."""
 
 
 def make_engine(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, model_name: str = "",

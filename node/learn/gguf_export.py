@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from node.learn.choices import GGUF_WEIGHTS as WEIGHT_TYPES
 from node.learn.precision import native_bf16_cpu
 
 LAYER_TENSORS = {  # transformers module (inside model.layers.N) -> GGUF tensor (inside blk.N)
@@ -30,7 +31,6 @@ LAYER_TENSORS = {  # transformers module (inside model.layers.N) -> GGUF tensor 
 TOP_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
 _PEFT = re.compile(r"^base_model\.model\.|\.base_layer(?=\.|$)")
-WEIGHT_TYPES = ("f32", "bf16", "f16", "q8_0")
 
 
 def resolve_weight_type(weight_type: str) -> str:

@@ -25,10 +25,6 @@ class Group:
     sampled: SampledGroup | None = None  # token ids and behaviour log-probs, local groups only
     sender_rewards: list[float] = field(default_factory=list)  # informational, never trusted
 
-    @property
-    def is_local(self) -> bool:
-        return self.source == LOCAL
-
     def signal(self) -> bool:
         return has_signal(self.rewards)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+from node.learn.choices import LOSS_TYPES
 
 
 def group_advantages(rewards: torch.Tensor, scale_std: bool = True, eps: float = 1e-4) -> torch.Tensor:
@@ -55,8 +55,6 @@ def grpo_loss(
     ref_logp: torch.Tensor | None = None,
     max_completion_len: int | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     mask = mask.to(logp.dtype)
     adv = advantages.to(logp.dtype).unsqueeze(1)
     ratio = torch.exp(logp - old_logp.detach())
@@ -86,10 +84,13 @@ def grpo_loss(
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_len: int | None) -> torch.Tensor:
+    """The loss of `loss_type` (one of LOSS_TYPES: the one place a loss type is checked in learn)."""
     masked = per_token * mask
     if loss_type == "grpo":
         per_seq = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
         return per_seq.mean()
     if loss_type == "dr_grpo":
         return masked.sum() / (per_token.shape[0] * (max_len or per_token.shape[1]))
-    return masked.sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dapo":
+        return masked.sum() / mask.sum().clamp(min=1.0)
+    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")

@@ -21,7 +21,7 @@ import contextlib
 
 import torch
 
-MIXED_PRECISION = ("auto", "bf16", "off")
+from node.learn.choices import MIXED_PRECISION
 
 
 def native_bf16_cpu() -> bool:

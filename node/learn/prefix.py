@@ -31,12 +31,11 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from node.learn.choices import PREFIX_SHARING
 from node.learn.kvcache import is_full_attention_cache, left_padded
 from node.learn.policy import Sequence, completion_logprobs, token_logprobs
 
 log = logging.getLogger(__name__)
-
-PREFIX_SHARING = ("auto", "on", "off")
 
 
 @dataclass

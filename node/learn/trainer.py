@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from node.learn.grpo import LOSS_TYPES, grpo_loss
+from node.learn.grpo import grpo_loss
 from node.learn.lora import Adapter
 from node.learn.policy import Sequence
 from node.learn.prefix import PREFIX_SHARING, micro_batches, supports_prefix_sharing
@@ -41,8 +41,6 @@ class TrainConfig:
     prefix_sharing: str = "auto"  # auto: share each group's prompt when the model's cache allows it
 
     def validate(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss type must be one of {LOSS_TYPES}")
         if self.epochs < 1 or self.minibatches < 1 or self.micro_batch_size < 1:
             raise ValueError("epochs, minibatches and micro batch size must be >= 1")
         if self.prefix_sharing not in PREFIX_SHARING:
@@ -63,7 +61,8 @@ class StepStats:
 
 class Trainer:
     """With `adapter` (LoRA), only the adapter's weights are optimised and the KL reference is the base
-    model with the adapters disabled; otherwise every weight, and the reference a frozen copy."""
+    model with the adapters disabled; otherwise every weight, and the reference a frozen copy. Peers that
+    share one base activate their adapter before handing the trainer a step (`Adapter.activate`)."""
 
     def __init__(self, model: torch.nn.Module, pad_id: int, cfg: TrainConfig, seed: int = 0,
                  stop: StopRequest | None = None, adapter: Adapter | None = None):
@@ -119,8 +118,6 @@ class Trainer:
         stats = StepStats(sequences=len(seqs))
         if not seqs:
             return stats
-        if self.adapter is not None:  # peers sharing one base take turns: train through ours
-            self.adapter.activate()
         self._stepped = False
         watch = self.stop.watch(self.model, lambda: not self._stepped) if self.stop else contextlib.nullcontext()
         try:

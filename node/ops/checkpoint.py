@@ -60,9 +60,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+CHECKPOINTS_DIR = "checkpoints"  # under the run dir
+
+
 class CheckpointStore:
     def __init__(self, run_dir: Path, keep: int = 2):
-        self.dir = Path(run_dir) / "checkpoints"
+        self.dir = Path(run_dir) / CHECKPOINTS_DIR
         self.keep = max(1, keep)
         self.dir.mkdir(parents=True, exist_ok=True)
 

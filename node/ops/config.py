@@ -10,11 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from node import __version__
+from node.learn.choices import ENGINE_WEIGHTS, ENGINES, IJ_POLICIES, LOSS_TYPES, MIXED_PRECISION, PREFIX_SHARING
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def opt(default: Any, help: str, **extra: Any) -> Any:
@@ -34,7 +37,7 @@ class NodeConfig:
     # SAPO round
     num_local: int = opt(4, "I: local groups (tasks sampled and trained on) per round")
     num_external: int = opt(4, "J: external groups from other peers per round (upper bound for adaptive policies)")
-    ij_policy: str = opt("fixed", "how J changes each round: fixed, ema, usefulness")
+    ij_policy: str = opt("fixed", f"how J changes each round: {', '.join(IJ_POLICIES)}")
     generations: int = opt(8, "G: completions per task")
     rounds: int = opt(100, "stop after this many rounds in total (resume counts earlier ones)")
     seed: int = opt(0, "seed for tasks, sampling and selection (peers should differ)")
@@ -51,7 +54,7 @@ class NodeConfig:
     # GRPO
     lr: float = opt(1e-6, "Adam learning rate (chosen by 200-round solo runs: docs/RESULTS.md section 4); with "
                           "--lora-rank and no explicit --lr, 10x that (LoRA Without Regret)")
-    loss_type: str = opt("grpo", "loss aggregation: grpo, dr_grpo, dapo")
+    loss_type: str = opt("grpo", f"loss aggregation: {', '.join(LOSS_TYPES)}")
     eps_low: float = opt(0.2, "lower clip range")
     eps_high: float = opt(0.28, "upper clip range")
     beta: float = opt(0.0, "KL weight against the initial model (0 = no reference model)")
@@ -80,7 +83,7 @@ class NodeConfig:
     checkpoint_every: int = opt(5, "checkpoint every N rounds (and always on exit or a stop); a kill -9 loses "
                                    "at most the N - 1 rounds since the last one (docs/BENCHMARKS.md: cost)")
     keep_checkpoints: int = opt(2, "how many checkpoints to keep")
-    log_level: str = opt("INFO", "DEBUG, INFO, WARNING, ERROR")
+    log_level: str = opt("INFO", ", ".join(LOG_LEVELS))
     name: str = opt("", "display name in logs (default: from the public key)")
     # swarm
     peers: list = opt([], "multiaddrs of peers to join (none = silo, or first peer with --swarm-start)")
@@ -135,10 +138,12 @@ def default_lr(lora_rank: int) -> float:
     """The learning rate when none is given: the full fine-tuning default, x LORA_LR_SCALE with LoRA."""
     lr = NodeConfig.__dataclass_fields__["lr"].default
     return float(f"{lr * LORA_LR_SCALE:.6g}") if lora_rank > 0 else lr
-CHOICES = {"loss_type": ("grpo", "dr_grpo", "dapo"), "ij_policy": ("fixed", "ema", "usefulness"),
-           "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"), "prefix_sharing": ("auto", "on", "off"),
-           "rollout_engine": ("torch", "llama", "vllm"), "engine_weights": ("auto", "bf16", "f16", "q8_0", "f32"),
-           "mixed_precision": ("auto", "bf16", "off")}
+
+
+# the allowed values of a flag: the implementation's own list (node/learn/choices.py), one source for both
+CHOICES = {"loss_type": LOSS_TYPES, "ij_policy": IJ_POLICIES, "log_level": LOG_LEVELS,
+           "prefix_sharing": PREFIX_SHARING, "rollout_engine": ENGINES, "engine_weights": ENGINE_WEIGHTS,
+           "mixed_precision": MIXED_PRECISION}
 
 
 def flag(name: str) -> str:

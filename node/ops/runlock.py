@@ -21,7 +21,6 @@ class RunDirBusy(RuntimeError):
 class RunDirLock:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_FILE
-        self._fd: int | None = None
 
     def acquire(self) -> None:
         """Take the lock for this process's lifetime, or raise RunDirBusy naming the owner's pid."""
@@ -35,10 +34,4 @@ class RunDirLock:
             raise RunDirBusy(f"run dir {self.path.parent} is in use by pid {owner} (lock {self.path}); "
                              "stop that node first or choose another --run-dir") from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing drops the lock; the file stays (its content is only informative)
-            self._fd = None
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # fd stays open: the process's exit drops the lock

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from node.learn.groups import Group
 from node.learn.tasks import TaskMix
-from node.swarm.settings import SwarmSettings, settings_from_config
+from node.swarm.settings import SwarmSettings
 from node.swarm.verify import SignedExchange, VerifyConfig, make_batch
 from p2p.identity import Identity
 from p2p.pow import tier_difficulty
@@ -39,11 +38,6 @@ class DhtExchange(SignedExchange):
                                pow_difficulty=settings.pow_difficulty, fetch_max=settings.fetch_max)
         vcfg = VerifyConfig.from_settings(settings, max_age_s=tcfg.record_ttl_s)
         return cls(SwarmTransport(tcfg, identity), mix, vcfg, settings.model)
-
-    @classmethod
-    def from_config(cls, cfg: Any, mix: TaskMix) -> DhtExchange:
-        """`create` from a node's config (a `NodeConfig`, duck-typed): its run dir holds the files."""
-        return cls.create(settings_from_config(cfg), mix)
 
     async def start(self) -> None:
         await self.transport.start()

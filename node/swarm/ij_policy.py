@@ -2,7 +2,8 @@
 
 Each round a node trains on ``I`` local rollout groups and ``J`` groups taken from other peers,
 with ``I + J = total`` fixed.  A controller (:class:`IJPolicy`) says which ``J`` to use next round
-(``current_j()``) and learns from what the round produced (``update(obs)``).
+(``current_j()``; the round loop asks for the split ``split() -> (I, J)``, which keeps at least one local
+group under an adaptive controller) and learns from what the round produced (``update(obs)``).
 
 Three controllers are provided (``make_ij_policy(name, total, initial_j, **kwargs)``):
 
@@ -89,6 +90,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from node.learn.choices import IJ_POLICIES
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -122,7 +125,11 @@ class IJPolicy(Protocol):
     name: str
 
     def current_j(self) -> int:
-        """J to use next round; I = total - J."""
+        """J the controller aims at for next round."""
+        ...
+
+    def split(self) -> tuple[int, int]:
+        """(I, J) to use next round: what the round loop asks."""
         ...
 
     def update(self, obs: RoundObservation) -> None: ...
@@ -190,9 +197,10 @@ class _Base:
     def current_j(self) -> int:
         return int(_clip(_round_half_up(self.j), 0, self.total))
 
-    def current_split(self) -> tuple[int, int]:
-        """(I, J) to use next round."""
-        j = self.current_j()
+    def split(self) -> tuple[int, int]:
+        """(I, J) for the next round, I + J = total. An adaptive policy keeps at least one local group: this
+        node always contributes to the swarm, and its own groups are where its reward is measured."""
+        j = min(self.current_j(), max(self.total - 1, 0))
         return self.total - j, j
 
     def update(self, obs: RoundObservation) -> None:
@@ -254,6 +262,11 @@ class FixedPolicy(_Base):
     """J never changes."""
 
     name = "fixed"
+
+    def split(self) -> tuple[int, int]:
+        """The configured (I, J), as given."""
+        j = self.current_j()
+        return self.total - j, j
 
     def _update(self, obs: RoundObservation) -> None:
         pass
@@ -411,12 +424,9 @@ class UsefulnessPolicy(_Base):
 
 # ----------------------------------------------------------------------------- factory
 
-_REGISTRY: dict[str, Callable[..., _Base]] = {
-    "fixed": FixedPolicy,
-    "ema": EMAPolicy,
-    "usefulness": UsefulnessPolicy,
-}
-POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+_REGISTRY: dict[str, Callable[..., _Base]] = {cls.name: cls for cls in (FixedPolicy, EMAPolicy, UsefulnessPolicy)}
+POLICY_NAMES: tuple[str, ...] = IJ_POLICIES  # what --ij-policy accepts (node/learn/choices.py); each one is
+# in _REGISTRY (tests/swarm/test_ij_policy.py builds every name)
 _PARAMS: dict[str, tuple[str, ...]] = {
     "fixed": (),
     "ema": ("alpha", "ema_beta"),

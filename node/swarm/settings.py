@@ -2,15 +2,13 @@
 
 node/swarm may not import node/ops (docs/ARCHITECTURE.md), so it never reads `NodeConfig` or the run dir's
 layout itself: whoever builds a node maps its flags and its run dir to these settings, and
-`DhtExchange.create` and `VerifyConfig.from_settings` take them from there. `settings_from_config` is that
-mapping for callers that still hand the swarm a whole config (`DhtExchange.from_config`, `verify_config`).
+`DhtExchange.create` and `VerifyConfig.from_settings` take them from there (node/build.py `swarm_settings`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from node.swarm.reputation import REPUTATION_FILE
 from p2p.identity import KEY_FILENAME, LIBP2P_IDENTITY_FILENAME
@@ -55,21 +53,3 @@ class SwarmSettings:
     pow_difficulty: int = DEFAULT_POW_DIFFICULTY  # swarm-wide proof-of-work bits
     identity_tier: int = 1  # our own key's work tier above the swarm's minimum (p2p.pow)
     ban_s: float = 3600.0  # a misbehaving publisher's first ban; each repeat doubles it
-
-
-def settings_from_config(cfg: Any) -> SwarmSettings:
-    """A node's config (a `NodeConfig`, read duck-typed) as swarm settings, its files in its run dir.
-
-    An existing run dir keeps its identity: where it already holds metrics or checkpoints (node/ops'
-    names; the node builder, which may import ops, owns this mapping once every caller uses it), a
-    missing key is an error, never a new identity.
-    """
-    run_dir = Path(cfg.run_dir)
-    has_state = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
-    return SwarmSettings(
-        swarm=cfg.swarm, model=cfg.model, files=SwarmFiles.in_dir(run_dir), create_identity=not has_state,
-        seed=cfg.seed, peers=tuple(cfg.peers), host_maddrs=tuple(cfg.host_maddrs),
-        announce_maddrs=tuple(cfg.announce_maddrs), client_mode=cfg.client_mode, window=cfg.window,
-        net_timeout_s=cfg.net_timeout, verify_budget_s=cfg.verify_budget_s, verify_budget_mb=cfg.verify_budget_mb,
-        fetch_max=cfg.fetch_max, pow_difficulty=cfg.pow_difficulty, identity_tier=cfg.identity_tier, ban_s=cfg.ban_s,
-    )

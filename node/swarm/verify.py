@@ -29,7 +29,7 @@ from node.learn.tasks import TaskError, TaskMix, TaskSpec, regenerate
 from node.swarm.bandit import PublisherBandit
 from node.swarm.exchange import ExchangeStats
 from node.swarm.reputation import PENALTIES, Reputation, ReputationConfig
-from node.swarm.settings import SwarmSettings, settings_from_config
+from node.swarm.settings import SwarmSettings
 from p2p.identity import Identity, peer_name_of
 from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireError, WireGroup, canonical_json, \
     decode_signed, encode_signed, open_envelope
@@ -62,11 +62,6 @@ class VerifyConfig:
                       budget_bytes=int(s.verify_budget_mb * 1024 * 1024), pow_difficulty=s.pow_difficulty,
                       reputation=ReputationConfig(ban_s=s.ban_s))
         return cls(**{**values, **overrides})
-
-
-def verify_config(cfg: Any, **overrides: Any) -> VerifyConfig:
-    """A node's flags (a `NodeConfig`, duck-typed: swarm does not import ops) as the verifier's settings."""
-    return VerifyConfig.from_settings(settings_from_config(cfg), **overrides)
 
 
 class Verifier:

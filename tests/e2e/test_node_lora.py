@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import run_node
+from node.build import build_node
 from node.learn.lora import base_fingerprint
 from node.learn.policy import load_model
 from node.learn.tasks import resolve_mix
-from node.loop import SapoNode
 from node.ops.checkpoint import CheckpointError, CheckpointStore
 from node.ops.config import load_config
 from node.swarm.exchange import Silo
@@ -61,18 +61,18 @@ def test_identity_check_names_what_differs(tmp_path, lora, model, refused):
     cfg = load_config(["--model", model, "--run-dir", str(tmp_path), "--lora-rank", str(lora), "--lora-alpha", "8"],
                       env={})
     net, tok = load_model(model, CPU)
-    node = SapoNode(cfg, resolve_mix("smoke"), net, tok, Silo(), CPU)
+    node = build_node(cfg, resolve_mix("smoke"), net, tok, Silo(), CPU)
     node.worker.shutdown()
     if refused is None:
-        node._check_identity(saved, "checkpoint x")
+        node.persistence.check_identity(saved, "checkpoint x")
     else:
         with pytest.raises(CheckpointError, match=re.escape(refused)):
-            node._check_identity(saved, "checkpoint x")
+            node.persistence.check_identity(saved, "checkpoint x")
     if lora:  # checkpoints from before manifests named a base hold whole models
         with pytest.raises(CheckpointError, match="holds a full model"):
-            node._check_identity(None, "an old checkpoint")
+            node.persistence.check_identity(None, "an old checkpoint")
     else:
-        node._check_identity(None, "an old checkpoint")
+        node.persistence.check_identity(None, "an old checkpoint")
 
 
 def test_a_new_run_starts_from_another_runs_adapter(tmp_path, tiny_args):

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.timeout(600)
 
 LIAR = """
 import sys
+import node.build as build
 import node.cli as cli
 from node.learn.groups import Group
 from node.swarm.dht_exchange import DhtExchange
@@ -37,7 +38,7 @@ class LyingExchange(DhtExchange):
         lies = [Group(task=g.task, responses=g.responses, rewards=[r + 1.0 for r in g.rewards]) for g in groups]
         await super().publish(round_, lies)
 
-cli.build_exchange = lambda cfg, mix: LyingExchange.from_config(cfg, mix)
+build.build_exchange = lambda cfg, mix: LyingExchange.create(build.swarm_settings(cfg), mix)
 sys.exit(cli.main(sys.argv[1:]))
 """
 

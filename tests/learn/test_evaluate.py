@@ -5,12 +5,12 @@ import copy
 import pytest
 import torch
 
+from node.build import build_node
 from node.learn.evaluate import HeldOutEval, constant_answer_baseline, evaluate, greedy_texts
 from node.learn.groups import Prompter, collapse_metrics, local_group
 from node.learn.policy import SamplingConfig, load_model, sample_groups
 from node.learn.tasks import (DATASET_SIZE, EVAL_INDEX_START, PRESETS, TaskSampler, TaskSpec, eval_tasks,
                               is_eval_index)
-from node.loop import SapoNode
 from node.ops.config import load_config
 from node.swarm.exchange import Silo
 
@@ -150,7 +150,7 @@ async def test_a_run_with_eval_has_the_same_training_records_as_without(tmp_path
         cfg = load_config(["--model", "tiny-random", "--tasks", "smoke", "--num-local", "2", "--generations", "3",
                            "--max-new-tokens", "6", "--seed", "4", "--rounds", "3", "--eval-every", str(every),
                            "--eval-size", "4", "--run-dir", str(tmp_path / str(every))], env={})
-        node = SapoNode(cfg, PRESETS["smoke"], copy.deepcopy(tiny[0]), tiny[1], Silo(), torch.device("cpu"))
+        node = build_node(cfg, PRESETS["smoke"], copy.deepcopy(tiny[0]), tiny[1], Silo(), torch.device("cpu"))
         records[every] = [(await node.run_round(r)).record for r in range(3)]
         node.worker.shutdown()
     keys = ("reward_mean", "loss", "tokens_generated", "clip_frac", "grad_norm", "entropy_mean", "signal_frac")

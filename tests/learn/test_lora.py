@@ -110,9 +110,11 @@ def test_peers_on_one_base_keep_their_adapters_apart(tiny):
         adapter.activate()
         return token_logprobs(adapter.model, seqs, tok.pad_token_id, 1.0)[0]
 
+    peers[1].activate()  # as a node's model thread does before each piece of its work
     trainers[1].step(copy.deepcopy(seqs))  # B away from zero: its outputs differ from the base
     b_state, b_out, c_state = snapshot(peers[1]), outputs(peers[1]), snapshot(peers[2])
     a_state = snapshot(peers[0])
+    peers[0].activate()
     trainers[0].step(copy.deepcopy(seqs))  # peer A's round
     assert not same(snapshot(peers[0]), a_state)
     assert same(snapshot(peers[1]), b_state) and same(snapshot(peers[2]), c_state)

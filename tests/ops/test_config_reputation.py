@@ -2,8 +2,8 @@
 
 import pytest
 
+from node.build import verify_config
 from node.ops.config import ConfigError, load_config
-from node.swarm.verify import verify_config
 
 
 def test_defaults_give_a_budget_inside_the_net_timeout():

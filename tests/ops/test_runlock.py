@@ -36,4 +36,3 @@ def test_busy_run_dir_names_the_owner_and_a_dead_owner_does_not_block(tmp_path):
     lock = RunDirLock(run_dir)
     lock.acquire()
     assert (run_dir / "node.lock").read_text().strip() != str(owner.pid)
-    lock.release()

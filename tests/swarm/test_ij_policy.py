@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from node.swarm import ij_policy
 from node.swarm.ij_policy import (
     POLICY_NAMES,
     EMAPolicy,
@@ -31,7 +32,7 @@ def obs(rnd, r=0.5, *, nl=4, ne=4, avail=10, lsf=1.0, esf=1.0, ext_adv=0.8, loc_
 
 
 def test_names_and_protocol():
-    assert set(POLICY_NAMES) == {"fixed", "ema", "usefulness"}
+    assert set(POLICY_NAMES) == {"fixed", "ema", "usefulness"} == set(ij_policy._REGISTRY)
     for name in POLICY_NAMES:
         p = make_ij_policy(name, 8, 4)
         assert isinstance(p, IJPolicy)
@@ -74,7 +75,7 @@ def test_fixed_never_changes():
     for t in range(200):
         p.update(obs(t, rng.random(), ext_adv=rng.random() * 3, loc_adv=rng.random()))
         assert p.current_j() == 2
-    assert p.current_split() == (6, 2)
+    assert p.split() == (6, 2)
     q = make_ij_policy("fixed", 8, 2)
     q.load_state_dict(json.loads(json.dumps(p.state_dict())))
     assert q.current_j() == 2
@@ -115,6 +116,16 @@ def test_ema_nan_reward_leaves_absorbing_state():
     p.update(obs(0, float("nan"), nl=0, ne=8))
     assert p.current_j() == 7
     assert p.ema is None
+
+
+def test_split_fixed_as_configured_adaptive_keeps_one_local_group():
+    assert make_ij_policy("fixed", 8, 8).split() == (0, 8)  # what the configuration says, unclamped
+    p = make_ij_policy("ema", 8, 4, alpha=10.0, ema_beta=0.5)
+    p.update(obs(0, 0.0))
+    p.update(obs(1, 1.0))  # J = 8 = total
+    assert p.current_j() == 8 and p.split() == (1, 7)
+    p.update(obs(2, 0.0))  # back to 3
+    assert p.split() == (5, 3)
 
 
 def test_ema_round_half_up():

@@ -1,7 +1,8 @@
 """A publisher that lies about rewards is banned, and stays banned when the node restarts with --resume.
 
-Real nodes (SapoNode), the tiny random model, real reasoning-gym tasks, the same signed bytes and checks as
-over the DHT (MemoryExchange); only the liar's exchange is changed, to add 1 to every reward it publishes.
+Real nodes (node/build.py's `build_node`), the tiny random model, real reasoning-gym tasks, the same signed
+bytes and checks as over the DHT (MemoryExchange); only the liar's exchange is changed, to add 1 to every
+reward it publishes.
 """
 
 import copy
@@ -10,14 +11,13 @@ import orjson
 import pytest
 import torch
 
+from node.build import build_node, verify_config
 from node.learn.groups import Group
 from node.learn.policy import load_model
 from node.learn.tasks import PRESETS
-from node.loop import SapoNode
 from node.ops.config import load_config
 from node.swarm.memory_exchange import MemoryBoard, MemoryExchange
 from node.swarm.reputation import REPUTATION_FILE
-from node.swarm.verify import verify_config
 from p2p.identity import KEY_FILENAME, Identity
 
 MIX = PRESETS["smoke"]
@@ -42,7 +42,7 @@ def make_node(tmp_path, name, seed, board, tiny_model, exchange_cls=MemoryExchan
     # the same identity after a restart
     identity = Identity.load_or_create(run_dir / KEY_FILENAME, create=True, pow_difficulty=cfg.pow_difficulty)
     exchange = exchange_cls(board, identity, MIX, verify_config(cfg), "tiny")
-    return SapoNode(cfg, MIX, copy.deepcopy(tiny_model[0]), tiny_model[1], exchange, torch.device("cpu"))
+    return build_node(cfg, MIX, copy.deepcopy(tiny_model[0]), tiny_model[1], exchange, torch.device("cpu"))
 
 
 async def test_a_liar_is_banned_and_stays_banned_after_resume(tmp_path, tiny_model):

@@ -5,10 +5,10 @@ import time
 import pytest
 import torch
 
+from node.build import build_node
 from node.ops.config import load_config
 from node.swarm.exchange import ExchangeStats
 from node.learn.groups import Group, score_responses
-from node.loop import SapoNode
 from node.learn.policy import load_model
 from node.swarm.memory_exchange import MemoryBoard, MemoryExchange
 from node.swarm.verify import Verifier, VerifyConfig, make_batch
@@ -121,7 +121,7 @@ async def test_three_nodes_exchange_over_memory_board(tmp_path, tiny_model):
         model, tok = copy.deepcopy(tiny_model[0]), tiny_model[1]
         mix = PRESETS["smoke"]
         exchange = MemoryExchange(board, Identity.generate(), mix, VerifyConfig(swarm="mem"), "tiny")
-        nodes.append(SapoNode(cfg, mix, model, tok, exchange, torch.device("cpu")))
+        nodes.append(build_node(cfg, mix, model, tok, exchange, torch.device("cpu")))
     sources = [set() for _ in nodes]
     for r in range(3):
         for i, node in enumerate(nodes):
@@ -152,7 +152,7 @@ async def test_a_three_times_slower_peer_gets_and_gives_groups(tmp_path, tiny_mo
                            "--swarm", "mem"], env={})
         mix = PRESETS["smoke"]
         exchange = MemoryExchange(board, Identity.generate(), mix, VerifyConfig(swarm="mem"), "tiny")
-        nodes.append(SapoNode(cfg, mix, copy.deepcopy(tiny_model[0]), tiny_model[1], exchange, torch.device("cpu")))
+        nodes.append(build_node(cfg, mix, copy.deepcopy(tiny_model[0]), tiny_model[1], exchange, torch.device("cpu")))
     slow = nodes[2]
     used = [set() for _ in nodes]
     for _ in range(3):

@@ -1,0 +1,116 @@
+"""One place that turns a `NodeConfig` into a node: the settings each part takes (training, sampling,
+verification), the swarm exchange, and the `SapoNode` with all its parts. The CLI, the experiment runner,
+the benchmarks and the tests build nodes here, so that a flag means the same wherever a node runs.
+
+Order matters in `build_node`: the base model's fingerprint is taken before any weight is cast or trained,
+and torch's RNG is seeded last, so whatever building draws, the first round samples the same.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from node.learn import precision
+from node.learn.engine import make_engine
+from node.learn.evaluate import HeldOutEval
+from node.learn.groups import Prompter
+from node.learn.lora import Adapter, attach
+from node.learn.policy import SamplingConfig
+from node.learn.stop import StopRequest
+from node.learn.tasks import TaskMix, TaskSampler
+from node.learn.trainer import TrainConfig, Trainer
+from node.loop import SapoNode
+from node.ops.checkpoint import CHECKPOINTS_DIR
+from node.ops.config import NodeConfig
+from node.ops.metrics import METRICS_FILE
+from node.ops.metrics import MetricsWriter
+from node.ops.tensorboard import TensorBoardLog
+from node.persistence import Persistence, weights_base
+from node.records import NodeTotals
+from node.swarm.exchange import Exchange, Silo
+from node.swarm.ij_policy import make_ij_policy
+from node.swarm.settings import SwarmFiles, SwarmSettings
+from node.swarm.verify import VerifyConfig
+
+
+def sampling_config(cfg: NodeConfig, mix: TaskMix) -> SamplingConfig:
+    """How completions are drawn; --max-new-tokens 0 takes the task mix's own length."""
+    return SamplingConfig(cfg.temperature, cfg.top_p, cfg.max_new_tokens or mix.max_new_tokens)
+
+
+def train_config(cfg: NodeConfig, max_completion_len: int) -> TrainConfig:
+    """One GRPO update's settings; `max_completion_len` (the sampling limit) is dr_grpo's normaliser."""
+    return TrainConfig(lr=cfg.lr, eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, loss_type=cfg.loss_type,
+                       scale_std=cfg.scale_std, max_grad_norm=cfg.max_grad_norm, epochs=cfg.epochs,
+                       minibatches=cfg.minibatches, micro_batch_size=cfg.micro_batch_size,
+                       temperature=cfg.temperature, max_completion_len=max_completion_len,
+                       prefix_sharing=cfg.prefix_sharing)
+
+
+def swarm_settings(cfg: NodeConfig) -> SwarmSettings:
+    """The swarm's share of the flags, its files in the run dir. A run dir that already holds a run (metrics
+    or checkpoints) keeps its identity: a missing key there is an error, never a new identity."""
+    run_dir = cfg.run_path
+    has_state = (run_dir / METRICS_FILE).exists() or (run_dir / CHECKPOINTS_DIR).exists()
+    return SwarmSettings(
+        swarm=cfg.swarm, model=cfg.model, files=SwarmFiles.in_dir(run_dir), create_identity=not has_state,
+        seed=cfg.seed, peers=tuple(cfg.peers), host_maddrs=tuple(cfg.host_maddrs),
+        announce_maddrs=tuple(cfg.announce_maddrs), client_mode=cfg.client_mode, window=cfg.window,
+        net_timeout_s=cfg.net_timeout, verify_budget_s=cfg.verify_budget_s, verify_budget_mb=cfg.verify_budget_mb,
+        fetch_max=cfg.fetch_max, pow_difficulty=cfg.pow_difficulty, identity_tier=cfg.identity_tier, ban_s=cfg.ban_s,
+    )
+
+
+def verify_config(cfg: NodeConfig, **overrides: Any) -> VerifyConfig:
+    """What a received batch is checked against, and the verifier's per-round budgets (for exchanges built
+    outside `build_exchange`: memory mode's)."""
+    return VerifyConfig.from_settings(swarm_settings(cfg), **overrides)
+
+
+def build_exchange(cfg: NodeConfig, mix: TaskMix) -> Exchange:
+    """The swarm: a Silo without --peers or --swarm-start, else the Hivemind DHT. Call it before any CUDA
+    work: hivemind's DHT forks a process."""
+    if not cfg.swarm_enabled:
+        return Silo()
+    from node.swarm.dht_exchange import DhtExchange
+
+    return DhtExchange.create(swarm_settings(cfg), mix)
+
+
+def build_node(cfg: NodeConfig, mix: TaskMix, model: torch.nn.Module, tokenizer, exchange: Exchange,
+               device: torch.device, stop: StopRequest | None = None, adapter: Adapter | None = None) -> SapoNode:
+    """A node on `model`: with --lora-rank a LoRA adapter is attached to it here, unless `adapter` is given
+    (peers of one process sharing a base: `model` is then the adapter's wrapper)."""
+    stop = stop or StopRequest()
+    if adapter is None and cfg.lora_rank > 0:
+        adapter = attach(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
+    model = adapter.model if adapter is not None else model
+    base_id = weights_base(model, adapter)  # what a checkpoint belongs to: before any training or cast
+    sampling = sampling_config(cfg, mix)
+    trainer = Trainer(model, tokenizer.pad_token_id, train_config(cfg, sampling.max_new_tokens), seed=cfg.seed,
+                      stop=stop, adapter=adapter)
+    mode = precision.resolve(cfg.mixed_precision, device)
+    if adapter is not None and mode == "bf16":
+        adapter.base.store_frozen_weights_as(torch.bfloat16)  # cast once, not in every forward
+    engine = make_engine(cfg.rollout_engine, model, tokenizer, cfg.model, weight_type=cfg.engine_weights,
+                         logp_exact=mode == "off")
+    sampler = TaskSampler(mix, cfg.seed)
+    select_rng = random.Random(cfg.seed + 1)
+    ij = make_ij_policy(cfg.ij_policy, total=cfg.num_local + cfg.num_external, initial_j=cfg.num_external)
+    totals = NodeTotals()
+    metrics = MetricsWriter(cfg.run_path)
+    persistence = Persistence(cfg, model=model, adapter=adapter, base_id=base_id, trainer=trainer, sampler=sampler,
+                              select_rng=select_rng, ij=ij, totals=totals, metrics=metrics,
+                              reputation=exchange.reputation, device=device)
+    node = SapoNode(cfg=cfg, mix=mix, model=model, tokenizer=tokenizer, device=device, adapter=adapter,
+                    precision=mode, engine=engine, sampling=sampling, prompter=Prompter(tokenizer, mix),
+                    sampler=sampler, select_rng=select_rng, trainer=trainer, ij=ij, exchange=exchange,
+                    held_out=HeldOutEval(mix, cfg.eval_size, cfg.eval_every, cfg.rounds, cfg.eval_unseen_size),
+                    totals=totals,
+                    metrics=metrics, tensorboard=TensorBoardLog(cfg.run_path, enabled=cfg.tensorboard),
+                    persistence=persistence, stop=stop)
+    torch.manual_seed(cfg.seed)
+    return node
