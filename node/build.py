@@ -17,6 +17,7 @@ from node.learn import precision
 from node.learn.engine import make_engine
 from node.learn.evaluate import HeldOutEval
 from node.learn.groups import Prompter
+from node.learn.guard import CollapseGuard, GuardConfig
 from node.learn.lora import Adapter, attach
 from node.learn.policy import SamplingConfig
 from node.learn.stop import StopRequest
@@ -101,16 +102,17 @@ def build_node(cfg: NodeConfig, mix: TaskMix, model: torch.nn.Module, tokenizer,
     select_rng = random.Random(cfg.seed + 1)
     ij = make_ij_policy(cfg.ij_policy, total=cfg.num_local + cfg.num_external, initial_j=cfg.num_external)
     totals = NodeTotals()
+    guard = CollapseGuard(GuardConfig(enabled=cfg.collapse_guard, lr_factor=cfg.guard_lr_factor))
     metrics = MetricsWriter(cfg.run_path)
     persistence = Persistence(cfg, model=model, adapter=adapter, base_id=base_id, trainer=trainer, sampler=sampler,
                               select_rng=select_rng, ij=ij, totals=totals, metrics=metrics,
-                              reputation=exchange.reputation, device=device)
+                              reputation=exchange.reputation, device=device, guard=guard)
     node = SapoNode(cfg=cfg, mix=mix, model=model, tokenizer=tokenizer, device=device, adapter=adapter,
                     precision=mode, engine=engine, sampling=sampling, prompter=Prompter(tokenizer, mix),
                     sampler=sampler, select_rng=select_rng, trainer=trainer, ij=ij, exchange=exchange,
                     held_out=HeldOutEval(mix, cfg.eval_size, cfg.eval_every, cfg.rounds, cfg.eval_unseen_size),
                     totals=totals,
                     metrics=metrics, tensorboard=TensorBoardLog(cfg.run_path, enabled=cfg.tensorboard),
-                    persistence=persistence, stop=stop)
+                    persistence=persistence, guard=guard, stop=stop)
     torch.manual_seed(cfg.seed)
     return node

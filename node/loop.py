@@ -33,6 +33,7 @@ import torch
 from node.learn import precision
 from node.learn.engine import RolloutEngine
 from node.learn.evaluate import HeldOutEval
+from node.learn.guard import CollapseGuard, EvalSummary
 from node.learn.groups import Group, Prompter, Selection, local_group, select_groups, to_sequences
 from node.learn.lora import Adapter
 from node.learn.policy import SamplingConfig
@@ -83,6 +84,7 @@ class SapoNode:
     metrics: MetricsWriter
     tensorboard: TensorBoardLog
     persistence: Persistence  # checkpoints, resume, the state an abandoned round rewinds to
+    guard: CollapseGuard  # after each evaluation: keep, new restore point, or restore (node/learn/guard.py)
     stop: StopRequest
 
     def __post_init__(self) -> None:
@@ -184,6 +186,8 @@ class SapoNode:
                               ij_policy=self.cfg.ij_policy)
         if self.held_out.due(r) and not self.stop_requested:
             await self._evaluate(r, timer, record)
+            await self._guard(r, record)
+        record.update(lr=self.trainer.optimizer.param_groups[0]["lr"], guard_restores=self.guard.state.restores)
         self._keep(record, selection)
         return RoundResult(r, record)
 
@@ -206,6 +210,24 @@ class SapoNode:
         record.update(result.to_record(), t_end=time.time(), round_s=round(time.time() - timer.t0, 4))
         record["phase_s"]["eval"] = round(timer.seconds["eval"], 4)
         log.info("%s", result.log_line(r))
+
+    async def _guard(self, r: int, record: dict) -> None:
+        """The collapse guard reads the evaluation: a new best is the restore point; a collapse from it puts
+        the restore point's weights back at a lower learning rate (docs/OPERATING.md)."""
+        summary = EvalSummary.from_record(r, record)
+        if summary is None or not self.guard.cfg.enabled:
+            return
+        verdict = self.guard.judge(summary)
+        record["guard_action"] = verdict.action
+        if verdict.action == "snapshot":
+            await self._in_worker(self.persistence.save_restore_point, r)
+        elif verdict.action == "restore":
+            await self._in_worker(self.persistence.load_restore_point, verdict.lr_scale)
+            self.engine_stale = True
+            record.update(guard_reason=verdict.reason, guard_restored_to=verdict.restored_to)
+            self.live.last_guard = {"round": r, "reason": verdict.reason, "restored_to": verdict.restored_to}
+            log.warning("collapse guard: %s; restored the weights of round %d, learning rate now %.3g",
+                        verdict.reason, verdict.restored_to, self.trainer.optimizer.param_groups[0]["lr"])
 
     def _keep(self, record: dict, selection: Selection) -> None:
         """The finished round into the I/J policy, metrics.jsonl, TensorBoard, the live history and node.log."""

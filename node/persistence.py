@@ -19,10 +19,11 @@ from typing import Any
 import torch
 
 from node import __version__
+from node.learn.guard import CollapseGuard
 from node.learn.lora import Adapter, base_fingerprint
 from node.learn.tasks import TaskSampler
 from node.learn.trainer import Trainer
-from node.ops.checkpoint import CheckpointError, CheckpointStore, load_from
+from node.ops.checkpoint import RESTORE_POINT_DIR, CheckpointError, CheckpointStore, load_from
 from node.ops.config import NodeConfig
 from node.ops.metrics import MetricsWriter
 from node.records import NodeTotals
@@ -55,10 +56,12 @@ class Persistence:
     metrics: MetricsWriter  # metrics.jsonl, cut back to the checkpoint on resume
     reputation: Reputation
     device: torch.device
+    guard: CollapseGuard  # its restore point and rate scale outlive restarts
 
     def __post_init__(self) -> None:
         self.store = CheckpointStore(self.cfg.run_path, keep=self.cfg.keep_checkpoints)
         self.saved_round = -1  # newest round whose checkpoint is on disk (written or resumed from)
+        self.restore_points = CheckpointStore(self.cfg.run_path, keep=1, subdir=RESTORE_POINT_DIR)
 
     # --- the loop state, in memory ------------------------------------------------------------------------
 
@@ -72,6 +75,7 @@ class Persistence:
             "torch_rng": torch.random.get_rng_state().tolist(),
             "ij_policy": self.ij.state_dict(),
             "totals": self.totals.state_dict(),
+            "guard": self.guard.state_dict(),
             "config": self.cfg.to_dict(),
             "version": __version__,
         }
@@ -89,6 +93,8 @@ class Persistence:
             torch.cuda.set_rng_state_all([torch.tensor(x, dtype=torch.uint8) for x in s["cuda_rng"]])
         self.ij.load_state_dict(s["ij_policy"])
         self.totals.load_state_dict(s["totals"])
+        self.guard.load_state_dict(s.get("guard"))  # checkpoints from before the guard: a fresh one
+        self.trainer.set_lr(self.cfg.lr * self.guard.state.lr_scale)
         return int(s["next_round"])
 
     # --- on disk ------------------------------------------------------------------------------------------
@@ -96,12 +102,38 @@ class Persistence:
     def save(self, next_round: int) -> None:
         """Checkpoint the last completed round (next_round - 1), then the reputation file."""
         t0 = time.time()
-        weights = self.adapter.state_dict() if self.adapter is not None else self.model.state_dict()
-        path = self.store.save(next_round - 1, weights, self.trainer.optimizer.state_dict(),
+        path = self.store.save(next_round - 1, self._weights(), self.trainer.optimizer.state_dict(),
                                self.capture(next_round), self.identity())
         self.save_reputation()
         self.saved_round = next_round - 1
         log.info("checkpoint %s written in %.1fs", path.name, time.time() - t0)
+
+    def _weights(self) -> dict[str, Any]:
+        return self.adapter.state_dict() if self.adapter is not None else self.model.state_dict()
+
+    def _load_weights(self, weights: dict[str, Any]) -> None:
+        if self.adapter is not None:
+            self.adapter.load_state_dict(weights)
+        else:
+            self.model.load_state_dict(weights)
+
+    def save_restore_point(self, r: int) -> None:
+        """The collapse guard's restore point: weights and optimizer after round r (its best evaluation so far),
+        in RUN_DIR/restore-point/ (one kept; written atomically like a checkpoint)."""
+        self.restore_points.save(r, self._weights(), self.trainer.optimizer.state_dict(), {"round": r},
+                                 self.identity())
+
+    def load_restore_point(self, lr_scale: float) -> int:
+        """Back to the restore point's weights and optimizer, at `lr_scale` x the configured learning rate;
+        returns the round it was taken after."""
+        ckpt = self.restore_points.load_latest(map_location=self.device)
+        if ckpt is None:
+            raise CheckpointError(f"no restore point in {self.restore_points.dir}")
+        self.check_identity(ckpt.meta, f"restore point {ckpt.path}")
+        self._load_weights(ckpt.model)
+        self.trainer.optimizer.load_state_dict(ckpt.optimizer)
+        self.trainer.set_lr(self.cfg.lr * lr_scale)
+        return ckpt.round
 
     def restore(self) -> int | None:
         """At start: the newest checkpoint with --resume, else the adapter of --lora-init. Returns the next
@@ -122,10 +154,7 @@ class Persistence:
             log.warning("--resume: no checkpoint in %s yet; starting at round 0", self.store.dir)
             return None
         self.check_identity(ckpt.meta, f"checkpoint {ckpt.path}")
-        if self.adapter is not None:
-            self.adapter.load_state_dict(ckpt.model)
-        else:
-            self.model.load_state_dict(ckpt.model)
+        self._load_weights(ckpt.model)
         self.trainer.optimizer.load_state_dict(ckpt.optimizer)
         next_round = self.rewind(ckpt.state)
         self.saved_round = ckpt.round

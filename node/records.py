@@ -25,7 +25,8 @@ from node.swarm.ij_policy import RoundObservation
 
 HISTORY_ROUNDS = 500  # rounds the live history keeps (status, dashboard)
 # Learning-health keys kept in the live history (status, dashboard)
-HISTORY_EXTRA = ("entropy_mean", "signal_frac", "local_signal_frac", "eval_accuracy", "eval_unseen_accuracy")
+HISTORY_EXTRA = ("entropy_mean", "signal_frac", "local_signal_frac", "eval_accuracy", "eval_unseen_accuracy",
+                 "lr", "guard_restores")
 
 
 @dataclass
@@ -167,6 +168,8 @@ def status_snapshot(*, swarm: str, model: str, live: LiveState, exchange: Exchan
         "eval": live.last_eval,
         "entropy": last.get("entropy_mean") if last else None,
         "signal_frac": last.get("signal_frac") if last else None,
+        "guard": {"lr": last.get("lr") if last else None, "restores": last.get("guard_restores", 0) if last else 0,
+                  "last": live.last_guard},
     }
 
 

@@ -92,11 +92,11 @@ class CollapseGuard:
         s, best = self.state, self.best
         if not self.cfg.enabled:
             return Verdict("keep", lr_scale=s.lr_scale)
-        if best is None or e.accuracy > best.accuracy:
-            s.best = asdict(e)
-            return Verdict("snapshot", lr_scale=s.lr_scale)
-        reason = self._worse_than_best(e, best)
-        if not reason:
+        reason = self._worse_than_best(e, best) if best is not None else ""
+        if not reason:  # a collapse is never a restore point, however its accuracy compares
+            if best is None or e.accuracy > best.accuracy:
+                s.best = asdict(e)
+                return Verdict("snapshot", lr_scale=s.lr_scale)
             return Verdict("keep", lr_scale=s.lr_scale)
         s.lr_scale = max(s.lr_scale * self.cfg.lr_factor, self.cfg.min_lr_scale)
         s.restores += 1

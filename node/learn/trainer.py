@@ -113,6 +113,11 @@ class Trainer:
             for s, row, m in zip(chunk, logp, mask):
                 s.old_logp = row[: int(m.sum())].tolist()
 
+    def set_lr(self, lr: float) -> None:
+        """A new learning rate from the next optimizer step on (the collapse guard lowers it)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def step(self, seqs: list[Sequence]) -> StepStats:
         """epochs x minibatches optimizer steps; pi_old stays the one recorded before the first step."""
         stats = StepStats(sequences=len(seqs))

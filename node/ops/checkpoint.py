@@ -61,11 +61,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 CHECKPOINTS_DIR = "checkpoints"  # under the run dir
+RESTORE_POINT_DIR = "restore-point"  # the collapse guard's (node/learn/guard.py), beside them
 
 
 class CheckpointStore:
-    def __init__(self, run_dir: Path, keep: int = 2):
-        self.dir = Path(run_dir) / CHECKPOINTS_DIR
+    def __init__(self, run_dir: Path, keep: int = 2, subdir: str = CHECKPOINTS_DIR):
+        self.dir = Path(run_dir) / subdir
         self.keep = max(1, keep)
         self.dir.mkdir(parents=True, exist_ok=True)
 

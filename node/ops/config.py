@@ -76,6 +76,9 @@ class NodeConfig:
     # held-out evaluation
     eval_every: int = opt(10, "greedy held-out evaluation every N rounds (0 = off; 10 keeps its cost near 6 percent)")
     eval_size: int = opt(64, "tasks in the held-out evaluation set (fixed per task mix, never trained on)")
+    collapse_guard: bool = opt(True, "at each held-out evaluation, restore the best evaluation's weights and "
+                                     "lower the learning rate when the policy has collapsed (docs/OPERATING.md)")
+    guard_lr_factor: float = opt(0.5, "the collapse guard multiplies the learning rate by this on each restore")
     eval_unseen_size: int = opt(0, "tasks in the unseen evaluation set of a mix split by content (0 = --eval-size)")
     # run dir, checkpoints, logs
     run_dir: str = opt("runs/node", "where metrics, logs, identity and checkpoints live")
@@ -169,6 +172,8 @@ def validate(cfg: NodeConfig) -> None:
         raise bad("eval_size", "must be >= 1 when --eval-every is on")
     if cfg.lr <= 0:
         raise bad("lr", "must be > 0")
+    if not 0 < cfg.guard_lr_factor <= 1:
+        raise bad("guard_lr_factor", "must be in (0, 1]")
     if cfg.lora_alpha <= 0:
         raise bad("lora_alpha", "must be > 0")
     if cfg.lora_init and cfg.lora_rank < 1:

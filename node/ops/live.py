@@ -16,6 +16,7 @@ class LiveState:
     history: list = field(default_factory=list)
     last_round_at: float | None = None
     last_eval: dict | None = None  # the newest held-out evaluation: round, accuracy, per dataset, seconds
+    last_guard: dict | None = None  # the collapse guard's newest restore: round, reason, restored_to
 
 
 class PhaseTimer:

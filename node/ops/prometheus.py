@@ -211,3 +211,8 @@ def learning_health(m, snap: dict) -> None:
               f"{what.lower()} evaluation set: a collapsed policy scores about this.", num(ev.get(f"{key}_baseline")))
     m.add("sapo_eval_round", "gauge", "Round of the last held-out evaluation.", num(ev.get("round")))
     m.add("sapo_eval_duration_seconds", "gauge", "Seconds the last held-out evaluation took.", num(ev.get("eval_s")))
+    guard = as_dict(snap.get("guard"))
+    m.add("sapo_guard_restores_total", "counter", "Times the collapse guard restored the best evaluation's weights.",
+          num(guard.get("restores")))
+    m.add("sapo_learning_rate", "gauge", "The learning rate of the last round (the collapse guard lowers it).",
+          num(guard.get("lr")))

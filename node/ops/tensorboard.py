@@ -41,6 +41,8 @@ SCALARS = {
     "ratio_mean": "train/ratio_mean",
     "grad_norm": "train/grad_norm",
     "optimizer_steps": "train/optimizer_steps",
+    "lr": "train/learning_rate",  # lowered by the collapse guard on each restore
+    "guard_restores": "collapse/guard_restores",
     "entropy_mean": "collapse/token_entropy",
     "signal_frac": "collapse/signal_frac",
     "local_signal_frac": "collapse/local_signal_frac",

@@ -33,6 +33,13 @@ def test_collapse_straight_from_the_base_model_is_caught_by_its_answers():
     assert v.action == "restore" and v.restored_to == 0 and "distinct" in v.reason
 
 
+def test_a_collapse_is_never_the_restore_point_even_when_its_accuracy_is_higher():
+    g = CollapseGuard()
+    g.judge(ev(0, 0.0, distinct=0.5, baseline=0.25, gold=0.9))  # the base answers varied, all wrong
+    v = g.judge(ev(2, 0.008, distinct=0.125, baseline=0.25, gold=0.9))  # one answer to everything, one right
+    assert v.action == "restore" and v.restored_to == 0 and g.best.round == 0
+
+
 def test_rate_has_a_floor_and_the_guard_can_be_off():
     g = CollapseGuard(GuardConfig(lr_factor=0.1, min_lr_scale=0.01))
     g.judge(ev(0, 0.5))

@@ -227,6 +227,13 @@
     setText("v-unseen", isNum(ev.eval_unseen_accuracy) ? fmt(ev.eval_unseen_accuracy) + " @" + ev.round : "–");
     var unseenBase = isNum(ev.eval_unseen_baseline) ? " / " + fmt(ev.eval_unseen_baseline) : "";
     setText("v-baseline", fmt(ev.eval_baseline) + unseenBase);
+    var guard = s.guard || {};
+    setText("v-guard", (isNum(guard.restores) ? guard.restores : "–") + " / " +
+      (isNum(guard.lr) ? guard.lr.toExponential(2) : "–"));
+    var lastGuard = guard.last || null;
+    var guardCard = $("v-guard");
+    if (guardCard) guardCard.title = lastGuard ? "round " + lastGuard.round + ": " + lastGuard.reason +
+      " (restored round " + lastGuard.restored_to + ")" : "no restore yet";
     setText("v-health", fmt(s.entropy, 2) + " / " + (isNum(s.signal_frac) ? (100 * s.signal_frac).toFixed(0) + "%" : "–"));
   }
 

@@ -1,0 +1,32 @@
+"""The collapse guard on a real model: an absurd learning rate collapses the embedded default model's answers
+onto one string; the guard notices at the next evaluation, puts back the best evaluation's weights and lowers
+the rate, and the node answers like itself again. Switched off, the collapse stays (checked by hand; see the
+closing note of issue 29), so this test fails without the guard."""
+
+import orjson
+import pytest
+
+from conftest import run_node
+from node.learn.guard import EvalSummary, collapsed
+
+ARGS = ["--model", "default", "--tasks", "cpu-learn", "--lora-rank", "8", "--generations", "4", "--num-local", "2",
+        "--num-external", "0", "--max-new-tokens", "8", "--seed", "3", "--lr", "5e-2", "--guard-lr-factor", "0.1",
+        "--eval-every", "1", "--eval-size", "16", "--eval-unseen-size", "8", "--rounds", "5", "--rollout-engine",
+        "torch", "--no-tensorboard"]
+
+
+def test_guard_catches_a_forced_collapse_and_recovers(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_node(*ARGS, "--run-dir", str(run_dir), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
+    evals = {r["round"]: EvalSummary.from_record(r["round"], r) for r in records}
+    restores = [r for r in records if r.get("guard_action") == "restore"]
+    assert restores, [(r["round"], r.get("guard_action"), r["eval_distinct_answers"]) for r in records]
+    first = restores[0]
+    best = evals[first["guard_restored_to"]]
+    assert collapsed(evals[first["round"]]) and evals[first["round"]].distinct < 0.5 * best.distinct  # a real collapse
+    assert first["lr"] == pytest.approx(5e-2 * 0.1) and first["guard_restores"] == 1 and "collapse guard" in proc.stderr
+    after = [evals[r["round"]] for r in records if r["round"] > first["round"]]
+    assert after and all(e.distinct >= 0.5 * best.distinct for e in after)  # answers vary with the question again
+    assert (run_dir / "restore-point").is_dir()
