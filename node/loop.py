@@ -40,7 +40,7 @@ from node.learn.groups import Group, Prompter, collapse_metrics, local_group, se
 from node.swarm.ij_policy import make_ij_policy
 from node.ops.metrics import MetricsWriter
 from node.ops.tensorboard import TensorBoardLog
-from node.learn.engine import make_engine
+from node.learn.engines import make_engine
 from node.learn.policy import SamplingConfig
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.learn.tasks import TaskMix, TaskSampler
@@ -174,8 +174,7 @@ class SapoNode(RoundRecords):
             await self.exchange.close()
             self.worker.shutdown(wait=True)  # after the last queued TensorBoard write
             self.tensorboard.close()
-            if hasattr(self.engine, "close"):
-                self.engine.close()
+            self.engine.close()
             self.live.phase = "stopped"
 
     async def run_round(self, r: int) -> RoundResult:

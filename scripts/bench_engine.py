@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from node.learn.engine import make_engine  # noqa: E402
+from node.learn.engines import make_engine  # noqa: E402
 from node.learn.groups import Prompter, local_group  # noqa: E402
 from node.learn.policy import SamplingConfig, load_model  # noqa: E402
 from node.learn.tasks import TaskSampler, resolve_mix  # noqa: E402

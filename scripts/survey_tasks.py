@@ -77,7 +77,7 @@ def main() -> None:
     model, tok = load_model(args.model, pick_device("auto"))
     engine = None
     if args.engine != "torch":
-        from node.learn.engine import make_engine
+        from node.learn.engines import make_engine
 
         engine = make_engine(args.engine, model, tok, model_name=args.model)  # falls back to torch, with a line
         print(f"# samples from the {engine.name} engine", flush=True)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import node.learn.trainer as trainer_mod
-from node.learn.engine import make_engine
-from node.learn.engine_torch import TorchEngine
+from node.learn.engines import make_engine
+from node.learn.engines.torch import TorchEngine
 from node.learn.groups import Prompter, local_group, to_sequences
 from node.learn.policy import SamplingConfig, Sequence, load_model, sample_groups, token_logprobs
 from node.learn.stop import RoundAbandoned, StopRequest
@@ -46,17 +46,17 @@ def test_torch_engine_is_todays_sampler(smol):
 def test_unavailable_engine_falls_back_to_torch_in_one_line(smol, monkeypatch, caplog):
     model, tok, _, _, _ = smol
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if llama-cpp-python were not installed
-    with caplog.at_level(logging.WARNING, logger="node.learn.engine"):
+    with caplog.at_level(logging.WARNING, logger="node.learn.engines"):
         engine = make_engine("llama", model, tok, "tiny-random-smol")
     assert isinstance(engine, TorchEngine)
-    lines = [r for r in caplog.records if r.name == "node.learn.engine"]
+    lines = [r for r in caplog.records if r.name == "node.learn.engines"]
     assert len(lines) == 1 and "sampling with torch" in lines[0].getMessage()
 
 
 def test_engine_that_cannot_serve_the_model_falls_back(caplog):
     pytest.importorskip("llama_cpp")
     model, tok = load_model("tiny-random", torch.device("cpu"))  # byte tokenizer: no GGUF vocabulary for it
-    with caplog.at_level(logging.WARNING, logger="node.learn.engine"):
+    with caplog.at_level(logging.WARNING, logger="node.learn.engines"):
         assert isinstance(make_engine("llama", model, tok, "tiny-random"), TorchEngine)
     assert "unavailable" in caplog.text
 
@@ -250,7 +250,7 @@ def test_a_full_dev_shm_moves_the_engine_scratch_dir_instead_of_failing_the_roun
     import tempfile
     from pathlib import Path
 
-    from node.learn.engine_llama import LlamaEngine
+    from node.learn.engines.llama import LlamaEngine
 
     engine = LlamaEngine.__new__(LlamaEngine)  # only the scratch directory matters here: no llama.cpp needed
     engine.dir = tempfile.TemporaryDirectory(prefix="sapo-test-", dir="/dev/shm")

@@ -27,3 +27,6 @@ class TorchEngine:
         for g in groups:
             g.logp_exact = g.logp_exact and self.logp_exact
         return groups
+
+    def close(self) -> None:
+        """Nothing to release: the model is the trainer's."""

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from node.learn import gguf_export
+from node.learn.engines import gguf_export
 from node.learn.policy import SampledGroup, SamplingConfig, embedded_model_path
 from node.learn.stop import StopRequest
 

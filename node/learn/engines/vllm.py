@@ -60,3 +60,7 @@ class VllmEngine:
                                        texts=[self.tokenizer.decode(c, skip_special_tokens=True) for c in comps],
                                        entropy=[], logp_exact=False))  # no full distribution: no entropy
         return groups
+
+    def close(self) -> None:
+        """vLLM frees its GPU memory when the `LLM` object goes."""
+        self.llm = None

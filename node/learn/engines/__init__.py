@@ -1,6 +1,6 @@
 """Rollout engines: what samples a round's G completions per prompt. One small interface, one module per
-engine (engine_torch.py: the `transformers` sampler, engine_llama.py: llama.cpp), chosen with
-`--rollout-engine`.
+engine in this folder (torch.py: the `transformers` sampler, llama.py: llama.cpp, vllm.py: vLLM), chosen
+with `--rollout-engine`.
 
 An engine samples from the *current* policy: after every update the loop calls `sync(model)` (the
 weights, or only the LoRA adapter, move into the engine; its cost is the round's `sync` phase). Its
@@ -44,25 +44,28 @@ class RolloutEngine(Protocol):
         (so checkpoints, which hold its state, make resumed rounds sample the same), RoundAbandoned between
         two decode steps once `stop` is set."""
 
+    def close(self) -> None:
+        """Release what the engine holds outside Python's memory (native models, scratch files)."""
+
 
 def make_engine(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, model_name: str = "",
                 weight_type: str = "auto", logp_exact: bool = True) -> RolloutEngine:
     """The engine `name` for this model, synced to its current weights, or the torch sampler (with one log
     line) when it is unavailable or fails to load. `logp_exact=False` tells the torch sampler that its
     recorded log-probs are not the update's numerics (mixed precision: node/learn/precision.py)."""
-    from node.learn.engine_torch import TorchEngine
+    from node.learn.engines.torch import TorchEngine
 
     if name == "torch":
         return TorchEngine(model, tokenizer, logp_exact)
     try:
         if name == "llama":
-            from node.learn.engine_llama import LlamaEngine
+            from node.learn.engines.llama import LlamaEngine
 
             engine = LlamaEngine(model, tokenizer, model_name, weight_type)
             engine.sync(model)  # a model llama.cpp cannot load shows here, while falling back is still free
             return engine
         if name == "vllm":
-            from node.learn.engine_vllm import VllmEngine
+            from node.learn.engines.vllm import VllmEngine
 
             engine = VllmEngine(model, tokenizer)
             engine.sync(model)
