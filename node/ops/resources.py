@@ -2,7 +2,8 @@
 
 Estimate per peer = parameters x (weights + gradients + Adam's two moments) + an activation allowance
 + the runtime's fixed overhead. Weights are fp32 on CPU and bf16 on GPU (Adam state stays fp32-sized for
-safety); on a CPU the default rollout engine (llama.cpp) holds its own bf16 copy of the weights. Used by scripts/local_swarm.sh to refuse to start peers that would run out of memory.
+safety); on a CPU the default rollout engine (llama.cpp) holds its own bf16 copy of the weights. Used by
+scripts/local_swarm.sh to refuse to start peers that would run out of memory.
 
     python -m node.ops.resources --model default --peers 5
 """
