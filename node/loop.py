@@ -174,7 +174,8 @@ class SapoNode(RoundRecords):
             await self.exchange.close()
             self.worker.shutdown(wait=True)  # after the last queued TensorBoard write
             self.tensorboard.close()
-            self.engine.close()
+            if hasattr(self.engine, "close"):
+                self.engine.close()
             self.live.phase = "stopped"
 
     async def run_round(self, r: int) -> RoundResult:
