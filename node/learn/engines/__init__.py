@@ -65,6 +65,7 @@ def make_engine(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenize
         if device != "cpu":
             log.info("rollout engine auto: torch (the model is on %s)", device)
             return TorchEngine(model, tokenizer, logp_exact)
+    engine = None
     try:
         if name in ("llama", "auto"):
             from node.learn.engines.llama import LlamaEngine
@@ -81,6 +82,8 @@ def make_engine(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenize
             return engine
         raise EngineUnavailable(f"unknown rollout engine {name!r} (one of {', '.join(ENGINES)})")
     except Exception as exc:  # a missing or broken engine must never stop the node: torch always works
+        if engine is not None:  # built but could not load the model: free what it holds now
+            engine.close()
         if name == "auto":  # expected where neither llama.cpp binding is installed: not a warning
             log.info("rollout engine auto: torch (llama.cpp unavailable: %s: %s)", type(exc).__name__, exc)
         else:
