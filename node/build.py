@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from node.learn import precision
-from node.learn.engine import make_engine
+from node.learn.engines import make_engine
 from node.learn.evaluate import HeldOutEval
 from node.learn.groups import Prompter
 from node.learn.guard import CollapseGuard, GuardConfig

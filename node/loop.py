@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from node.learn import precision
-from node.learn.engine import RolloutEngine
+from node.learn.engines import RolloutEngine
 from node.learn.evaluate import HeldOutEval
 from node.learn.guard import CollapseGuard, EvalSummary
 from node.learn.groups import Group, Prompter, Selection, local_group, select_groups, to_sequences

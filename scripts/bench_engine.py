@@ -10,13 +10,20 @@
   sync    seconds to move the current weights into the engine: full weights in each --engine-weights
           format (write the GGUF + load it) and a LoRA adapter (write + swap in), median of --repeats.
 
+  bindings the llama engine's bindings side by side in one process (the wheel, the source build), with the
+          torch sampler as the reference: greedy answers on --tasks-n held-out tasks (same as torch's?),
+          sampling speed (--prompts x --generations at T = 1, --repeats interleaved: tokens/s, groups/s,
+          wall and CPU) and sync cost (full weights and a merged LoRA adapter), medians and ratios.
+
     python scripts/bench_engine.py parity --tasks-n 256 --samples 2 --variants torch-bf16,llama-bf16,llama-f16 --json parity.json
     python scripts/bench_engine.py sync --json sync.json
+    nice python scripts/bench_engine.py bindings --tasks cpu-learn --tasks-n 64 --repeats 5 --json bindings.json
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -30,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from node.learn.engine import make_engine  # noqa: E402
-from node.learn.groups import Prompter, local_group  # noqa: E402
+from node.learn.engines import make_engine  # noqa: E402
+from node.learn.groups import Prompter, local_group, score_responses  # noqa: E402
 from node.learn.policy import SamplingConfig, load_model  # noqa: E402
 from node.learn.tasks import TaskSampler, resolve_mix  # noqa: E402
 from node.lab.evidence import paired_task_gain  # noqa: E402
@@ -135,9 +142,106 @@ def sync(args, model, tok) -> dict:
     return out
 
 
+def _timed(fn) -> tuple[float, float]:
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def _greedy_parity(args, model, tok, mix, engines: dict, prompter) -> dict:
+    """Greedy answers (T -> 0, one completion per task) against torch's greedy decode (the held-out eval's)."""
+    from node.learn.evaluate import eval_tasks, greedy_texts
+
+    tasks = eval_tasks(mix, args.tasks_n)
+    prompts = [prompter(t) for t in tasks]
+    answers = {"torch": greedy_texts(model, tok, prompts, mix.max_new_tokens, batch_size=16)}
+    greedy = SamplingConfig(temperature=1e-6, top_p=1.0, max_new_tokens=mix.max_new_tokens)
+    for b, eng in engines.items():
+        answers[b] = [g.texts[0] for s in range(0, len(prompts), 16)
+                      for g in eng.sample(prompts[s:s + 16], 1, greedy)]
+    scored = {k: [score_responses(t, [mix.answer_prefix + text])[0] for t, text in zip(tasks, v)]
+              for k, v in answers.items()}
+    out: dict = {k: {"accuracy": sum(v) / len(v),
+                     "same_text_as_torch": sum(a == b for a, b in zip(answers[k], answers["torch"])) / len(tasks),
+                     "same_reward_as_torch": sum(a == b for a, b in zip(v, scored["torch"])) / len(tasks)}
+                 for k, v in scored.items()}
+    names = list(engines)
+    if len(names) > 1:
+        out[f"same_text_{names[0]}_vs_{names[1]}"] = sum(
+            a == b for a, b in zip(answers[names[0]], answers[names[1]])) / len(tasks)
+    for k, v in out.items():
+        print(f"  greedy {k:8s} {v}")
+    return out
+
+
+def bindings(args, model, tok, mix) -> dict:
+    from node.learn.lora import attach
+
+    names = [b for b in args.bindings.split(",") if b]
+    engines = {}
+    for b in names:
+        engines[b] = make_engine("llama", model, tok, args.model, weight_type=args.weights, llama_binding=b)
+        if engines[b].name != "llama":
+            raise SystemExit(f"the {b} binding is not available here")
+    prompter = Prompter(tok, mix)
+    out: dict = {"bindings": {b: e.api.label for b, e in engines.items()},
+                 "weights": {b: e.weight_type for b, e in engines.items()}}
+    if args.tasks_n:  # 1. greedy answers
+        out["greedy"] = _greedy_parity(args, model, tok, mix, engines, prompter)
+    # 2. sampling speed, interleaved
+    sampler = TaskSampler(mix, seed=args.seed)
+    scfg = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=mix.max_new_tokens)
+    runs = {b: {"wall": [], "cpu": [], "tokens": []} for b in names}
+    for i in range(-1, args.repeats):  # -1: warm-up
+        batch = [prompter(t) for t in sampler.sample(args.prompts)]
+        for b, eng in engines.items():
+            torch.manual_seed(100 + i)
+            got = []
+            wall, cpu = _timed(lambda: got.extend(eng.sample(batch, args.generations, scfg)))
+            if i >= 0:
+                runs[b]["wall"].append(wall)
+                runs[b]["cpu"].append(cpu)
+                runs[b]["tokens"].append(sum(len(c) for g in got for c in g.completion_ids))
+    speed = {}
+    for b, r in runs.items():
+        speed[b] = {"tokens_per_s": statistics.median(t / w for t, w in zip(r["tokens"], r["wall"])),
+                    "tokens_per_cpu_s": statistics.median(t / c for t, c in zip(r["tokens"], r["cpu"])),
+                    "groups_per_s": statistics.median(args.prompts / w for w in r["wall"]),
+                    "groups_per_cpu_s": statistics.median(args.prompts / c for c in r["cpu"]), "runs": r}
+        print(f"  sample {b:8s} " + "  ".join(f"{k} {v:.2f}" for k, v in speed[b].items() if k != "runs"))
+    out["sampling"] = speed
+    # 3. sync: full weights, then a LoRA adapter merged in
+    adapter = attach(copy.deepcopy(model), args.lora_rank, 32.0)
+    lora_engines = {b: make_engine("llama", adapter.model, tok, args.model, weight_type=args.weights,
+                                   llama_binding=b) for b in names}
+    sync_s: dict = {b: {"full_wall": [], "full_cpu": [], "lora_wall": [], "lora_cpu": []} for b in names}
+    for _ in range(args.repeats):
+        for b in names:
+            w, c = _timed(lambda: engines[b].sync(model))
+            sync_s[b]["full_wall"].append(w)
+            sync_s[b]["full_cpu"].append(c)
+            w, c = _timed(lambda: lora_engines[b].sync(adapter.model))
+            sync_s[b]["lora_wall"].append(w)
+            sync_s[b]["lora_cpu"].append(c)
+    out["sync"] = {b: {k: statistics.median(v) for k, v in d.items()} for b, d in sync_s.items()}
+    for b, d in out["sync"].items():
+        print(f"  sync   {b:8s} " + "  ".join(f"{k} {v:.2f}s" for k, v in d.items()))
+    if len(names) > 1:
+        a, z = names
+        out["ratios"] = {f"{a}/{z}": {
+            "tokens_per_s": speed[a]["tokens_per_s"] / speed[z]["tokens_per_s"],
+            "tokens_per_cpu_s": speed[a]["tokens_per_cpu_s"] / speed[z]["tokens_per_cpu_s"],
+            "sync_full_cpu": out["sync"][a]["full_cpu"] / out["sync"][z]["full_cpu"],
+            "sync_lora_cpu": out["sync"][a]["lora_cpu"] / out["sync"][z]["lora_cpu"]}}
+        print(f"  ratios {out['ratios']}")
+    for e in [*engines.values(), *lora_engines.values()]:
+        e.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("parity", "sync"))
+    ap.add_argument("what", choices=("parity", "sync", "bindings"))
     ap.add_argument("--model", default="default")
     ap.add_argument("--tasks", default="cpu-easy")
     ap.add_argument("--tasks-n", type=int, default=256)
@@ -150,13 +254,19 @@ def main() -> None:
     ap.add_argument("--variants", default="llama-auto", help="parity: compared with torch (fp32): torch-bf16, "
                     "llama-auto, llama-bf16, llama-f16, ...")
     ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--bindings", default="wheel,source", help="bindings: the llama bindings compared")
+    ap.add_argument("--weights", default="auto", help="bindings: --engine-weights of both")
+    ap.add_argument("--prompts", type=int, default=4, help="bindings: prompts per sampling call (I)")
+    ap.add_argument("--generations", type=int, default=8, help="bindings: completions per prompt (G)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     mix = resolve_mix(args.tasks)
     model, tok = load_model(args.model, torch.device("cpu"))
     result = {"model": args.model, "tasks": mix.name, "threads": args.threads}
-    result.update(parity(args, model, tok, mix) if args.what == "parity" else sync(args, model, tok))
+    what = {"parity": lambda: parity(args, model, tok, mix), "sync": lambda: sync(args, model, tok),
+            "bindings": lambda: bindings(args, model, tok, mix)}
+    result.update(what[args.what]())
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")

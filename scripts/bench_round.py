@@ -106,7 +106,7 @@ VARIANTS = {"baseline": ("torch", False, False), "bf16": ("torch", False, True),
 def variants_section(args, model, tok, mix, max_new) -> dict:
     """0. one round per variant and repeat (sync + generate + score + train), same tasks and seeds."""
     from node.learn import precision
-    from node.learn.engine import make_engine
+    from node.learn.engines import make_engine
     from node.learn.lora import attach
     from node.ops.config import default_lr
 
@@ -186,8 +186,7 @@ def variants_section(args, model, tok, mix, max_new) -> dict:
                   f"  {base['gen_cpu'] / r['gen_cpu']:8.2f}x")
     out["peak_rss_mb_process"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     for _, _, eng, _, _, _ in setups.values():
-        if hasattr(eng, "close"):
-            eng.close()
+        eng.close()
     return out
 
 

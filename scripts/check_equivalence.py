@@ -47,7 +47,8 @@ PREFIXES = ("eval_accuracy/", "eval_baseline/")  # per dataset
 def node_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAPO_")}  # only FLAGS configure the run
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", SAPO_POW_DIFFICULTY="0")
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", SAPO_POW_DIFFICULTY="0",
+               SAPO_COLLAPSE_GUARD="false")  # the guard (issue 29) off; code from before it ignores the variable
     return env
 
 
@@ -94,6 +95,7 @@ def last_checkpoint(run_dir: Path) -> dict[str, Any]:
     state = json.loads((path / "state.json").read_text())
     state.pop("config", None)
     state.pop("version", None)
+    state.pop("guard", None)  # the collapse guard's state (off here), added after the reference was taken
     return {"name": path.name,
             "weights_sha256": digest(torch.load(path / "model.pt", map_location="cpu", weights_only=True)),
             "optimizer_sha256": digest(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)),

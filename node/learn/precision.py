@@ -10,7 +10,7 @@ mantissa, as in every mixed-precision recipe. Measured on the default model, one
 What it changes for GRPO: log-probs of the same tokens differ between an incremental decode and a full
 forward by bf16 rounding (~1e-2 nats), so under mixed precision the torch sampler's recorded behaviour
 log-probs are not used as pi_old; the update forms pi_old with its own forward, exactly as for a rollout
-engine (node/learn/engine.py). On a CPU without native bf16, autocast would emulate it and run slower than
+engine (node/learn/engines/). On a CPU without native bf16, autocast would emulate it and run slower than
 fp32: `auto` picks fp32 there. On CUDA the model is already loaded in bf16 (node/learn/policy.py), so `auto`
 adds nothing there.
 """

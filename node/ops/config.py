@@ -45,9 +45,10 @@ class NodeConfig:
     max_new_tokens: int = opt(0, "max new tokens per completion (0 = the task mix's default)")
     temperature: float = opt(1.0, "sampling temperature")
     top_p: float = opt(1.0, "nucleus sampling p")
-    rollout_engine: str = opt("torch", "what samples the completions: torch (the training model), llama "
-                                       "(llama.cpp, CPU; needs llama-cpp-python) or vllm (GPU, untested); "
-                                       "one that cannot load falls back to torch with a warning")
+    rollout_engine: str = opt("auto", "what samples the completions: auto (llama on a CPU where it imports, else "
+                                      "torch), torch (the training model), llama (llama.cpp, CPU: the wheel setup "
+                                      "installs or a source build) or vllm (GPU, untested); one that cannot load "
+                                      "falls back to torch with a warning")
     engine_weights: str = opt("auto", "weights the llama engine samples with: auto (bf16 on a CPU with native bf16, "
                                       "else f16), bf16, f16, q8_0, f32; rewritten after each full fine-tuning "
                                       "update (with LoRA written once: then only the adapter moves)")

@@ -2,7 +2,8 @@
 
 Estimate per peer = parameters x (weights + gradients + Adam's two moments) + an activation allowance
 + the runtime's fixed overhead. Weights are fp32 on CPU and bf16 on GPU (Adam state stays fp32-sized for
-safety). Used by scripts/local_swarm.sh to refuse to start peers that would run out of memory.
+safety); on a CPU the default rollout engine (llama.cpp) holds its own bf16 copy of the weights. Used by
+scripts/local_swarm.sh to refuse to start peers that would run out of memory.
 
     python -m node.ops.resources --model default --peers 5
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 GIB = 1024**3
 RUNTIME_OVERHEAD = {"cpu": int(0.9 * GIB), "cuda": int(0.6 * GIB)}  # torch + transformers + hivemind
 ACTIVATION_FACTOR = 1.0  # activations for a micro-batch of short sequences, relative to the weights
+ENGINE_BYTES = {"cpu": 2, "cuda": 0}  # per parameter: the rollout engine's copy (`auto`: llama.cpp, bf16, on a CPU)
 
 
 def count_parameters(model: str) -> int:
@@ -41,7 +43,7 @@ def count_parameters(model: str) -> int:
 
 def peer_bytes(n_params: int, device: str) -> int:
     weight = 2 if device == "cuda" else 4
-    per_param = weight + weight + 8  # weights, gradients, Adam m and v (fp32)
+    per_param = weight + weight + 8 + ENGINE_BYTES[device]  # weights, gradients, Adam m and v (fp32), engine
     return int(n_params * per_param + n_params * weight * ACTIVATION_FACTOR + RUNTIME_OVERHEAD[device])
 
 

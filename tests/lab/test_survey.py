@@ -94,7 +94,7 @@ def test_survey_samples_through_the_llama_engine_and_says_so(tmp_path):
     """--engine llama: the pass@8 samples come from llama.cpp (greedy answers still from torch), the record
     names the engine, and a cell samples the same on a second run (seeded from torch's RNG)."""
     pytest.importorskip("llama_cpp")
-    from node.learn.engine import make_engine
+    from node.learn.engines import make_engine
 
     torch.set_num_threads(1)
     model, tok = load_model("tiny-random-smol", torch.device("cpu"))

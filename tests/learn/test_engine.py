@@ -1,8 +1,13 @@
 """Rollout engines on real tiny models: the torch engine is today's sampler, an unavailable engine falls
 back to torch, llama.cpp's samples are valid and stop between tokens, and pi_old is exact (ratio 1 before
-the first optimizer step) when the samples' log-probs are not the trained model's."""
+the first optimizer step) when the samples' log-probs are not the trained model's.
+
+The llama.cpp tests run on each binding (node/learn/engines/llama_api.py): the wheel, which setup installs
+by default (its tests fail, not skip, where it is missing, unless setup was told SAPO_ENGINE=torch), and
+the source build where it is installed."""
 
 import copy
+import importlib.util
 import logging
 import os
 import sys
@@ -11,8 +16,8 @@ import pytest
 import torch
 
 import node.learn.trainer as trainer_mod
-from node.learn.engine import make_engine
-from node.learn.engine_torch import TorchEngine
+from node.learn.engines import make_engine
+from node.learn.engines.torch import TorchEngine
 from node.learn.groups import Prompter, local_group, to_sequences
 from node.learn.policy import SamplingConfig, Sequence, load_model, sample_groups, token_logprobs
 from node.learn.stop import RoundAbandoned, StopRequest
@@ -20,6 +25,18 @@ from node.learn.tasks import PRESETS, TaskSampler
 from node.learn.trainer import TrainConfig, Trainer
 
 MIX = PRESETS["cpu-easy"]
+BINDINGS = ["wheel", "source"]
+
+
+def need(binding: str) -> None:
+    """The wheel is what setup installs by default, so its tests run (a missing wheel fails them) unless
+    setup was told otherwise (SAPO_ENGINE=torch or llama-source); the source build is optional. `any`:
+    either binding."""
+    if binding == "wheel" and os.environ.get("SAPO_ENGINE", "llama") == "llama":
+        return
+    modules = {"wheel": ["ik_llama_cpp"], "source": ["llama_cpp"], "any": ["ik_llama_cpp", "llama_cpp"]}[binding]
+    if not any(importlib.util.find_spec(m) for m in modules):
+        pytest.skip(f"no {' or '.join(modules)} here (SAPO_ENGINE={os.environ.get('SAPO_ENGINE')})")
 
 
 @pytest.fixture(scope="module")
@@ -43,21 +60,62 @@ def test_torch_engine_is_todays_sampler(smol):
     assert all(g.logp_exact for g in got)
 
 
+def _uninstalled(monkeypatch) -> None:
+    """As if neither llama.cpp binding were installed."""
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    monkeypatch.setitem(sys.modules, "ik_llama_cpp", None)
+
+
+def _engine_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "node.learn.engines"]
+
+
 def test_unavailable_engine_falls_back_to_torch_in_one_line(smol, monkeypatch, caplog):
     model, tok, _, _, _ = smol
-    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if llama-cpp-python were not installed
-    with caplog.at_level(logging.WARNING, logger="node.learn.engine"):
+    _uninstalled(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="node.learn.engines"):
         engine = make_engine("llama", model, tok, "tiny-random-smol")
     assert isinstance(engine, TorchEngine)
-    lines = [r for r in caplog.records if r.name == "node.learn.engine"]
-    assert len(lines) == 1 and "sampling with torch" in lines[0].getMessage()
+    lines = _engine_lines(caplog)
+    assert len(lines) == 1 and "sampling with torch" in lines[0]
+    assert caplog.records[-1].levelno == logging.WARNING  # asked for by name: a warning
 
 
-def test_engine_that_cannot_serve_the_model_falls_back(caplog):
-    pytest.importorskip("llama_cpp")
+def test_auto_is_llama_where_it_imports_and_torch_otherwise_in_one_line(smol, monkeypatch, caplog):
+    model, tok, _, _, _ = smol
+    need("any")
+    with caplog.at_level(logging.INFO, logger="node.learn.engines"):
+        engine = make_engine("auto", model, tok, "tiny-random-smol")
+    try:
+        assert engine.name == "llama"
+        assert _engine_lines(caplog) == [f"rollout engine auto: llama.cpp through {engine.api.label}"]
+    finally:
+        engine.close()
+    caplog.clear()
+    _uninstalled(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="node.learn.engines"):
+        assert isinstance(make_engine("auto", model, tok, "tiny-random-smol"), TorchEngine)
+    lines = _engine_lines(caplog)
+    assert len(lines) == 1 and lines[0].startswith("rollout engine auto: torch (llama.cpp unavailable: ")
+    assert all(r.levelno == logging.INFO for r in caplog.records)  # the default finding no engine: no warning
+
+
+def test_auto_keeps_torch_for_a_model_on_a_gpu(smol, caplog):
+    """On a GPU `auto` stays today's default (torch) without trying llama.cpp: a meta-device model stands in
+    for one on a GPU (make_engine looks only at where the parameters live)."""
+    _, tok, _, _, _ = smol
+    model = torch.nn.Linear(2, 2, device="meta")
+    with caplog.at_level(logging.INFO, logger="node.learn.engines"):
+        assert isinstance(make_engine("auto", model, tok, "tiny-random-smol"), TorchEngine)
+    assert _engine_lines(caplog) == ["rollout engine auto: torch (the model is on meta)"]
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+def test_engine_that_cannot_serve_the_model_falls_back(caplog, binding):
+    need(binding)
     model, tok = load_model("tiny-random", torch.device("cpu"))  # byte tokenizer: no GGUF vocabulary for it
-    with caplog.at_level(logging.WARNING, logger="node.learn.engine"):
-        assert isinstance(make_engine("llama", model, tok, "tiny-random"), TorchEngine)
+    with caplog.at_level(logging.WARNING, logger="node.learn.engines"):
+        assert isinstance(make_engine("llama", model, tok, "tiny-random", llama_binding=binding), TorchEngine)
     assert "unavailable" in caplog.text
 
 
@@ -108,12 +166,12 @@ def test_pi_old_ratio_is_one_before_the_first_step_with_inexact_samples(smol, mo
 # --- llama.cpp -------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def llama(smol):
-    pytest.importorskip("llama_cpp")
+@pytest.fixture(scope="module", params=BINDINGS)
+def llama(smol, request):
+    need(request.param)
     model, tok, *_ = smol
-    engine = make_engine("llama", model, tok, "tiny-random-smol")
-    assert engine.name == "llama"
+    engine = make_engine("llama", model, tok, "tiny-random-smol", llama_binding=request.param)
+    assert engine.name == "llama" and engine.api.name == request.param
     yield engine
     engine.close()
 
@@ -190,11 +248,12 @@ def test_llama_engine_stops_between_decode_steps(smol, llama):
     assert calls["n"] == 2  # the prefill and one step, not 200
 
 
+@pytest.mark.parametrize("binding", BINDINGS)
 @pytest.mark.parametrize("weights", ["bf16", "f16"])
-def test_llama_engine_samples_a_synced_lora_adapter(smol, weights):
+def test_llama_engine_samples_a_synced_lora_adapter(smol, weights, binding):
     """With LoRA the adapter moves into llama.cpp, merged into bf16 weights (stochastic rounding) or as an
     adapter on f16 weights; either way its samples' log-probs are the adapted model's."""
-    pytest.importorskip("llama_cpp")
+    need(binding)
     pytest.importorskip("peft")
     from node.learn.lora import attach
 
@@ -205,9 +264,13 @@ def test_llama_engine_samples_a_synced_lora_adapter(smol, weights):
         for name, p in adapter.model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0.0, 0.5)  # B = 0 at start: move it so the adapter matters
-    engine = make_engine("llama", adapter.model, tok, "tiny-random-smol", weight_type=weights)
+    engine = make_engine("llama", adapter.model, tok, "tiny-random-smol", weight_type=weights,
+                         llama_binding=binding)
+    if binding == "wheel" and weights == "f16":  # the wheel merges LoRA only (an adapter on top gave NaN)
+        assert isinstance(engine, TorchEngine)
+        return
     try:
-        assert engine.name == "llama"
+        assert engine.name == "llama" and engine.api.name == binding
         assert (engine._adapter is None) == (weights == "bf16")  # merged, or an adapter on top
         torch.manual_seed(4)
         groups = engine.sample(prompts, 2, SamplingConfig(max_new_tokens=6))
@@ -221,7 +284,7 @@ def test_llama_engine_samples_a_synced_lora_adapter(smol, weights):
 async def test_a_node_with_the_llama_engine_syncs_after_each_update(tmp_path, smol):
     """The round loop: the engine samples round 0 from the initial weights, and every later round starts
     with a `sync` phase (the update moved the weights); the records are an ordinary node's."""
-    pytest.importorskip("llama_cpp")
+    need("any")
     from node.build import build_node
     from node.ops.config import load_config
     from node.swarm.exchange import Silo
@@ -250,7 +313,7 @@ def test_a_full_dev_shm_moves_the_engine_scratch_dir_instead_of_failing_the_roun
     import tempfile
     from pathlib import Path
 
-    from node.learn.engine_llama import LlamaEngine
+    from node.learn.engines.llama import LlamaEngine
 
     engine = LlamaEngine.__new__(LlamaEngine)  # only the scratch directory matters here: no llama.cpp needed
     engine.dir = tempfile.TemporaryDirectory(prefix="sapo-test-", dir="/dev/shm")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import node.learn.precision as precision
-from node.learn.engine_llama import _draw
-from node.learn.gguf_export import base_model, lora_deltas, stochastic_bf16, write_model
+from node.learn.engines.llama import _draw
+from node.learn.engines.gguf_export import base_model, lora_deltas, stochastic_bf16, write_model
 from node.learn.groups import Prompter, local_group, to_sequences
 from node.learn.policy import SamplingConfig, load_model, sample_groups
 from node.learn.tasks import PRESETS, TaskSampler
@@ -120,7 +120,7 @@ def test_a_lora_base_is_encoded_once_per_engine_and_an_in_place_change_is_seen(t
         path = write_model(tmp_path / f"m{i}.gguf", adapter.model, [], "bf16", merge_lora=True, frozen=frozen)
         return np.array(next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight").data)
 
-    import node.learn.gguf_export as export
+    import node.learn.engines.gguf_export as export
 
     encoded = []
     real_encode = export._encode

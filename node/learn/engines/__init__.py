@@ -1,6 +1,6 @@
 """Rollout engines: what samples a round's G completions per prompt. One small interface, one module per
-engine (engine_torch.py: the `transformers` sampler, engine_llama.py: llama.cpp), chosen with
-`--rollout-engine`.
+engine in this folder (torch.py: the `transformers` sampler, llama.py: llama.cpp, vllm.py: vLLM), chosen
+with `--rollout-engine`.
 
 An engine samples from the *current* policy: after every update the loop calls `sync(model)` (the
 weights, or only the LoRA adapter, move into the engine; its cost is the round's `sync` phase). Its
@@ -9,6 +9,8 @@ when an engine's numerics differ (quantised weights, other kernels) the trainer 
 the training model (node/learn/trainer.py), so GRPO's ratio stays exact for the trained model.
 
 An engine that is not installed or fails to load is reported in one log line and torch samples instead.
+`auto` (the default) is llama.cpp on a CPU (the ik_llama.cpp wheel that setup installs, or a source build)
+and torch on a GPU, said in one log line either way.
 """
 
 from __future__ import annotations
@@ -48,28 +50,41 @@ class RolloutEngine(Protocol):
 
 
 def make_engine(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, model_name: str = "",
-                weight_type: str = "auto", logp_exact: bool = True) -> RolloutEngine:
+                weight_type: str = "auto", logp_exact: bool = True, llama_binding: str = "auto") -> RolloutEngine:
     """The engine `name` for this model, synced to its current weights, or the torch sampler (with one log
     line) when it is unavailable or fails to load. `logp_exact=False` tells the torch sampler that its
-    recorded log-probs are not the update's numerics (mixed precision: node/learn/precision.py)."""
-    from node.learn.engine_torch import TorchEngine
+    recorded log-probs are not the update's numerics (mixed precision: node/learn/precision.py);
+    `llama_binding` picks llama.cpp's binding (node/learn/engines/llama_api.py)."""
+    from node.learn.engines.torch import TorchEngine
 
     if name == "torch":
         return TorchEngine(model, tokenizer, logp_exact)
+    if name == "auto":
+        device = next(model.parameters()).device.type
+        if device != "cpu":
+            log.info("rollout engine auto: torch (the model is on %s)", device)
+            return TorchEngine(model, tokenizer, logp_exact)
+    engine = None
     try:
-        if name == "llama":
-            from node.learn.engine_llama import LlamaEngine
+        if name in ("llama", "auto"):
+            from node.learn.engines.llama import LlamaEngine
 
-            engine = LlamaEngine(model, tokenizer, model_name, weight_type)
+            engine = LlamaEngine(model, tokenizer, model_name, weight_type, llama_binding)
             engine.sync(model)  # a model llama.cpp cannot load shows here, while falling back is still free
+            log.info("rollout engine %s: llama.cpp through %s", name, engine.api.label)
             return engine
         if name == "vllm":
-            from node.learn.engine_vllm import VllmEngine
+            from node.learn.engines.vllm import VllmEngine
 
             engine = VllmEngine(model, tokenizer)
             engine.sync(model)
             return engine
         raise EngineUnavailable(f"unknown rollout engine {name!r} (one of {', '.join(ENGINES)})")
     except Exception as exc:  # a missing or broken engine must never stop the node: torch always works
-        log.warning("rollout engine %s unavailable (%s: %s); sampling with torch", name, type(exc).__name__, exc)
+        if engine is not None:  # built but could not load the model: free what it holds now
+            engine.close()
+        if name == "auto":  # expected where neither llama.cpp binding is installed: not a warning
+            log.info("rollout engine auto: torch (llama.cpp unavailable: %s: %s)", type(exc).__name__, exc)
+        else:
+            log.warning("rollout engine %s unavailable (%s: %s); sampling with torch", name, type(exc).__name__, exc)
         return TorchEngine(model, tokenizer, logp_exact)

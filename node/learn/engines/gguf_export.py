@@ -1,4 +1,4 @@
-"""The policy written as GGUF for llama.cpp (node/learn/engine_llama.py): full weights, or a LoRA adapter.
+"""The policy written as GGUF for llama.cpp (node/learn/engines/llama.py): full weights, or a LoRA adapter.
 
 Llama-architecture models only. The tokenizer metadata comes from a template GGUF with the same
 vocabulary (the embedded SmolLM2 file for `default` and `tiny-random-smol`): llama.cpp needs it to load a

@@ -1,4 +1,5 @@
-"""llama.cpp (through llama-cpp-python's low-level API) as the rollout engine on a CPU.
+"""llama.cpp as the rollout engine on a CPU, through either binding of llama_api.py: the ik_llama.cpp wheel
+(installs in seconds) or llama-cpp-python built from source (compiled for this CPU).
 
 Sampling: every prompt is prefilled once into one sequence of a unified KV cache and copied to its other
 G - 1 sequences (cells are shared, not duplicated), then all G x I sequences decode together, one
@@ -6,12 +7,12 @@ token each per `llama_decode` call, finished ones dropping out. The next token i
 returned logits (numpy, seeded from torch's RNG) so temperature, top-p, the behaviour log-prob and the
 entropy are exactly the torch sampler's definitions, on llama.cpp's numerics.
 
-Synchronisation: each `sync` writes all weights in `--engine-weights` format (`auto` is bf16 on a CPU with
-native bf16, where llama.cpp sampled 1.3x faster than f16 (docs/BENCHMARKS.md), else f16) and reloads the
-model; a LoRA model's adapter is merged into them (bf16 with stochastic rounding, or f32: see
-gguf_export.py). With LoRA and f16 or q8_0 weights the frozen base is written once instead and each sync
-swaps in only the adapter (a few MB), at the price of slower sampling: the adapter on top doubles the
-graph of every decode step.
+Synchronisation: each `sync` writes all weights in `--engine-weights` format (`auto`: bf16 with the wheel;
+with a source build bf16 on a CPU with native bf16, where it sampled 1.3x faster than f16
+(docs/BENCHMARKS.md), else f16) and reloads the model; a LoRA model's adapter is merged into them (bf16
+with stochastic rounding, or f32: see gguf_export.py). With LoRA and f16 or q8_0 weights (source build
+only) the frozen base is written once instead and each sync swaps in only the adapter (a few MB), at the
+price of slower sampling: the adapter on top doubles the graph of every decode step.
 
 Its log-probs are llama.cpp's (quantised matmuls, f16 KV cache), so its samples are marked inexact and
 the trainer forms pi_old with the training model (node/learn/trainer.py).
@@ -19,7 +20,6 @@ the trainer forms pi_old with the training model (node/learn/trainer.py).
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from node.learn import gguf_export
+from node.learn.engines import gguf_export, llama_api
 from node.learn.policy import SampledGroup, SamplingConfig, embedded_model_path
 from node.learn.stop import StopRequest
 
@@ -40,40 +40,21 @@ logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)  # it announces 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: larger calls are split by prompt
 
 
-_LOG_CALLBACK = None  # the C callback llama.cpp logs through: one per process, never freed
-
-
-def _install_quiet_log(llama_cpp) -> None:
-    """llama.cpp keeps the callback's address for the life of the process, so it must outlive every engine
-    (one per engine, freed with it, crashed the next engine's teardown when llama.cpp logged)."""
-    global _LOG_CALLBACK
-    if _LOG_CALLBACK is None:
-        _LOG_CALLBACK = llama_cpp.llama_log_callback(_quiet_log)
-        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p())
-
-
-def _quiet_log(level, text, user_data) -> None:
-    """llama.cpp logs every load to stderr; the node's own log says what matters."""
-
-
 class LlamaEngine:
     name = "llama"
 
     def __init__(self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, model_name: str = "",
-                 weight_type: str = "auto"):
-        import llama_cpp  # ImportError: make_engine falls back to torch
-
+                 weight_type: str = "auto", binding: str = "auto"):
+        self.api = llama_api.binding(binding)  # ImportError: make_engine falls back to torch
         gguf_export.check_supported(model)
-        self.ll = llama_cpp
         self.tokenizer = tokenizer
-        self.weight_type = gguf_export.resolve_weight_type(weight_type)
+        self.weight_type = gguf_export.resolve_weight_type(
+            self.api.auto_weights if weight_type == "auto" and self.api.auto_weights else weight_type)
         self.source = _source_gguf(model_name)  # the file the model was loaded from, if a GGUF
         self.template = _template_for(model_name, tokenizer)
         self.fields = gguf_export.template_fields(self.template)
         self.dir = tempfile.TemporaryDirectory(prefix="sapo-llama-", dir=_scratch_dir(model))
         self._frozen: dict = {}  # encodings of the LoRA base's tensors no adapter touches (gguf_export)
-        _install_quiet_log(llama_cpp)
-        llama_cpp.llama_backend_init()
         self._model = self._ctx = self._adapter = None
         self._n_ctx = self._n_seq = 0
         self._base_loaded = False
@@ -84,6 +65,9 @@ class LlamaEngine:
     def sync(self, model: torch.nn.Module) -> None:
         lora = hasattr(model, "peft_config")
         if lora and self.weight_type not in gguf_export.MERGEABLE:
+            if not self.api.lora_on_top:
+                raise RuntimeError(f"the {self.api.label} binding cannot apply a LoRA adapter on top of "
+                                   f"{self.weight_type} weights: --engine-weights auto or bf16 merges it instead")
             if not self._base_loaded:  # written once; each sync then swaps a few-MB adapter
                 base = self._write(lambda d: gguf_export.write_model(d / "base.gguf", model, self.fields,
                                                                      self.weight_type))
@@ -114,70 +98,44 @@ class LlamaEngine:
         return write(Path(self.dir.name))
 
     def _load_model(self, path: Path) -> None:
-        ll = self.ll
         self._free()
-        params = ll.llama_model_default_params()
-        params.n_gpu_layers = 0
-        loaded = ll.llama_model_load_from_file(str(path).encode(), params)
-        if not loaded:
-            raise RuntimeError(f"llama.cpp could not load {path}")
-        self._model = loaded
-        self._vocab = ll.llama_model_get_vocab(loaded)
-        self.n_vocab = ll.llama_vocab_n_tokens(self._vocab)
+        self._model = self.api.load_model(path)
+        self.n_vocab = self.api.n_vocab(self._model)
         if path.parent == Path(self.dir.name):
             path.unlink()  # mapped while loaded; the disk copy is dead weight
 
     def _load_adapter(self, path: Path) -> None:
-        ll = self.ll
-        adapter = ll.llama_adapter_lora_init(self._model, str(path).encode())
+        adapter = self.api.load_adapter(self._model, path)
         path.unlink()
-        if not adapter:
+        if adapter is None:
             raise RuntimeError("llama.cpp could not load the LoRA adapter")
         if self._ctx is not None:
-            self._apply_adapter(adapter)
+            self.api.apply_adapter(self._ctx, adapter)
         if self._adapter is not None:
-            ll.llama_adapter_lora_free(self._adapter)
+            self.api.free_adapter(self._adapter)
         self._adapter = adapter
-
-    def _apply_adapter(self, adapter) -> None:
-        ll = self.ll
-        adapters = (ll.llama_adapter_lora_p_ctypes * 1)(adapter)
-        scales = (ctypes.c_float * 1)(1.0)
-        if ll.llama_set_adapters_lora(self._ctx, adapters, 1, scales) != 0:
-            raise RuntimeError("llama.cpp could not apply the LoRA adapter")
 
     def _context(self, n_ctx: int, n_seq: int):
         """A context with room for `n_ctx` cells and `n_seq` sequences (made again only when too small)."""
-        ll = self.ll
         if self._ctx is not None and n_ctx <= self._n_ctx and n_seq <= self._n_seq:
             return self._ctx
         if self._ctx is not None:
-            ll.llama_free(self._ctx)
+            self.api.free_context(self._ctx)
             self._ctx = None
-        params = ll.llama_context_default_params()
-        params.n_ctx = n_ctx = -(-n_ctx // 256) * 256
-        params.n_batch = params.n_ubatch = n_ctx
-        params.n_seq_max = n_seq
-        params.kv_unified = True  # a prompt's cells are shared by its group, not copied
-        params.no_perf = True
-        threads = max(1, torch.get_num_threads())
-        params.n_threads = params.n_threads_batch = threads
-        ctx = ll.llama_init_from_model(self._model, params)
-        if not ctx:
-            raise RuntimeError("llama.cpp could not create a context")
+        n_ctx = -(-n_ctx // 256) * 256  # one unified KV cache: a prompt's cells are shared by its group
+        ctx = self.api.new_context(self._model, n_ctx, n_seq, max(1, torch.get_num_threads()))
         self._ctx, self._n_ctx, self._n_seq = ctx, n_ctx, n_seq
         if self._adapter is not None:
-            self._apply_adapter(self._adapter)
+            self.api.apply_adapter(ctx, self._adapter)
         return ctx
 
     def _free(self) -> None:
-        ll = self.ll
         if self._ctx is not None:
-            ll.llama_free(self._ctx)
+            self.api.free_context(self._ctx)
         if self._adapter is not None:
-            ll.llama_adapter_lora_free(self._adapter)
+            self.api.free_adapter(self._adapter)
         if self._model is not None:
-            ll.llama_model_free(self._model)
+            self.api.free_model(self._model)
         self._ctx = self._adapter = self._model = None
         self._n_ctx = self._n_seq = 0
 
@@ -204,17 +162,16 @@ class LlamaEngine:
 
     def _sample(self, prompts: list[str], G: int, cfg: SamplingConfig, stop: StopRequest | None,
                 seed: int) -> list[SampledGroup]:
-        ll = self.ll
+        api = self.api
         if stop is not None:
             stop.check()
         rng = np.random.default_rng(seed)
         prompt_ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         rows = len(prompts) * G
         ctx = self._context(sum(map(len, prompt_ids)) + rows * cfg.max_new_tokens + 1, rows)
-        ll.llama_set_n_threads(ctx, max(1, torch.get_num_threads()), max(1, torch.get_num_threads()))
-        mem = ll.llama_get_memory(ctx)
-        ll.llama_memory_clear(mem, True)
-        batch = ll.llama_batch_init(max(sum(map(len, prompt_ids)), rows), 0, 1)
+        api.set_threads(ctx, max(1, torch.get_num_threads()))
+        api.clear(ctx)
+        batch = api.batch_init(max(sum(map(len, prompt_ids)), rows))
         try:
             # prefill: prompt p once, as sequence p * G; its last logits start all G completions
             entries = [(tok, pos, p * G, pos == len(ids) - 1) for p, ids in enumerate(prompt_ids)
@@ -222,7 +179,7 @@ class LlamaEngine:
             logits = self._decode(ctx, batch, entries)
             for p in range(len(prompts)):
                 for g in range(1, G):
-                    ll.llama_memory_seq_cp(mem, p * G, p * G + g, -1, -1)
+                    api.seq_cp(ctx, p * G, p * G + g)
             logits = np.repeat(logits, G, axis=0)
             completions: list[list[int]] = [[] for _ in range(rows)]
             logps: list[list[float]] = [[] for _ in range(rows)]
@@ -246,7 +203,7 @@ class LlamaEngine:
                 pos = {row: len(prompt_ids[row // G]) + len(completions[row]) - 1 for row in active}
                 logits = self._decode(ctx, batch, [(completions[r][-1], pos[r], r, True) for r in active])
         finally:
-            ll.llama_batch_free(batch)
+            api.batch_free(batch)
         groups = []
         for p, ids in enumerate(prompt_ids):
             sl = slice(p * G, p * G + G)
@@ -257,22 +214,7 @@ class LlamaEngine:
         return groups
 
     def _decode(self, ctx, batch, entries: list[tuple[int, int, int, bool]]) -> np.ndarray:
-        """One llama_decode over (token, position, sequence, wants logits) entries; the logits wanted,
-        in entry order, as a [n, vocab] float32 array."""
-        ll = self.ll
-        for i, (tok, pos, seq, want) in enumerate(entries):
-            batch.token[i] = tok
-            batch.pos[i] = pos
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = want
-        batch.n_tokens = len(entries)
-        rc = ll.llama_decode(ctx, batch)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode failed ({rc})")
-        n_out = sum(1 for e in entries if e[3])
-        ptr = ll.llama_get_logits(ctx)
-        return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab)).copy()
+        return self.api.decode(ctx, batch, entries, self.n_vocab)
 
 
 BLOCK = 1024  # vocabulary entries per block of the two-level inverse-CDF draw
