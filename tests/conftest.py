@@ -26,6 +26,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Nodes and bootstrap peers started by tests mint their keys at a low proof-of-work difficulty (seconds
 # at the default on a shared CI core); tests that check the proof of work set their own.
 os.environ.setdefault("SAPO_POW_DIFFICULTY", "8")
+# The CPU recipe (README "Defaults") changes what an unset flag means on a CPU; tests name what they need
+# and run on the paper's defaults otherwise. tests/ops/test_recipe.py checks the recipe itself.
+os.environ.setdefault("SAPO_RECIPE", "none")
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -33,6 +33,9 @@ class NodeConfig:
                                 "or 'tiny-random' / 'tiny-random-smol'")
     tasks: str = opt("paper", "task mix: a preset (paper, cpu-learn, cpu-easy, smoke) or comma-separated reasoning-gym datasets")
     device: str = opt("auto", "auto, cpu, cuda, cuda:N")
+    recipe: str = opt("auto", "defaults for what no flag, variable or file sets: cpu (the CPU recipe: cpu-learn, "
+                              "LoRA rank 8, its learning rate, 2/2), none (the paper's setup), auto (cpu on a CPU, "
+                              "none on a GPU); see README 'Defaults'")
     threads: int = opt(0, "torch CPU threads for this process (0 = all cores)")
     # SAPO round
     num_local: int = opt(4, "I: local groups (tasks sampled and trained on) per round")
@@ -144,10 +147,30 @@ def default_lr(lora_rank: int) -> float:
     return float(f"{lr * LORA_LR_SCALE:.6g}") if lora_rank > 0 else lr
 
 
+# The CPU recipe: what a node on a CPU learns with when nothing else is set (README "Defaults"). Interim values
+# until the pre-registered sweep of docs/RESULTS.md section 7 picks the learning rate and KL weight: LoRA
+# rank 8 at lr 2e-4 is the setting with committed learning on this preset (RESULTS 5b, 6), and the collapse
+# guard (on by default) answers its instability. A GPU keeps the paper's setup (full fine-tuning, 1e-6).
+RECIPES: dict[str, dict[str, Any]] = {
+    "cpu": {"tasks": "cpu-learn", "lora_rank": 8, "lr": 2e-4, "num_local": 2, "num_external": 2},
+    "none": {},
+}
+RECIPE_CHOICES = ("auto", *RECIPES)
+
+
 # the allowed values of a flag: the implementation's own list (node/learn/choices.py), one source for both
 CHOICES = {"loss_type": LOSS_TYPES, "ij_policy": IJ_POLICIES, "log_level": LOG_LEVELS,
            "prefix_sharing": PREFIX_SHARING, "rollout_engine": ENGINES, "engine_weights": ENGINE_WEIGHTS,
-           "mixed_precision": MIXED_PRECISION}
+           "mixed_precision": MIXED_PRECISION, "recipe": RECIPE_CHOICES}
+
+
+def resolve_recipe(name: str, device: str) -> str:
+    """auto: the CPU recipe unless an NVIDIA driver is loaded (asked without importing torch: --help stays light)."""
+    if name != "auto":
+        return name
+    if device != "auto":
+        return "cpu" if device == "cpu" else "none"
+    return "none" if Path("/proc/driver/nvidia/version").exists() else "cpu"  # an NVIDIA driver: a GPU node
 
 
 def flag(name: str) -> str:
@@ -286,8 +309,16 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
             values[name] = _convert(name, kind, raw)
     values.update(args)
     values["config"] = config_path
+    recipe = resolve_recipe(str(values.get("recipe", "auto")), str(values.get("device", "auto")))
+    if recipe not in RECIPES:
+        raise ConfigError(f"--recipe must be one of {', '.join(RECIPE_CHOICES)} (got {recipe!r})")
+    values["recipe"] = recipe
+    for name, value in RECIPES[recipe].items():  # only what no source set; its rate is a LoRA rate
+        if name != "lr":
+            values.setdefault(name, value)
     if "lr" not in values:  # the documented rule, applied only when no source set a learning rate
-        values["lr"] = default_lr(int(values.get("lora_rank", 0)))
+        rank = int(values.get("lora_rank", 0))
+        values["lr"] = RECIPES[recipe]["lr"] if rank > 0 and "lr" in RECIPES[recipe] else default_lr(rank)
     cfg = NodeConfig(**values)
     validate(cfg)
     return cfg
