@@ -79,6 +79,7 @@ class RoundRecords:
             "tokens_generated": tokens,
             "peak_mem_mb": round(peak_memory_mb(self.device), 1),
             "ij_policy": self.cfg.ij_policy,
+            "model": self.cfg.model,  # peers of a mixed swarm run different models (progress view, report)
         }
 
     def _observation(self, r, selection, record) -> RoundObservation:

@@ -2,7 +2,8 @@
 # Sets up the environment and runs the whole test suite offline (no model hub access).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SAPO_ENGINE="${SAPO_ENGINE:-llama}" bash scripts/setup.sh  # the llama engine too: its tests run (SAPO_ENGINE=torch skips it)
+# the llama engine too: its tests run (SAPO_ENGINE=torch skips it); Gemma 3 270M for the two-family swarm test
+SAPO_ENGINE="${SAPO_ENGINE:-llama}" SAPO_MODELS="${SAPO_MODELS:-gemma3-270m}" bash scripts/setup.sh
 # shellcheck disable=SC1091
 . "${SAPO_VENV:-.venv}/bin/activate"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false

