@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from node.learn.evaluate import greedy_texts  # noqa: E402
-from node.learn.formats import FORMATS, apply_format  # noqa: E402
+from node.learn.formats import FORMATS, apply_format, stop_token_ids  # noqa: E402
 from node.learn.groups import Prompter, score_responses  # noqa: E402
 from node.learn.policy import SamplingConfig, load_model, sample_groups  # noqa: E402
 from node.learn.tasks import PRESETS, eval_tasks  # noqa: E402
@@ -55,7 +55,7 @@ def main() -> None:
         t0 = time.time()
         greedy = greedy_texts(model, tok, prompts, mix.max_new_tokens, 16)
         scores = [score_responses(t, [mix.answer_prefix + g])[0] for t, g in zip(tasks, greedy)]
-        rec = {"model": args.model, "format": name, "tasks": args.tasks, "size": len(tasks), "eos": tok.eos_token,
+        rec = {"model": args.model, "format": name, "tasks": args.tasks, "size": len(tasks), "stops": tok.convert_ids_to_tokens(stop_token_ids(tok)),
                "greedy_acc": round(sum(scores) / len(tasks), 4),
                "greedy_acc_halves": [round(sum(scores[:half]) / half, 4), round(sum(scores[half:]) / half, 4)],
                "distinct_greedy": len({g.strip() for g in greedy}), "greedy_examples": greedy[:3],

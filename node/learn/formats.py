@@ -7,8 +7,10 @@ here, else ChatML. ChatML is what SmolLM2 was trained on; Gemma 3 270M (a base m
 GGUF) does not know it and answered "5" to every cpu-learn question under it (docs/RESULTS.md, "Gemma 3
 270M", where the formats below were measured).
 
-The stop token becomes the tokenizer's EOS: sampling stops there, and a received completion re-encoded
-for training ends with it (`policy.encode_completion`), as this model's own completions do.
+The stop becomes the tokenizer's EOS: a received completion re-encoded for training ends with it
+(`policy.encode_completion`), as this model's own completions do. Sampling and greedy decoding stop at
+every token that is the stop repeated (`stop_token_ids`): Gemma's vocabulary has one token for "\n", another
+for "\n\n" and so on, and a base model that goes on after a blank line writes the next made-up question.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class ChatFormat:
 
     name: str
     template: str
-    stop: str | None = None  # token that ends a completion (becomes the tokenizer's EOS); None: the model's own
+    stop: str | None = None  # text that ends a completion (one token, the tokenizer's EOS); None: the model's own
 
 
 CHATML = ChatFormat("chatml", (
@@ -55,12 +57,26 @@ def format_for(model_type: str) -> ChatFormat:
     return FAMILY_FORMATS.get(model_type, CHATML)
 
 
+STOP_IDS_ATTR = "sapo_stop_token_ids"
+
+
 def apply_format(tokenizer, fmt: ChatFormat) -> None:
-    """Give the tokenizer this format's template and, if it has one, its stop token as EOS. The stop text is
-    looked up through the tokenizer (a byte-level vocabulary spells a new line "Ċ"): it must be one token."""
+    """Give the tokenizer this format's template and, if it has one, its stop as EOS and the ids that end a
+    completion. The stop text is looked up through the tokenizer (a byte-level vocabulary spells a new line
+    "Ċ"): it must be one token."""
+    setattr(tokenizer, STOP_IDS_ATTR, None)
     if fmt.stop is not None:
         ids = tokenizer(fmt.stop, add_special_tokens=False)["input_ids"]
         if len(ids) != 1:
             raise ValueError(f"prompt format {fmt.name}: stop {fmt.stop!r} is {len(ids)} tokens here, not one")
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(ids[0])
+        unit = tokenizer.convert_ids_to_tokens(ids[0])
+        tokenizer.eos_token = unit
+        runs = [i for i, t in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+                if t and t != unit and t == unit * (len(t) // len(unit))]
+        setattr(tokenizer, STOP_IDS_ATTR, [ids[0], *runs])
     tokenizer.chat_template = fmt.template
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Every token that ends a completion: the EOS, and with a format's stop also that stop repeated."""
+    return getattr(tokenizer, STOP_IDS_ATTR, None) or [tokenizer.eos_token_id]

@@ -91,12 +91,27 @@ def model_path(name: str, assemble: bool = True) -> Path:
         return path
     chunks = _chunk_paths(m)
     digest = _expected_sha256(home / m.checksums, m.gguf)
-    target = cache_dir() / digest[:16] / m.gguf  # the digest in the path: a new package version, a new file
+    target = _model_cache(digest) / m.gguf
     if target.exists() and target.stat().st_size == sum(c.stat().st_size for c in chunks):
         return target
     if not assemble:
         raise ModelLoadError(f"model {name!r} is not assembled yet: python -m node.learn.packaged {name}")
     return _assemble(chunks, target, digest)
+
+
+def converted_dir(name: str) -> Path | None:
+    """Where an assembled model is kept in transformers' own format once loaded (policy.load_model): reading
+    it takes seconds, where de-quantising the GGUF and converting its 262k-token vocabulary takes a minute.
+    None for models read from their package directly."""
+    m = PACKAGED[name]
+    home = package_dir(m.module)
+    if not m.parts or home is None:
+        return None
+    return _model_cache(_expected_sha256(home / m.checksums, m.gguf)) / "transformers"
+
+
+def _model_cache(digest: str) -> Path:
+    return cache_dir() / digest[:16]  # the digest in the path: a new package version, new files
 
 
 def _chunk_paths(m: PackagedModel) -> list[Path]:

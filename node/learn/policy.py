@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,9 +28,9 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from node.learn.formats import CHATML, apply_format, format_for
+from node.learn.formats import CHATML, apply_format, format_for, stop_token_ids
 from node.learn.kvcache import shared_prompt_cache
-from node.learn.packaged import PACKAGED, ModelLoadError, model_path  # noqa: F401 (callers catch it from here)
+from node.learn.packaged import PACKAGED, ModelLoadError, converted_dir, model_path  # noqa: F401 (callers catch it)
 from node.learn.stop import StopRequest
 
 log = logging.getLogger(__name__)
@@ -58,11 +60,17 @@ def load_model(name: str, device: torch.device) -> tuple[torch.nn.Module, PreTra
             model = _tiny_llama(len(tokenizer))
         else:
             path = model_path(name) if name in PACKAGED else Path(name)
-            if path.suffix == ".gguf":
+            converted = converted_dir(name) if name in PACKAGED else None
+            if converted is not None and (converted / "config.json").exists():
+                tokenizer = AutoTokenizer.from_pretrained(str(converted))
+                model = AutoModelForCausalLM.from_pretrained(str(converted), dtype=dtype)
+            elif path.suffix == ".gguf":
                 if not path.exists():
                     raise ModelLoadError(f"GGUF file not found: {path}")
                 tokenizer = _gguf_tokenizer(path)
                 model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+                if converted is not None and dtype == torch.float32:  # de-quantised exactly: same weights later
+                    _keep_converted(model, tokenizer, converted)
             else:
                 tokenizer = AutoTokenizer.from_pretrained(name)
                 model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
@@ -81,6 +89,26 @@ def load_model(name: str, device: torch.device) -> tuple[torch.nn.Module, PreTra
     model.config.use_cache = True
     model.train()
     return model, tokenizer
+
+
+def _keep_converted(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+    """Save a GGUF-loaded model and tokenizer as they are (before any prompt format) for the next load, into
+    a temporary directory renamed into place: peers starting together never read a half-written copy."""
+    from safetensors.torch import save_model
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # transformers marks GGUF-loaded models; these are plain weights
+        type(model.config).from_dict(config).save_pretrained(str(tmp))
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # tied weights once
+        tokenizer.save_pretrained(str(tmp))
+        os.replace(tmp, target)
+    except Exception as exc:  # no space, another peer was first (its copy is as good): next time from the GGUF
+        log.info("converted copy of the model not kept in %s: %s", target, exc)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _quiet_progress_bars() -> None:
@@ -217,6 +245,7 @@ def sample_groups(
     RoundAbandoned between two tokens once a stop is requested."""
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    stops = stop_token_ids(tokenizer)
     recorder = _BehaviourRecorder(cfg.temperature)
     processors = LogitsProcessorList([recorder, TemperatureLogitsWarper(cfg.temperature)])
     if stop is not None:
@@ -246,7 +275,7 @@ def sample_groups(
                 max_new_tokens=cfg.max_new_tokens,
                 logits_processor=processors,
                 pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
+                eos_token_id=stops,
                 use_cache=True,
             )
     finally:
@@ -256,20 +285,20 @@ def sample_groups(
     entropies = torch.stack(recorder.entropies, dim=1).cpu() if recorder.entropies else torch.zeros_like(logps)
     prompt_len = enc["input_ids"].shape[1]
     generated = sequences[:, prompt_len:].cpu()
-    eos = tokenizer.eos_token_id
     groups = []
     for p, prompt in enumerate(prompts):
         ids = [int(t) for t, m in zip(enc["input_ids"][p].tolist(), enc["attention_mask"][p].tolist()) if m]
         comp, lps, texts, ents = [], [], [], []
         for g in range(group_size):
             row = generated[p * group_size + g].tolist()
-            n = row.index(eos) + 1 if eos in row else len(row)
+            n = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
             comp.append(row[:n])
             lps.append(logps[p * group_size + g, :n].tolist())
             ents.append(float(entropies[p * group_size + g, :n].mean()) if n else 0.0)
             # the text ends before the stop token: a plain-text stop ("\n") is no part of the answer that peers
             # re-encode in their own format
-            texts.append(tokenizer.decode(row[:n - 1] if row[n - 1:n] == [eos] else row[:n], skip_special_tokens=True))
+            body = row[:n - 1] if n and row[n - 1] in stops else row[:n]
+            texts.append(tokenizer.decode(body, skip_special_tokens=True))
         groups.append(SampledGroup(prompt_ids=ids, completion_ids=comp, behaviour_logp=lps, texts=texts,
                                    entropy=ents))
     return groups

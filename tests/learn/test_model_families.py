@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from node.learn import packaged
-from node.learn.formats import CHATML, COMPLETION, GEMMA_CHAT, apply_format, format_for
+from node.learn.formats import CHATML, COMPLETION, GEMMA_CHAT, ChatFormat, apply_format, format_for, stop_token_ids
 from node.learn.groups import Group, Prompter, local_group, to_sequences
 from node.learn.packaged import PACKAGED, ModelLoadError, PackagedModel, model_path
 from node.learn.policy import SamplingConfig, load_model, sample_groups
@@ -111,7 +111,13 @@ def test_the_completion_format_is_a_plain_document_ending_in_the_forced_answer(t
     task = TaskSampler(mix, seed=1).sample(1)[0]
     text = prompter(task)
     assert text == f"{tok.bos_token}{mix.system_prompt}\n\nQuestion: {task.question}\nAnswer: <answer>"
-    assert tok.eos_token_id == tok("\n", add_special_tokens=False)["input_ids"][0]  # the new line's own token
+    newline = tok("\n", add_special_tokens=False)["input_ids"]
+    assert [tok.eos_token_id] == newline  # the new line's own token
+    # a blank line (or more) is one token too, and also ends a completion
+    runs = [tok("\n" * k, add_special_tokens=False)["input_ids"] for k in (2, 3)]
+    assert all(len(r) == 1 for r in runs)
+    assert set(stop_token_ids(tok)) >= {newline[0], runs[0][0], runs[1][0]}
+    assert tok(" 7", add_special_tokens=False)["input_ids"][0] not in stop_token_ids(tok)
 
 
 def test_sampled_text_ends_before_a_plain_text_stop_token(two_formats):
@@ -122,17 +128,16 @@ def test_sampled_text_ends_before_a_plain_text_stop_token(two_formats):
     torch.manual_seed(7)
     first = sample_groups(model, tok, [prompt], 2, cfg)[0]
     token = first.completion_ids[0][0]
-    assert token not in tok.all_special_ids
-    saved = tok.eos_token
-    try:
-        tok.eos_token = tok.convert_ids_to_tokens(token)  # the first token sampled is now the stop
+    assert token not in tok.all_special_ids and tok.decode([token]) != ""
+    try:  # the first token sampled is now the stop
+        apply_format(tok, ChatFormat("probe", COMPLETION.template, stop=tok.decode([token])))
+        assert stop_token_ids(tok)[0] == token
         torch.manual_seed(7)
         again = sample_groups(model, tok, [prompt], 2, cfg)[0]
     finally:
-        tok.eos_token = saved
+        apply_format(tok, COMPLETION)
     assert again.completion_ids[0] == [token]
     assert again.texts[0] == ""
-    assert tok.decode([token]) != ""
 
 
 def test_text_from_a_peer_in_another_format_is_reencoded_in_the_receivers_format(two_formats):
