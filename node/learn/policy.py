@@ -87,8 +87,19 @@ def load_model(name: str, device: torch.device) -> tuple[torch.nn.Module, PreTra
     tokenizer.padding_side = "left"
     model.to(device=device, dtype=dtype)
     model.config.use_cache = True
+    _contiguous_lm_head_input(model)
     model.train()
     return model, tokenizer
+
+
+def _contiguous_lm_head_input(model: torch.nn.Module) -> None:
+    """transformers hands the LM head a strided slice of the hidden states (the last position when sampling,
+    the completion's positions when scoring); a bf16 matmul on the CPU takes a slow path on such an input:
+    26 s instead of 0.05 s for Gemma 3's 262k-token head on 8 rows, 1.7 s instead of 0.01 s for SmolLM2's.
+    One small copy first."""
+    head = model.get_output_embeddings()
+    if head is not None:
+        head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]))
 
 
 def _keep_converted(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
