@@ -54,8 +54,9 @@ def main() -> None:
         apply_format(tok, FORMATS[name])
         with precision.autocast(mode, torch.device("cpu")):
             record = measure(model, tok, Prompter(tok, mix), tasks, 0 if args.greedy_only else args.samples)
+        stops = stop_token_ids(tok)
         print(json.dumps({"model": args.model, "format": name, "tasks": args.tasks, "precision": mode,
-                          "stops": tok.convert_ids_to_tokens(stop_token_ids(tok)), **record}), flush=True)
+                          "stops": tok.convert_ids_to_tokens(stops[:2]), "n_stops": len(stops), **record}), flush=True)
 
 
 def measure(model, tok, prompter: Prompter, tasks: list, samples: int) -> dict:

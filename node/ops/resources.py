@@ -60,7 +60,7 @@ def free_bytes(device: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Check that N peers of a model (or one peer per listed model) fit in memory.")
+    ap = argparse.ArgumentParser(description="Check that N peers of a model (or one per listed model) fit in memory.")
     ap.add_argument("--model", default="default")
     ap.add_argument("--peers", type=int, default=5)
     ap.add_argument("--models", default="", help="comma list, one model per peer (overrides --model and --peers)")
