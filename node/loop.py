@@ -183,7 +183,7 @@ class SapoNode:
         record = round_record(r=r, timer=timer, local=local, external=external, selection=selection,
                               target=(num_local, num_external), stats=stats, tokens=tokens,
                               exchange=self.exchange.stats, peak_mem_mb=peak_memory_mb(self.device),
-                              ij_policy=self.cfg.ij_policy)
+                              ij_policy=self.cfg.ij_policy, model=self.cfg.model)
         if self.held_out.due(r) and not self.stop_requested:
             await self._evaluate(r, timer, record)
             await self._guard(r, record)

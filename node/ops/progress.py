@@ -5,7 +5,8 @@
 * :class:`ProgressPrinter` keeps one live line on a terminal (rewritten with ``\\r``) and prints plain lines
   when the stream is not a TTY (logs, pipes, CI).
 * ``python -m node.ops.progress RUN_DIR...`` tails ``RUN_DIR/metrics.jsonl`` of several local nodes and prints a
-  combined table every 2 s (a redrawn table on a terminal, one line per new round otherwise). Ctrl-C exits.
+  combined table every 2 s (a redrawn table on a terminal, one line per new round otherwise), naming each
+  peer's model (a mixed swarm runs several). Ctrl-C exits.
   Each peer's row shows its last held-out accuracy against the constant-answer baseline (a collapsed policy
   scores about that), and the unseen set's where its mix has one.
 """
@@ -77,6 +78,8 @@ def format_progress_line(rec: Mapping[str, Any]) -> str:
     """
     rec = rec if isinstance(rec, Mapping) else {}
     name = rec.get("name") or rec.get("peer") or _short_peer(rec.get("peer_id"))
+    if rec.get("model"):
+        name = f"{_clean(name)} ({_clean(rec['model'])})"
     reward = rec.get("last_reward", rec.get("reward_mean"))
     ma = rec.get("reward_ma")
     local, external = rec.get("num_local"), rec.get("num_external")
@@ -224,6 +227,7 @@ class RunView:
     updated_at: float | None = None
     peer: str | None = None
     last_eval: dict | None = None  # the newest record that carries a held-out evaluation
+    model: str | None = None  # from the records; until the first one, what the caller said it started
 
     @property
     def name(self) -> str:
@@ -238,6 +242,8 @@ class RunView:
                 self.peer = str(rec["peer"])
             if _isnum(rec.get("eval_accuracy")):
                 self.last_eval = rec
+            if rec.get("model"):
+                self.model = str(rec["model"])
             if _isnum(rec.get("reward_mean")):
                 self.rewards.append(float(rec["reward_mean"]))
                 del self.rewards[:-ma_window]
@@ -253,7 +259,7 @@ class RunView:
         return sum(self.rewards) / len(self.rewards) if self.rewards else None
 
 
-_COLUMNS = ("peer", "round", "reward", "ma(10)", "local", "ext", "held-out (const)", "round_s", "updated")
+_COLUMNS = ("peer", "model", "round", "reward", "ma(10)", "local", "ext", "held-out (const)", "round_s", "updated")
 _UNSEEN = "unseen (const)"  # a column only when some peer's mix has an unseen set
 
 
@@ -261,7 +267,7 @@ def format_table(views: Sequence[RunView], now: float | None = None) -> str:
     """One row per run; held-out accuracy is the last evaluation's (its round after the @)."""
     now = time.time() if now is None else now
     unseen = any(v.last_eval and "eval_unseen_accuracy" in v.last_eval for v in views)
-    columns = _COLUMNS[:7] + (_UNSEEN,) * unseen + _COLUMNS[7:]
+    columns = _COLUMNS[:8] + (_UNSEEN,) * unseen + _COLUMNS[8:]
     rows = [columns]
     for v in views:
         r, ev = v.last or {}, v.last_eval or {}
@@ -269,6 +275,7 @@ def format_table(views: Sequence[RunView], now: float | None = None) -> str:
         at = f" @{ev.get('round')}" if ev else ""
         rows.append((
             v.name,
+            _clean(v.model or "-"),
             str(r.get("round", "-")),
             _f(r.get("reward_mean")),
             _f(v.reward_ma),
@@ -314,6 +321,8 @@ def _watch(views: Sequence[RunView], out: TextIO, interval: float, once: bool, l
 def _line_for(view: RunView, rec: Mapping[str, Any]) -> str:
     rec = dict(rec)
     rec.setdefault("peer", view.name)
+    if view.model:
+        rec.setdefault("model", view.model)
     rec.setdefault("reward_ma", view.reward_ma)
     return format_progress_line(rec)
 
@@ -331,9 +340,12 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=2.0, help="refresh period in seconds (default 2)")
     ap.add_argument("--once", action="store_true", help="print the table once and exit")
     ap.add_argument("--plain", action="store_true", help="plain lines even on a terminal")
+    ap.add_argument("--models", default="", help="comma list: each run's model, shown until its records name it")
     args = ap.parse_args(list(argv) if argv is not None else None)
 
-    views = [RunView(d, MetricsTail(d / "metrics.jsonl")) for d in args.run_dirs]
+    models = [m.strip() or None for m in args.models.split(",")] if args.models else []
+    views = [RunView(d, MetricsTail(d / "metrics.jsonl"), model=models[i] if i < len(models) else None)
+             for i, d in enumerate(args.run_dirs)]
     # Explicit handlers: a shell script that starts us with `&` makes us inherit SIGINT as *ignored*,
     # and Python then never raises KeyboardInterrupt; SIGTERM ends the view the same quiet way.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -2,10 +2,12 @@
 
 Estimate per peer = parameters x (weights + gradients + Adam's two moments) + an activation allowance
 + the runtime's fixed overhead. Weights are fp32 on CPU and bf16 on GPU (Adam state stays fp32-sized for
-safety); on a CPU the default rollout engine (llama.cpp) holds its own bf16 copy of the weights. Used by
-scripts/local_swarm.sh to refuse to start peers that would run out of memory.
+safety); on a CPU the default rollout engine (llama.cpp) holds its own bf16 copy of the weights. A LoRA peer
+trains an adapter only: weights, activations and overhead. Peers may run different models (a mixed swarm):
+each is sized by its own. Used by scripts/local_swarm.sh to refuse to start peers that would run out of memory.
 
     python -m node.ops.resources --model default --peers 5
+    python -m node.ops.resources --models default,default,default,gemma3-270m,gemma3-270m
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ ENGINE_BYTES = {"cpu": 2, "cuda": 0}  # per parameter: the rollout engine's copy
 
 def count_parameters(model: str) -> int:
     """Parameter count without loading weights: GGUF tensor shapes, or the HF config on the meta device."""
-    from node.learn.policy import embedded_model_path
+    from node.learn.packaged import PACKAGED, model_path
 
     if model in ("tiny-random", "tiny-random-smol"):
         return 4_000_000 if model == "tiny-random-smol" else 200_000
-    path = embedded_model_path() if model == "default" else Path(model)
+    path = model_path(model) if model in PACKAGED else Path(model)
     if path.suffix == ".gguf":
         from gguf import GGUFReader
 
@@ -41,9 +43,9 @@ def count_parameters(model: str) -> int:
     return sum(p.numel() for p in meta.parameters())
 
 
-def peer_bytes(n_params: int, device: str) -> int:
+def peer_bytes(n_params: int, device: str, lora: bool = False) -> int:
     weight = 2 if device == "cuda" else 4
-    per_param = weight + weight + 8 + ENGINE_BYTES[device]  # weights, gradients, Adam m and v (fp32), engine
+    per_param = (weight if lora else weight + weight + 8) + ENGINE_BYTES[device]  # weights, grads, Adam m+v; engine
     return int(n_params * per_param + n_params * weight * ACTIVATION_FACTOR + RUNTIME_OVERHEAD[device])
 
 
@@ -59,9 +61,11 @@ def free_bytes(device: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Check that N peers of a model fit in memory.")
+    ap = argparse.ArgumentParser(description="Check that N peers of a model (or one per listed model) fit in memory.")
     ap.add_argument("--model", default="default")
     ap.add_argument("--peers", type=int, default=5)
+    ap.add_argument("--models", default="", help="comma list, one model per peer (overrides --model and --peers)")
+    ap.add_argument("--lora-rank", type=int, default=0, help="> 0: peers train a LoRA adapter (no full gradients/Adam)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     args = ap.parse_args(argv)
     device = args.device
@@ -70,16 +74,21 @@ def main(argv: list[str] | None = None) -> int:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = "cuda" if device.startswith("cuda") else "cpu"
-    try:
-        n_params = count_parameters(args.model)
-    except Exception as exc:
-        print(f"memory check: cannot size model {args.model!r} ({exc}); skipping the check", file=sys.stderr)
-        return 0
-    need_one = peer_bytes(n_params, device)
-    need, free = need_one * args.peers, free_bytes(device)
+    models = [m.strip() for m in args.models.split(",") if m.strip()] or [args.model] * args.peers
+    need = 0
+    for model in dict.fromkeys(models):  # each distinct model once, in order
+        try:
+            n_params = count_parameters(model)
+        except Exception as exc:
+            print(f"memory check: cannot size model {model!r} ({exc}); skipping the check", file=sys.stderr)
+            return 0
+        need_one, count = peer_bytes(n_params, device, lora=args.lora_rank > 0), models.count(model)
+        need += need_one * count
+        print(f"memory check: {count} peers x {need_one / GIB:.2f} GiB ({model}: {n_params / 1e6:.0f}M params, "
+              f"{device}{', LoRA' if args.lora_rank > 0 else ''})")
+    free = free_bytes(device)
     where = "GPU" if device == "cuda" else "RAM"
-    print(f"memory check: {args.peers} peers x {need_one / GIB:.2f} GiB ({n_params / 1e6:.0f}M params, {device}) "
-          f"= {need / GIB:.1f} GiB needed, {free / GIB:.1f} GiB {where} free")
+    print(f"memory check: {len(models)} peers need {need / GIB:.1f} GiB, {free / GIB:.1f} GiB {where} free")
     if need > free:
         print(f"memory check: not enough {where}: run fewer peers (SAPO_PEERS) or a smaller model", file=sys.stderr)
         return 3

