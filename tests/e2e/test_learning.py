@@ -65,19 +65,19 @@ def test_two_peers_learn_from_each_others_groups(tmp_path):
     --mode memory`: one base model, an adapter each, signed batches verified and re-scored; each trains on
     the other's groups in most rounds and both learn."""
     exp = tmp_path / "exp"
-    done = subprocess.run([sys.executable, "-m", "node.lab.experiment", "2/2", "--peers", "2", "--mode", "memory",
+    done = subprocess.run([sys.executable, "-m", "node.lab.experiment", "4/4", "--peers", "2", "--mode", "memory",
                            "--seeds", "0", "--threads", "1", "--out", str(exp),
                            *LEARN,
                            *[f"--node-arg={a}" for a in NODE_ONLY]],
                           cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-3000:]
-    peers = [live_metrics(exp / "2-2" / "seed0" / f"peer{p}") for p in range(2)]
+    peers = [live_metrics(exp / "4-4" / "seed0" / f"peer{p}") for p in range(2)]
     for p, records in enumerate(peers):
-        assert all(r["target_local"] == 2 and r["target_external"] == 2 for r in records)
+        assert all(r["target_local"] == 4 and r["target_external"] == 4 for r in records)
         used = [r for r in records if r["num_external"] > 0]
         assert len(used) >= ROUNDS - 2, f"peer{p} trained on the other's groups in rounds {[r['round'] for r in used]}"
         assert all(len(r["external_sources"]) == 1 for r in used)
         assert not any(r["rejected_by_reason"] for r in records), [r["rejected_by_reason"] for r in records]
         assert_learned(records, f"peer{p}")
-    keys = [prefix_of(exp / "2-2" / "seed0" / f"peer{p}") for p in range(2)]
+    keys = [prefix_of(exp / "4-4" / "seed0" / f"peer{p}") for p in range(2)]
     assert [sources(records) for records in peers] == [{keys[1]}, {keys[0]}]  # each trained on the other's

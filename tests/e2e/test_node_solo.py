@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from conftest import REPO, run_node
+from helpers_learning import check_records
 from node.ops.checkpoint import CheckpointStore
 
 REQUIRED_FIELDS = {
@@ -29,6 +30,7 @@ def test_three_rounds_then_resume_to_five(tmp_path, tiny_args):
     assert first.returncode == 0, first.stderr[-2000:]
     records = read_rounds(run_dir)
     assert [r["round"] for r in records] == [0, 1, 2]
+    check_records(records)
     for r in records:
         assert REQUIRED_FIELDS <= set(r), REQUIRED_FIELDS - set(r)
         assert {"generate", "score", "train", "publish", "fetch"} <= set(r["phase_s"])
