@@ -9,7 +9,6 @@ and a launcher forwarding it arrive together); a third signal, or one after the 
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import logging
 import os
 import signal
@@ -20,6 +19,7 @@ from node.learn.stop import StopRequest
 from node.ops.config import ConfigError, NodeConfig, build_parser, load_config  # noqa: F401 (build_parser: the parser of sapo-node)
 from node.ops.metrics import METRICS_FILE, setup_logging
 from node.ops.runlock import RunDirBusy, RunDirLock
+from node.ops.stacks import install_stack_dumps
 
 log = logging.getLogger("sapo.cli")
 
@@ -110,7 +110,7 @@ def configure_threads(cfg: NodeConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # `kill -USR1 <pid>` prints every thread's stack on stderr: what a node that seems stuck is waiting on
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    install_stack_dumps()
     try:
         cfg = load_config(argv)
     except ConfigError as exc:

@@ -8,4 +8,4 @@ export SAPO_ENGINE="${SAPO_ENGINE:-llama}"  # the engine tests read it
 # shellcheck disable=SC1091
 . "${SAPO_VENV:-.venv}/bin/activate"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec python -m pytest -q -p no:cacheprovider --durations=15 "$@"
+exec python -m pytest -q -rs -p no:cacheprovider --durations=15 "$@"

@@ -20,6 +20,8 @@ from p2p.identity import KEY_FILENAME, Identity
 from p2p.transport import SwarmTransport, TransportConfig
 from p2p.wire import TaskSpecWire, WireGroup
 
+from ci_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks: loud skips in CI)
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -80,7 +82,8 @@ def tiny_args():
 # ---------------------------------------------------------------- real swarms: bootstrap and node subprocesses
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-MANY_ROUNDS = "100000"  # never reached: the test stops peers with SIGTERM
+MANY_ROUNDS = "100000"
+FETCH_TIMEOUT_S = 30.0  # bare transports in tests: see transport()  # never reached: the test stops peers with SIGTERM
 TINY = ["--tasks", "smoke", "--num-local", "2", "--num-external", "4", "--generations", "4",
         "--max-new-tokens", "8", "--rounds", MANY_ROUNDS]
 
@@ -233,8 +236,11 @@ def smoke_group(seed: int, index_shift: int = 0, claimed=None) -> WireGroup:
 
 def transport(tmp: Path, name: str, swarm: str, peers: list[str], identity: Identity | None = None,
               **kw) -> SwarmTransport:
-    """A bare SwarmTransport on loopback with the test swarm's (low) proof-of-work difficulty."""
+    """A bare SwarmTransport on loopback with the test swarm's (low) proof-of-work difficulty, and a fetch
+    timeout no loaded machine reaches on loopback: tests compare what a fetch returns with exact sets, and
+    a fetch returns what it has at its timeout."""
     kw.setdefault("pow_difficulty", int(os.environ["SAPO_POW_DIFFICULTY"]))
+    kw.setdefault("fetch_timeout_s", FETCH_TIMEOUT_S)
     return SwarmTransport(TransportConfig(identity_dir=tmp / name, swarm=swarm, host_maddrs=[LOOPBACK],
                                           initial_peers=peers, **kw), identity)
 

@@ -238,6 +238,19 @@ PRESETS: dict[str, TaskMix] = {
         answer_prefix="<answer>",
         max_new_tokens=12,
     ),
+    # For the learning test only (tests/e2e/test_learning.py): the default model can already do the task
+    # (repeat a one-digit number), but the example teaches it the wrong answer format ("The answer is 4"
+    # scores 1/15). Held-out accuracy starts near 0, the constant-answer baseline is about 0.19, and a
+    # node that learns from its reward answers in the rewarded format within about five rounds.
+    "test-learn": TaskMix(
+        name="test-learn",
+        datasets={"chain_sum": {"weight": 1.0, "config": {"min_terms": 1, "max_terms": 1, "min_digits": 1,
+                                                          "max_digits": 1}}},
+        system_prompt="Reply with the final answer inside <answer></answer> tags. "
+                      "Example: What is 7 - 2? <answer>The answer is 5</answer>",
+        answer_prefix="<answer>",
+        max_new_tokens=8,
+    ),
 }
 
 

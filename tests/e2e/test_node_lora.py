@@ -9,7 +9,7 @@ import torch
 
 from conftest import run_node
 from node.build import build_node
-from node.learn.lora import base_fingerprint
+from node.learn.lora import attach, base_fingerprint
 from node.learn.policy import load_model
 from node.learn.tasks import resolve_mix
 from node.ops.checkpoint import CheckpointError, CheckpointStore
@@ -76,13 +76,19 @@ def test_identity_check_names_what_differs(tmp_path, lora, model, refused):
 
 
 def test_a_new_run_starts_from_another_runs_adapter(tmp_path, tiny_args):
+    """The target runs with another seed than the source, so its own fresh adapter differs from the
+    source's in every A matrix (checked): ending equal to the source's can only come from --lora-init."""
     source, target = tmp_path / "source", tmp_path / "target"
     assert run_node(*tiny_args, *LORA, "--lr", "1e-2", "--rounds", "2", "--run-dir", str(source)).returncode == 0
-    started = run_node(*tiny_args, *LORA, "--rounds", "1", "--lr", "1e-12", "--run-dir", str(target),
+    started = run_node(*tiny_args, *LORA, "--rounds", "1", "--lr", "1e-12", "--seed", "4", "--run-dir", str(target),
                        "--lora-init", str(source))
     assert started.returncode == 0, started.stderr[-2000:]
     assert "adapter initialised from" in started.stderr
     theirs, ours = CheckpointStore(source).load_latest().model, CheckpointStore(target).load_latest().model
+    fresh = attach(load_model("tiny-random", CPU)[0], 4, 8.0, seed=4).state_dict()  # the target without --lora-init
+    assert set(fresh) == set(theirs) == set(ours)
+    lora_a = [k for k in theirs if ".lora_A." in k]
+    assert lora_a and not any(torch.allclose(theirs[k], fresh[k], atol=1e-3) for k in lora_a)
     assert all(torch.allclose(theirs[k], ours[k], atol=1e-6) for k in theirs)  # lr 1e-12: one step moves nothing
     wrong = run_node(*tiny_args, "--lora-rank", "2", "--rounds", "1", "--run-dir", str(tmp_path / "wrong"),
                      "--lora-init", str(source / "checkpoints" / "round-000001"))

@@ -11,6 +11,7 @@ import asyncio
 import os
 import re
 import signal
+import statistics
 import time
 from functools import partial
 from pathlib import Path
@@ -22,6 +23,8 @@ from conftest import Proc, await_for, free_port, prefix_of, reasons, smoke_group
     start_node, stop_all, stored_eventually, transport, wait_for
 from conftest import live_metrics as rounds
 from p2p.dht_process import store_from_file
+from helpers_learning import check_records
+from node.ops.stacks import DUMP_END
 from p2p.identity import KEY_FILENAME, Identity
 from p2p.transport import SwarmTransport
 from p2p.validators import DEFAULT_PRESENCE_SHARDS, batch_key, owner_subkey, presence_key, presence_shard
@@ -55,6 +58,23 @@ async def entries(t: SwarmTransport, key: str) -> dict[bytes, bytes]:
     return ((await t._get_many([key])) or {}).get(key, {})
 
 
+COMPUTE = ("sample", "generate", "score", "select", "train", "sync")  # phases that are not swarm I/O
+
+
+def dumped_and_alive(node: Proc, procs: list[Proc], timeout: float = 60) -> None:
+    """After SIGUSR1: the node's stack dump ends, and the node is still running. Tells a crash from a dump:
+    a node that died says how (its exit code, and whether Python reported a fatal error)."""
+    def finished() -> bool:
+        return DUMP_END in node.text() or not node.alive()
+
+    wait_for(finished, [p for p in procs if p is not node], timeout, "the end of the stack dump")
+    text = node.text()
+    if not node.alive() or "Fatal Python error" in text:
+        how = f"exit code {node.p.poll()}" + (", Python fatal error" if "Fatal Python error" in text else "")
+        where = "during its stack dump" if DUMP_END not in text else "after its stack dump"
+        raise AssertionError(f"{node.out.name} crashed {where} ({how}):\n{text[-4000:]}")
+
+
 # ------------------------------------------------------------------------------------------------ tests
 
 
@@ -77,6 +97,7 @@ async def test_three_peers_share_rollouts_and_records_are_owner_protected(tmp_pa
             assert sources(recs) == set(keys) - {keys[i]}  # never its own groups, nobody else's
             assert any(r["num_external"] > 0 and r["optimizer_steps"] > 0 for r in recs)
             assert not reasons(recs), reasons(recs)  # honest peers: nothing rejected
+            check_records(recs)
 
         # Owner protection against the live swarm: Mallory (valid key of her own, joined through the
         # bootstrap) overwrites peer0's record of one of its rounds under peer0's subkey.
@@ -134,6 +155,7 @@ def test_peers_with_different_tokenizers_train_on_each_others_groups(tmp_path):
             used = [r for r in recs if r["external_sources"]]
             assert all(r["optimizer_steps"] > 0 and r["num_external"] > 0 for r in used)
             assert not reasons(recs), reasons(recs)  # the other's rewards re-score identically here
+            check_records(recs)
     finally:
         codes = stop_all(nodes)
         boot.stop()
@@ -228,6 +250,7 @@ async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
     assert rc == 0, honest.text()[-3000:]
     recs = rounds(honest_dir)
     assert [r["round"] for r in recs] == list(range(len(recs)))  # every round finished and recorded once
+    check_records(recs)
 
 
 def test_killed_peer_does_not_stall_others_and_resumes_with_same_address(tmp_path):
@@ -236,7 +259,8 @@ def test_killed_peer_does_not_stall_others_and_resumes_with_same_address(tmp_pat
     boot, maddrs = start_bootstrap(tmp_path, swarm)
     run_dirs = [tmp_path / f"peer{i}" for i in range(3)]
     ports = [free_port() for _ in run_dirs]
-    extra = ["--net-timeout", str(net_timeout), "--checkpoint-every", "1"]
+    # no held-out evaluation: rounds are timed below, and an evaluation round is compute, not swarm I/O
+    extra = ["--net-timeout", str(net_timeout), "--checkpoint-every", "1", "--eval-every", "0"]
 
     def launch(i: int, *more: str) -> Proc:
         return start_node(run_dirs[i], maddrs, swarm, *extra, *more, seed=10 + i,
@@ -251,9 +275,12 @@ def test_killed_peer_does_not_stall_others_and_resumes_with_same_address(tmp_pat
         (name_before, maddrs_before), = up_line(run_dirs[2])
         assert maddrs_before and all(f"/tcp/{ports[2]}/p2p/" in m for m in maddrs_before)
 
-        nodes[2].p.send_signal(signal.SIGUSR1)  # a node that seems stuck tells where: every thread's stack
-        wait_for(lambda: "(most recent call first)" in nodes[2].text(), nodes, 30, "a stack dump on SIGUSR1")
-        assert nodes[2].alive()
+        # a node that seems stuck tells where: every thread's stack, and it carries on (a crash also prints
+        # stacks, under "Fatal Python error": the dump's own end line and a round after it tell them apart)
+        done_before_dump = len(rounds(run_dirs[2]))
+        nodes[2].p.send_signal(signal.SIGUSR1)
+        dumped_and_alive(nodes[2], nodes)
+        wait_for(lambda: len(rounds(run_dirs[2])) > done_before_dump + 1, nodes, 60, "a round after the dump")
         nodes[2].p.kill()  # SIGKILL the node process only, as the OOM killer would
         nodes[2].p.wait(30)
         t_kill = time.time()
@@ -270,12 +297,19 @@ def test_killed_peer_does_not_stall_others_and_resumes_with_same_address(tmp_pat
         wait_for(lambda: all(len(after_kill(d)) >= 5 for _, d in survivors) and time.time() > t_kill + 8,
                  [n for n, _ in survivors], 120, "rounds of the survivors after the kill")
         for _, d in survivors:
-            for r in after_kill(d):
-                # the network part of a round stays bounded; compute time (generate, score, train) is
-                # left out because a loaded CI host can stall any process for a while
-                p = r["phase_s"]
-                assert r["swarm_io_s"] <= net_timeout + 1, r
-                assert r["round_s"] - p["generate"] - p["score"] - p["train"] <= net_timeout + 1.5, r
+            # the network part of a round stays bounded: publish and fetch are each cut at --net-timeout, so
+            # the typical round waits less than one timeout on the network and none waits (much) more than
+            # both (a dead peer never stalls a round). Compute (generate, score, train) is left out, and the
+            # typical round is judged by its median: a loaded CI host can stall any process for a while.
+            recs = after_kill(d)
+            check_records(recs)
+            io = [r["swarm_io_s"] for r in recs]
+            waits = [r["round_s"] - sum(v for k, v in r["phase_s"].items() if k in COMPUTE) for r in recs]
+            assert statistics.median(io) <= net_timeout + 0.5, io
+            assert statistics.median(waits) <= net_timeout + 1.0, waits
+            assert max(r["phase_s"]["publish"] for r in recs) <= net_timeout + 2, recs
+            assert max(r["phase_s"]["fetch"] for r in recs) <= net_timeout + 2, recs
+            assert max(waits) <= 2 * net_timeout + 4, waits
 
         # restart with --resume: same identity, same round counter, same multiaddr
         last_round = rounds(run_dirs[2])[-1]["round"]
@@ -309,6 +343,8 @@ def test_killed_peer_does_not_stall_others_and_resumes_with_same_address(tmp_pat
                  "a round of the restarted peer, then the survivors using its groups")
         new = [r["round"] for r in rounds(run_dirs[2])]
         assert new == list(range(len(new))) and new[-1] >= next_round
+        for d in run_dirs:
+            check_records(rounds(d))
     finally:
         codes = stop_all([nodes[0], nodes[1], *([restarted] if restarted else [])])
         nodes[2].cleanup()

@@ -97,3 +97,45 @@ def test_solo_evidence_script_reports_the_unseen_bar(tmp_path):
     ev = json.loads((tmp_path / "ev.json").read_text())
     assert ev["unseen"]["overall"]["gain"] == pytest.approx(0.3) and ev["unseen_meets_bar"] is True
     assert "unseen accuracy 0.000 after round 0 -> 0.300" in out.stdout and "issue 29" in out.stdout
+
+
+def test_a_collapsed_last_evaluation_does_not_meet_the_bar(tmp_path):
+    """Real evaluation records (cpu-easy's held-out set through the evaluation path): a policy that went
+    from wrong answers to one fixed answer per dataset gained a lot over its first evaluation, but only up
+    to the constant-answer baseline, so it does not meet the bar; an oracle in its place does."""
+    from collections import Counter
+
+    import torch
+
+    from helpers_learning import ScriptedPolicy
+    from node.learn.evaluate import HeldOutEval
+    from node.learn.groups import Prompter
+    from node.learn.policy import load_model
+    from node.learn.tasks import PRESETS, eval_tasks
+
+    mix, size = PRESETS["cpu-easy"], 64
+    tok = load_model("tiny-random", torch.device("cpu"))[1]
+    tasks = eval_tasks(mix, size)
+    common = {d: Counter(t.answer for t in tasks if t.spec.dataset == d).most_common(1)[0][0] for d in mix.datasets}
+
+    def row(r: int, respond) -> dict:
+        held = HeldOutEval(mix, size, every=1, rounds=1)
+        return {"round": r, **held.run(ScriptedPolicy(tok, tasks, respond), tok, Prompter(tok, mix), 8).to_record()}
+
+    first = row(0, lambda t: "no idea</answer>")
+    verdicts = {}
+    for name, respond in (("collapsed", lambda t: common[t.spec.dataset] + "</answer>"),
+                          ("oracle", lambda t: t.answer + "</answer>")):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "metrics.jsonl").write_text(json.dumps(first) + "\n" + json.dumps(row(9, respond)) + "\n")
+        out = subprocess.run([sys.executable, str(ROOT / "scripts/solo_evidence.py"), str(run), "--boot", "2000",
+                              "--json", str(run / "ev.json")], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        verdicts[name] = json.loads((run / "ev.json").read_text())
+    collapsed = verdicts["collapsed"]
+    assert first["eval_accuracy"] == 0.0
+    assert collapsed["overall"]["gain"] == pytest.approx(collapsed["baseline"]) and collapsed["overall"]["ci_low"] > 0.1
+    assert collapsed["over_baseline"]["gain"] == pytest.approx(0.0, abs=1e-9)
+    assert collapsed["distinct_answers"]["last"] < collapsed["distinct_answers"]["gold"]
+    assert collapsed["meets_bar"] is False and verdicts["oracle"]["meets_bar"] is True

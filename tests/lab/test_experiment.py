@@ -7,6 +7,7 @@ import sys
 import time
 
 from conftest import REPO, live_metrics, node_env
+from helpers_learning import check_records
 from tbread import read_scalars
 
 TINY = ["--model", "tiny-random", "--tasks", "smoke", "--generations", "4", "--max-new-tokens", "8",
@@ -22,6 +23,8 @@ def rounds_of(peer_dir) -> list[int]:
 
 
 def external_used(peer_dirs) -> int:
+    for d in peer_dirs:
+        check_records(live_metrics(d))
     return sum(r["num_external"] for d in peer_dirs for r in live_metrics(d))
 
 
@@ -117,3 +120,23 @@ def test_memory_mode_lora_peers_share_one_base(tmp_path):
     assert len({m["meta"]["base"] for m in manifests}) == 1
     assert all(m["meta"]["lora"] == {"rank": 2, "alpha": 32.0} for m in manifests)
     assert [rounds_of(run / f"peer{p}") for p in range(3)] == [[0, 1]] * 3
+
+
+def test_memory_mode_usefulness_policy_moves_j_inside_the_nodes(tmp_path):
+    """The adaptive split runs inside real nodes: with `usefulness`, I + J stays 4 and J leaves its
+    starting 2 as the peers measure what the other's groups carry; no round trains on more than it chose."""
+    exp = tmp_path / "exp"
+    done = subprocess.run(experiment("usefulness", "--mode", "memory", "--rounds", "8", "--out", str(exp), *TINY,
+                                     "--eval-every", "0"),
+                          cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    peers = [live_metrics(exp / "usefulness" / "seed0" / f"peer{p}") for p in range(2)]
+    for records in peers:
+        check_records(records)
+        assert [r["round"] for r in records] == list(range(8))
+        assert all(r["ij_policy"] == "usefulness" and r["target_local"] + r["target_external"] == 4 for r in records)
+        assert records[0]["target_external"] == 2  # the preset's starting split
+        assert all(1 <= r["target_external"] <= 3 for r in records)  # at least one local group, one external
+    moved = [sorted({r["target_external"] for r in records}) for records in peers]
+    assert any(len(js) > 1 for js in moved), moved
+    assert external_used([exp / "usefulness" / "seed0" / f"peer{p}" for p in range(2)]) > 0

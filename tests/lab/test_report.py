@@ -23,6 +23,8 @@ def reward(cfg, s, t):
 EVAL_BASE = {"4/0": 0.20, "2/2": 0.30}
 # unseen accuracy(config, seed, round t) = UNSEEN_BASE[config] + 0.005 * t + 0.01 * seed, at the same rounds
 UNSEEN_BASE = {"4/0": 0.10, "2/2": 0.15}
+# token entropy(config, round t) = ENTROPY[config] - 0.1 * t: falling, and different per config
+ENTROPY = {"4/0": 2.0, "2/2": 1.5}
 
 
 def write_exp(root, *, corrupt=True, held_out=False, unseen=False):
@@ -47,7 +49,7 @@ def write_exp(root, *, corrupt=True, held_out=False, unseen=False):
                     if j:
                         rec.update(external_accepted=3, external_rejected=1)
                     if held_out:
-                        rec.update(signal_frac=1.0 - 0.1 * t, entropy_mean=2.0)
+                        rec.update(signal_frac=1.0 - 0.1 * t, entropy_mean=ENTROPY[cfg] - 0.1 * t)
                         if t % 5 == 0 or t == ROUNDS - 1:
                             rec.update({"eval_accuracy": EVAL_BASE[cfg] + 0.01 * t + 0.01 * s,
                                         "eval_accuracy/count_bits": 0.5, "eval_s": 2.0})
@@ -111,10 +113,13 @@ def test_report_leads_with_held_out_accuracy(tmp_path, capsys):
     assert d["eval_area_vs_base"]["pct"] == pytest.approx(100 * (0.355 / 0.255 - 1))
     # signal_frac 1.0 - 0.1 t: all rounds mean 0.55; last quarter (rounds 7..9, 2 of 10 -> rounds 8, 9) 0.15
     assert d["signal_frac_mean"] == pytest.approx(0.55) and d["signal_frac_last_quarter"] == pytest.approx(0.15)
-    assert d["entropy_mean"] == pytest.approx(2.0)
+    # entropy: all rounds mean ENTROPY - 0.45, last quarter (rounds 8, 9) ENTROPY - 0.85, each config its own
+    assert d["entropy_mean"] == pytest.approx(1.05) and d["entropy_last_quarter"] == pytest.approx(0.65)
+    assert b["entropy_mean"] == pytest.approx(1.55) and b["entropy_last_quarter"] == pytest.approx(1.15)
     md = (out / "report.md").read_text()
     assert md.index("## Held-out accuracy") < md.index("## Cumulative reward (training reward, the second view)")
     assert "| 2/2 | 0.4000 ± 0.0100 | +33.33% |" in md
+    assert "| 2/2 | 0.550 | 0.150 | 1.050 | 0.650 |" in md and "| 4/0 | 0.550 | 0.150 | 1.550 | 1.150 |" in md
     assert (out / "heldout_and_collapse.png").stat().st_size > 1000
     assert (out / "heldout_by_seed.png").stat().st_size > 1000 and "(heldout_by_seed.png)" in md
     # every 2/2 seed is 0.10 ahead of its 4/0 twin: the paired CI is that difference, p the smallest for 3 seeds

@@ -86,6 +86,7 @@ async def test_bootstrap_lifecycle(tmp_path):
         cfg = lambda name, peers: TransportConfig(  # noqa: E731
             identity_dir=tmp_path / name, swarm="btest", host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers,
             pow_difficulty=int(os.environ["SAPO_POW_DIFFICULTY"]),  # the bootstrap's setting (tests/conftest.py)
+            fetch_timeout_s=30.0,  # the fetch below is compared with an exact list: never cut short by load
         )
         a, b = SwarmTransport(cfg("a", maddrs)), SwarmTransport(cfg("b", maddrs))
         await asyncio.gather(a.start(), b.start())

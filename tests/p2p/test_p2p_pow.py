@@ -1,7 +1,5 @@
 """Proof-of-work identities: minted once, stored beside the key, re-minted only when the swarm asks for more."""
 
-import time
-
 import pytest
 
 from p2p.identity import KEY_FILENAME, Identity, IdentityError
@@ -20,8 +18,12 @@ def test_mint_and_check():
     nonce = mint_pow(key, 12)
     assert leading_zero_bits(pow_digest(key, nonce)) >= 12
     assert check_pow(key, nonce, 12)
-    other = Identity.generate().public_key_bytes
-    assert not check_pow(other, nonce, 12) or leading_zero_bits(pow_digest(other, nonce)) >= 12
+    # the work is bound to the key: the same nonce proves nothing for other keys (fixed keys, so this is
+    # not left to chance: each has a 1 in 4096 chance to pass by luck, and none of these does)
+    others = [bytes([i]) * 32 for i in range(64)]
+    fixed = mint_pow(bytes(range(32)), 12)
+    assert check_pow(bytes(range(32)), fixed, 12)
+    assert not any(check_pow(o, fixed, 12) for o in others)
     assert not check_pow(key, nonce[:-1], 12)  # wrong length
     assert check_pow(key, b"", 0)  # difficulty 0: no work asked
 
@@ -47,9 +49,16 @@ def test_corrupt_nonce_file_is_a_clear_error(tmp_path):
         Identity.load_or_create(tmp_path / KEY_FILENAME, create=False, pow_difficulty=4)
 
 
-def test_mint_time_at_16_bits_is_seconds_not_minutes():
-    """Prints the figure; the default (20 bits) is measured in docs/BENCHMARKS.md."""
-    start = time.perf_counter()
-    ident = Identity.generate(16)
-    assert check_pow(ident.public_key_bytes, ident.pow_nonce, 16)
-    print(f"minted a 16-bit identity in {time.perf_counter() - start:.2f}s")
+def test_a_mint_takes_about_two_to_the_difficulty_hashes():
+    """What the time to mint rests on (the seconds themselves are measured in docs/BENCHMARKS.md, not
+    here): the nonce is the first counter value whose hash has the bits, so it counts the hashes tried,
+    and over 48 fixed keys the mean count at 8 bits is 2**8 within a factor of two."""
+    tries = []
+    for i in range(48):
+        key = bytes([i, 7]) * 16
+        nonce = mint_pow(key, 8)
+        n = int.from_bytes(nonce, "big")
+        assert check_pow(key, nonce, 8) and not any(check_pow(key, k.to_bytes(8, "big"), 8) for k in range(n))
+        tries.append(n + 1)
+    assert 2 ** 7 < sum(tries) / len(tries) < 2 ** 9, sum(tries) / len(tries)
+    assert check_pow(bytes(32), mint_pow(bytes(32), 16), 16)  # and near the default's difficulty too

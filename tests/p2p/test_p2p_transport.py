@@ -30,7 +30,10 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def config(tmp: Path, name: str, peers: list[str] | None = None, **kw) -> TransportConfig:
+    """Tests compare fetched records with exact sets: a fetch returns what it has at its timeout, so the
+    timeout is one no loaded machine reaches on loopback (a test of the timeout itself sets its own)."""
     kw.setdefault("pow_difficulty", POW)
+    kw.setdefault("fetch_timeout_s", 30.0)
     return TransportConfig(
         identity_dir=tmp / name, swarm=SWARM, host_maddrs=LOOPBACK, initial_peers=peers or [], **kw
     )

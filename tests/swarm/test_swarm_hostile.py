@@ -11,6 +11,7 @@ import asyncio
 import os
 import pickle
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -26,6 +27,7 @@ from conftest import LOOPBACK, transport, prefix_of, reasons, smoke_group, sourc
     stop_all, wait_for
 from conftest import live_metrics as rounds
 from conftest import REPO
+from helpers_learning import check_records
 from node.learn.tasks import PRESETS
 from node.swarm.bandit import PublisherBandit
 from node.swarm.exchange import ExchangeStats
@@ -111,6 +113,13 @@ def test_sybils_that_follow_the_rules_do_not_dilute_honest_peers(tmp_path):
     on little from the Sybils (copies it saw before their original), keeps its rounds within budget, and
     every class is caught."""
     swarm, n_sybils, net_timeout, per_phase = "hostile-sybil", 200, 4.0, 30
+    # every wait below draws on one budget inside the test's own timeout (600 s): on a slow machine the
+    # test fails naming what it waited for, instead of being killed by pytest-timeout mid-wait
+    deadline = time.monotonic() + 540
+
+    def left() -> float:
+        return max(1.0, deadline - time.monotonic())
+
     boot, maddrs = start_bootstrap(tmp_path, swarm)
     run_dirs = [tmp_path / "honest0", tmp_path / "honest1"]
     extra = ["--net-timeout", str(net_timeout), "--fetch-max", "16"]
@@ -118,10 +127,11 @@ def test_sybils_that_follow_the_rules_do_not_dilute_honest_peers(tmp_path):
     attacker = None
     try:
         keys = [prefix_of(d) for d in run_dirs]
-        wait_for(lambda: all(keys[1 - i] in sources(rounds(d)) for i, d in enumerate(run_dirs)), nodes, 300,
+        wait_for(lambda: all(keys[1 - i] in sources(rounds(d)) for i, d in enumerate(run_dirs)), nodes, left(),
                  "the honest nodes to train on each other")
         t_proven = time.time()
-        wait_for(lambda: min(len(after(d, t_proven)) for d in run_dirs) >= per_phase, nodes, 300, "rounds before")
+        wait_for(lambda: min(len(after(d, t_proven)) for d in run_dirs) >= per_phase, nodes, left(),
+                 "rounds before")
         t_attack = time.time()
         victims = [Identity.load_or_create(d / "identity.ed25519", create=False).public_key_bytes for d in run_dirs]
         attacker = Attacker("ghost+useless+copycat+liars", n_sybils, swarm, maddrs, POW, tmp_path, victims,
@@ -133,7 +143,11 @@ def test_sybils_that_follow_the_rules_do_not_dilute_honest_peers(tmp_path):
                 await attacker.step()
                 await asyncio.sleep(1.0)
 
-        asyncio.run(asyncio.wait_for(attack(), 420))
+        try:
+            asyncio.run(asyncio.wait_for(attack(), left()))
+        except asyncio.TimeoutError:
+            raise AssertionError(f"under attack, the honest nodes did not finish {per_phase} rounds each in time: "
+                                 f"{[len(after(d, t_attack)) for d in run_dirs]}") from None
         t_end = time.time()
 
         def share(reader: Path, publisher: Path, key: str, lo: float, hi: float) -> float:
@@ -146,8 +160,13 @@ def test_sybils_that_follow_the_rules_do_not_dilute_honest_peers(tmp_path):
 
         for i, d in enumerate(run_dirs):
             under = [r for r in after(d, t_attack) if r["t_start"] <= t_end]
-            for r in under:
-                assert r["swarm_io_s"] <= net_timeout + 1, r  # budgets hold: no flood stretches a round
+            check_records(under)
+            # budgets hold: no flood stretches a round. Publish and fetch are each cut at --net-timeout, so
+            # no round waits much more than both; the typical round (the median, which a loaded machine's
+            # stalls do not move) stays within one
+            io = [r["swarm_io_s"] for r in under]
+            assert statistics.median(io) <= net_timeout + 0.5, io
+            assert max(io) <= 2 * net_timeout + 2, io
             other, key = run_dirs[1 - i], keys[1 - i]
             before_share = share(d, other, key, t_proven, t_attack)
             under_share = share(d, other, key, t_attack, t_end)
