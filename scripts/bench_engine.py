@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Rollout engine checks that need the default model (docs/BENCHMARKS.md, issue 18), side by side in one run:
+r"""Rollout engine checks that need the default model (docs/BENCHMARKS.md, issue 18), side by side in one run:
 
   parity  answer accuracy of each --variants sampler (llama.cpp with given weights, the torch sampler under
           bf16 autocast) vs the torch sampler's (fp32) on a fixed set of tasks (same tasks, same number of
@@ -15,7 +15,8 @@
           sampling speed (--prompts x --generations at T = 1, --repeats interleaved: tokens/s, groups/s,
           wall and CPU) and sync cost (full weights and a merged LoRA adapter), medians and ratios.
 
-    python scripts/bench_engine.py parity --tasks-n 256 --samples 2 --variants torch-bf16,llama-bf16,llama-f16 --json parity.json
+    python scripts/bench_engine.py parity --tasks-n 256 --samples 2 --variants torch-bf16,llama-bf16,llama-f16 \
+        --json parity.json
     python scripts/bench_engine.py sync --json sync.json
     nice python scripts/bench_engine.py bindings --tasks cpu-learn --tasks-n 64 --repeats 5 --json bindings.json
 """
@@ -94,7 +95,8 @@ def parity(args, model, tok, mix) -> dict:
     acc = {k: correct[k] / n for k in engines}
     out = {"tasks": len(tasks), "samples_per_task": args.samples, "n": n, "accuracy": acc,
            "mean_reward": {k: reward[k] / n for k in engines}, "gen_cpu_s": cpu, "tokens": tokens,
-           "per_dataset_mean_reward": {d: {k: statistics.mean(v) for k, v in e.items()} for d, e in per_dataset.items()},
+           "per_dataset_mean_reward": {d: {k: statistics.mean(v) for k, v in e.items()}
+                                       for d, e in per_dataset.items()},
            "versus_torch": {}}
     out["per_task_accuracy"] = per_task
     for name in names[1:]:

@@ -151,7 +151,8 @@ def metrics_mode(run_dirs: list[str]) -> None:
         total_io, total_round = total_io + io, total_round + rs
         if shares:
             print(f"{path}: {len(shares)} rounds, swarm I/O {100 * io / rs:.1f}% of round time "
-                  f"(per-round p50 {100 * statistics.median(shares):.1f}%, p99 {100 * pct(shares, 99):.1f}%)")  # fmt: skip
+                  f"(per-round p50 {100 * statistics.median(shares):.1f}%, "
+                  f"p99 {100 * pct(shares, 99):.1f}%)")  # fmt: skip
         else:
             print(f"{path}: no rows with swarm_io_s and round_s")
     if total_round > 0:

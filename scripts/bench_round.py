@@ -181,7 +181,8 @@ def variants_section(args, model, tok, mix, max_new) -> dict:
         print(f"  {'variant':9s} {'sync':>13s} {'generate':>13s} {'train':>13s} {'round':>13s}  tok/cpu-s  "
               "round speed-up (cpu)  gen speed-up (cpu)")
         for name, r in res.items():
-            print(f"  {name:9s} " + " ".join(f"{r[k]:6.2f}/{r[k + '_cpu']:6.2f}" for k in ("sync", "gen", "train", "round"))
+            print(f"  {name:9s} "
+                  + " ".join(f"{r[k]:6.2f}/{r[k + '_cpu']:6.2f}" for k in ("sync", "gen", "train", "round"))
                   + f"  {r['tokens_per_cpu_s']:8.1f}  {base['round_cpu'] / r['round_cpu']:8.2f}x"
                   f"  {base['gen_cpu'] / r['gen_cpu']:8.2f}x")
     out["peak_rss_mb_process"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -328,8 +329,8 @@ def main() -> None:
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     n_tokens = sum(len(x.prompt_ids) + len(x.completion_ids) for x in seqs)
     prompt_tokens = sum(len(x.prompt_ids) for x in seqs)
-    print(f"\n## 3. training step, same {len(seqs)} sequences ({n_tokens} tokens, {100 * prompt_tokens / n_tokens:.0f}% "
-          f"prompt), micro-batch {micro}, median of {args.repeats}")
+    print(f"\n## 3. training step, same {len(seqs)} sequences ({n_tokens} tokens, "
+          f"{100 * prompt_tokens / n_tokens:.0f}% prompt), micro-batch {micro}, median of {args.repeats}")
     print(f"  {'plain':>8} {'shared':>8} {'bare f+b':>9}   speed-up   shared/bare")
     for label, m in (("wall", med), ("cpu", med_cpu)):
         print(f"  {m['plain']:7.3f}s {m['shared']:7.3f}s {m['bare']:8.3f}s   {m['plain'] / m['shared']:7.2f}x   "

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Solo runs side by side: held-out accuracy (with the constant-answer baseline), share of groups with
+r"""Solo runs side by side: held-out accuracy (with the constant-answer baseline), share of groups with
 signal and token entropy per round, one line per metrics file (docs/RESULTS.md section 4).
 
-    python scripts/plot_solo.py docs/data/solo200/{lr1e-5,lr3e-5-kl,lr3e-6,lr1e-6}.metrics.jsonl --out docs/figures/solo200.png
+    python scripts/plot_solo.py docs/data/solo200/{lr1e-5,lr3e-5-kl,lr3e-6,lr1e-6}.metrics.jsonl \
+        --out docs/figures/solo200.png
 """
 
 from __future__ import annotations

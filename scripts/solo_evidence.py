@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Issue 19's solo test on one run dir: did held-out accuracy rise, and is it above guessing?
+r"""Issue 19's solo test on one run dir: did held-out accuracy rise, and is it above guessing?
 
 Reads RUN_DIR/metrics.jsonl (written by sapo-node with --eval-every), takes the first and the last
 held-out evaluation (the same fixed tasks, paired task by task) and prints, overall and per dataset: the
@@ -9,7 +9,8 @@ of issue 19: gain >= 0.10 and margin >= 0.10 with both CIs above 0, per dataset 
 Where the rows carry the unseen set (a task mix split by content: questions whose content training
 never draws), the same for it, and issue 29's bar: gain on the unseen set >= 0.10 with its CI above 0.
 
-    python scripts/solo_evidence.py docs/data/solo-learn/lora-lr2e-4 --json docs/data/solo-learn/lora-lr2e-4/evidence.json
+    python scripts/solo_evidence.py docs/data/solo-learn/lora-lr2e-4 \
+        --json docs/data/solo-learn/lora-lr2e-4/evidence.json
 """
 
 from __future__ import annotations

@@ -126,7 +126,8 @@ def fig_cumulative(summary: dict, path: Path) -> None:
             tag = "\nbaseline"
         else:
             tag = f"\n{imp:+.1f}%" if math.isfinite(imp) else "\nn/a"
-        ax.text(xi, (m if math.isfinite(m) else 0) + s + 0.02 * top, f"{m:.1f}{tag}", ha="center", va="bottom", fontsize=9)
+        ax.text(xi, (m if math.isfinite(m) else 0) + s + 0.02 * top, f"{m:.1f}{tag}",
+                ha="center", va="bottom", fontsize=9)
     ax.set_xticks(x)
     ax.set_xticklabels(configs)
     ax.set_ylim(0, top * 1.2 if top > 0 else 1)

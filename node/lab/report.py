@@ -158,7 +158,8 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
         L.append("Seeds ahead: in how many seeds the configuration beat the baseline with the same seed (peer p "
                  "of seed k has the same node seed in every configuration), with the one-sided exact sign-test p; "
                  "with n seeds p cannot go below 0.5^n.\n")
-        L.append("| config | cumulative reward (mean ± std) | per seed | reward per agent-round | vs baseline | 95% CI (bootstrap over seeds) | seeds ahead (sign-test p) | note |")
+        L.append("| config | cumulative reward (mean ± std) | per seed | reward per agent-round | vs baseline "
+                 "| 95% CI (bootstrap over seeds) | seeds ahead (sign-test p) | note |")
         L.append("|---|---|---|---|---|---|---|---|")
     for c in cfgs:
         d = per[c]
@@ -194,7 +195,8 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
     for c in cfgs:
         d = per[c]
         ps = ", ".join(f"s{s}: {v if v is not None else 'never'}" for s, v in d["rounds_to_threshold_by_seed"].items())
-        L.append(f"| {c} | {num(d['rounds_to_threshold_mean'], '.1f', 'never')} | {d['seeds_reaching_threshold']}/{d['n_seeds']} | {ps} |")
+        L.append(f"| {c} | {num(d['rounds_to_threshold_mean'], '.1f', 'never')} "
+                 f"| {d['seeds_reaching_threshold']}/{d['n_seeds']} | {ps} |")
     L.append("")
     L.append(f"![moving average with min/max band]({FIGURES['ma_band']})\n")
     L.append(f"![per-agent reward curves]({FIGURES['per_agent']})\n")
@@ -210,11 +212,13 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
     L.append("|---|---|---|---|")
     for c in cfgs:
         d = per[c]
-        L.append(f"| {c} | {num(d['reward_std_mean'], '.4f')} | {num(d['steep_drops_mean'])} | {num(d['max_drawdown_mean'], '.4f')} |")
+        L.append(f"| {c} | {num(d['reward_std_mean'], '.4f')} | {num(d['steep_drops_mean'])} "
+                 f"| {num(d['max_drawdown_mean'], '.4f')} |")
     L.append("")
 
     L.append("## External groups and J\n")
-    L.append("| config | accepted | rejected | acceptance rate | mean target J | final target J (mean over agents) | mean round time (s) |")
+    L.append("| config | accepted | rejected | acceptance rate | mean target J | final target J (mean over agents) "
+             "| mean round time (s) |")
     L.append("|---|---|---|---|---|---|---|")
     for c in cfgs:
         d = per[c]
@@ -228,10 +232,12 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
     if has_adaptive:
         L.append(f"![J trajectory]({FIGURES['j_trajectory']})\n")
     else:
-        L.append(f"No adaptive runs (every configuration used a fixed J); [{FIGURES['j_trajectory']}]({FIGURES['j_trajectory']}) says so.\n")
+        L.append(f"No adaptive runs (every configuration used a fixed J); "
+                 f"[{FIGURES['j_trajectory']}]({FIGURES['j_trajectory']}) says so.\n")
 
     L.append("## Data quality\n")
-    L.append(f"Corrupt metrics lines skipped: **{summary['skipped_lines']}**. Rounds logged more than once (last kept): {summary['duplicate_rounds']}.\n")
+    L.append(f"Corrupt metrics lines skipped: **{summary['skipped_lines']}**. "
+             f"Rounds logged more than once (last kept): {summary['duplicate_rounds']}.\n")
     for fpath, n in summary["skipped_by_file"].items():
         L.append(f"- `{fpath}`: {n} line(s) skipped")
     L.append("")
@@ -241,7 +247,8 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="sapo-report", description="Compare SAPO I/J configurations from metrics.jsonl files.")
+    ap = argparse.ArgumentParser(prog="sapo-report",
+                                 description="Compare SAPO I/J configurations from metrics.jsonl files.")
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     ap.add_argument("experiments", nargs="+", metavar="EXPERIMENT_DIR")
     ap.add_argument("--out", type=Path, default=None, help="output dir (default: FIRST_EXPERIMENT_DIR/report)")

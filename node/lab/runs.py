@@ -1,4 +1,5 @@
-"""Reading experiment output: every metrics.jsonl below a dir becomes one agent of one `Run` (layout in `node.lab.report`)."""
+"""Reading experiment output: every metrics.jsonl below a dir becomes one agent of one `Run`
+(layout in `node.lab.report`)."""
 
 from __future__ import annotations
 

@@ -302,7 +302,8 @@ def summarize(
         has_acc = any(np.isfinite(p.accepted).any() or np.isfinite(p.rejected).any() for r in rs for p in r.peers)
         tj = np.concatenate([p.target_external for r in rs for p in r.peers])
         tj_fin = tj[np.isfinite(tj)]
-        final_j = [p.target_external[np.isfinite(p.target_external)][-1] for r in rs for p in r.peers if np.isfinite(p.target_external).any()]
+        final_j = [p.target_external[np.isfinite(p.target_external)][-1] for r in rs for p in r.peers
+                   if np.isfinite(p.target_external).any()]
         ne = np.concatenate([p.num_external for r in rs for p in r.peers])
         nl = np.concatenate([p.num_local for r in rs for p in r.peers])
         rs_s = np.concatenate([p.round_s for r in rs for p in r.peers])

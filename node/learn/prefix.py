@@ -35,6 +35,17 @@ from node.learn.choices import PREFIX_SHARING
 from node.learn.kvcache import is_full_attention_cache, left_padded
 from node.learn.policy import Sequence, completion_logprobs, token_logprobs
 
+__all__ = [
+    "PREFIX_SHARING",
+    "Unit",
+    "token_budget",
+    "plan_units",
+    "split_completions",
+    "SharedPrefix",
+    "micro_batches",
+    "supports_prefix_sharing",
+]
+
 log = logging.getLogger(__name__)
 
 

@@ -31,7 +31,8 @@ class NodeConfig:
     # model and tasks
     model: str = opt("default", "HF model id, local dir, .gguf file, 'default' (embedded SmolLM2-135M-Instruct) "
                                 "or 'tiny-random' / 'tiny-random-smol'")
-    tasks: str = opt("paper", "task mix: a preset (paper, cpu-learn, cpu-easy, smoke) or comma-separated reasoning-gym datasets")
+    tasks: str = opt("paper", "task mix: a preset (paper, cpu-learn, cpu-easy, smoke) "
+                              "or comma-separated reasoning-gym datasets")
     device: str = opt("auto", "auto, cpu, cuda, cuda:N")
     recipe: str = opt("auto", "defaults for what no flag, variable or file sets: cpu (the CPU recipe: cpu-learn, "
                               "LoRA rank 8, its learning rate, 2/2), none (the paper's setup), auto (cpu on a CPU, "
@@ -100,7 +101,8 @@ class NodeConfig:
     client_mode: bool = opt(False, "DHT client mode (behind NAT: not dialable)")
     swarm_start: bool = opt(False, "start a new swarm with no --peers (first peer) instead of running in silo")
     window: int = opt(2, "W: rounds behind a peer's newest batch still accepted from it")
-    fetch_max: int = opt(16, "K: batches fetched per round at most; most go to publishers proven useful, >= K/4 explore")
+    fetch_max: int = opt(16, "K: batches fetched per round at most; most go to publishers proven useful, "
+                             ">= K/4 explore")
     pow_difficulty: int = opt(20, "swarm-wide proof-of-work bits on every peer key (all peers must agree)")
     identity_tier: int = opt(1, "work tier of this node's own key: 4 bits above --pow-difficulty per tier (16x the "
                                 "mint each, once: ~16 s at tier 1 and 20 bits); peers try never-tried keys of "
@@ -271,7 +273,8 @@ def build_parser(prog: str = "sapo-node") -> argparse.ArgumentParser:
         if f.type in ("list", list):
             text = f"{f.metadata.get('help', '')} [{env}]"
         else:
-            text = f"{f.metadata.get('help', '')} [{env}; default {default if f.type in ('bool', bool) else repr(default)}]"
+            shown = default if f.type in ("bool", bool) else repr(default)
+            text = f"{f.metadata.get('help', '')} [{env}; default {shown}]"
         text = text.replace("%", "%%")  # argparse %-formats help: a bare "6%" made --help crash
         if f.type in ("bool", bool):
             parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, help=text)

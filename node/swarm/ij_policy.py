@@ -110,7 +110,8 @@ class RoundObservation:
     """What one training round produced, as seen by the I/J controller."""
 
     round: int
-    reward_mean: float  # mean reward of this round's local groups (all G completions of the I local tasks); NaN if I = 0
+    # mean reward of this round's local groups (all G completions of the I local tasks); NaN if I = 0
+    reward_mean: float
     num_local: int  # local groups actually used in training
     num_external: int  # external groups actually used in training
     external_available: int  # verified external groups with nonzero advantage that were available

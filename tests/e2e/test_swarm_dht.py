@@ -178,7 +178,8 @@ async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
         assert honest.alive()
 
         def batch(r: int, groups: list[WireGroup], created_at: float | None = None) -> bytes:
-            return encode_signed(RolloutBatch(WIRE_VERSION, swarm, r, ev, created_at or time.time(), "evil", groups), me)
+            return encode_signed(RolloutBatch(WIRE_VERSION, swarm, r, ev, created_at or time.time(), "evil", groups),
+                                 me)
 
         # --- refused at the DHT layer: never stored by any honest peer, never reach a node ----------------
         good = batch(1, [smoke_group(11)])

@@ -189,8 +189,8 @@ def test_fallback_names_adaptive_drops_and_single_seed(tmp_path, capsys):
         d.mkdir(parents=True)
         d.joinpath("metrics.jsonl").write_text(
             "\n".join(
-                json.dumps({"round": t + 1, "reward_mean": r, "num_local": 8 - j, "num_external": j if cfg != "silo" else 0,
-                            "target_external": j})
+                json.dumps({"round": t + 1, "reward_mean": r, "num_local": 8 - j,
+                            "num_external": j if cfg != "silo" else 0, "target_external": j})
                 for t, (j, r) in enumerate(zip(js, rewards))
             )
         )
@@ -220,7 +220,8 @@ def test_no_metrics_and_all_corrupt(tmp_path, capsys):
     assert main([str(tmp_path / "empty"), "--out", str(tmp_path / "o")]) == 2
     d = tmp_path / "bad" / "c" / "seed0" / "peer0"
     d.mkdir(parents=True)
-    d.joinpath("metrics.jsonl").write_text('[1, 2]\n{"round": "x", "reward_mean": 1}\n{"round": true, "reward_mean": 1}\n')
+    d.joinpath("metrics.jsonl").write_text('[1, 2]\n{"round": "x", "reward_mean": 1}\n'
+                                           '{"round": true, "reward_mean": 1}\n')
     assert main([str(tmp_path / "bad")]) == 2
     assert "3 corrupt" in capsys.readouterr().err
 
@@ -328,7 +329,8 @@ def test_held_out_plot_draws_the_constant_answer_baseline(tmp_path, monkeypatch)
 
     drawn = []
     real = Axes.axhline
-    monkeypatch.setattr(Axes, "axhline", lambda ax, y=0, *a, **k: drawn.append((y, k.get("label"))) or real(ax, y, *a, **k))
+    monkeypatch.setattr(Axes, "axhline",
+                        lambda ax, y=0, *a, **k: drawn.append((y, k.get("label"))) or real(ax, y, *a, **k))
     runs = load_runs([write_local_swarm(tmp_path / "ls")])
     figures.fig_learning_health(runs, summarize(runs), tmp_path / "h.png")
     assert (0.5625, "constant-answer baseline 0.562") in drawn

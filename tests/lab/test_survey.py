@@ -69,10 +69,14 @@ def test_stages_follow_the_screens():
     plan = {s: {(c.dataset, c.level, c.fmt, c.n_tasks) for c in stage_cells(s, names, records, 64, 1.0)}
             for s in ("screen", "full", "harder", "rescreen", "harder-screen")}
     assert plan["screen"] == {(n, "easiest", "direct", SCREEN_TASKS) for n in names}
-    assert plan["full"] == {(n, "easiest", f, 64) for n in ("basic_arithmetic", "chain_sum") for f in ("direct", "reason")}
-    assert plan["harder"] == {(n, "harder", f, 64) for n in ("basic_arithmetic", "chain_sum") for f in ("direct", "reason")}
-    assert plan["rescreen"] == {("chain_sum", "easiest", "reason", SCREEN_TASKS), ("gcd", "easiest", "reason", SCREEN_TASKS)}
-    assert plan["harder-screen"] == {("gcd", "harder", "direct", SCREEN_TASKS), ("lcm", "harder", "direct", SCREEN_TASKS)}
+    assert plan["full"] == {(n, "easiest", f, 64)
+                            for n in ("basic_arithmetic", "chain_sum") for f in ("direct", "reason")}
+    assert plan["harder"] == {(n, "harder", f, 64)
+                              for n in ("basic_arithmetic", "chain_sum") for f in ("direct", "reason")}
+    assert plan["rescreen"] == {("chain_sum", "easiest", "reason", SCREEN_TASKS),
+                                ("gcd", "easiest", "reason", SCREEN_TASKS)}
+    assert plan["harder-screen"] == {("gcd", "harder", "direct", SCREEN_TASKS),
+                                     ("lcm", "harder", "direct", SCREEN_TASKS)}
 
 
 def test_easiest_config_shrinks_ranges_generically():
@@ -110,4 +114,5 @@ def test_survey_samples_through_the_llama_engine_and_says_so(tmp_path):
         engine.close()
     assert runs[0]["engine"] == "llama" and 0 <= runs[0]["pass2"] <= 1 and runs[0]["median_tokens"] > 0
     timings = {"s_per_task", "greedy_s"}
-    assert {k: v for k, v in runs[0].items() if k not in timings} == {k: v for k, v in runs[1].items() if k not in timings}
+    assert ({k: v for k, v in runs[0].items() if k not in timings}
+            == {k: v for k, v in runs[1].items() if k not in timings})

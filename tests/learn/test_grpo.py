@@ -57,8 +57,8 @@ def test_loss_and_gradients_match_reference(loss_type, beta):
     loss, stats = grpo_loss(x, old, adv, mask, 0.2, 0.28, loss_type, beta, ref if beta else None, max_len)
     loss.backward()
 
-    L, O, R = logp.tolist(), old.tolist(), ref.tolist()
-    expected = reference_loss(L, O, adv.tolist(), lengths, 0.2, 0.28, loss_type, max_len, beta, R)
+    L, OLD, R = logp.tolist(), old.tolist(), ref.tolist()
+    expected = reference_loss(L, OLD, adv.tolist(), lengths, 0.2, 0.28, loss_type, max_len, beta, R)
     assert loss.item() == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
     # finite-difference gradients on every real token; padding gets exactly zero gradient
@@ -69,8 +69,8 @@ def test_loss_and_gradients_match_reference(loss_type, beta):
             dn = [row[:] for row in L]
             up[i][t] += h
             dn[i][t] -= h
-            fd = (reference_loss(up, O, adv.tolist(), lengths, 0.2, 0.28, loss_type, max_len, beta, R)
-                  - reference_loss(dn, O, adv.tolist(), lengths, 0.2, 0.28, loss_type, max_len, beta, R)) / (2 * h)
+            fd = (reference_loss(up, OLD, adv.tolist(), lengths, 0.2, 0.28, loss_type, max_len, beta, R)
+                  - reference_loss(dn, OLD, adv.tolist(), lengths, 0.2, 0.28, loss_type, max_len, beta, R)) / (2 * h)
             assert x.grad[i, t].item() == pytest.approx(fd, rel=1e-5, abs=1e-8)
     assert torch.all(x.grad[~mask.bool()] == 0)
     assert 0.0 < stats.clip_frac < 1.0

@@ -15,7 +15,8 @@ def test_definition_of_collapse():
 
 def test_best_evaluation_is_the_restore_point_and_a_collapse_from_it_restores():
     g = CollapseGuard()
-    assert g.judge(ev(0, 0.15, distinct=0.13)).action == "snapshot"  # the base model: collapsed, but nothing to fall from
+    # the base model: collapsed, but nothing to fall from
+    assert g.judge(ev(0, 0.15, distinct=0.13)).action == "snapshot"
     assert g.judge(ev(10, 0.40)).action == "snapshot"
     assert g.judge(ev(20, 0.35)).action == "keep"  # worse, but still answering
     v = g.judge(ev(30, 0.11, distinct=0.05))

@@ -11,9 +11,11 @@ NO_RECIPE = {"SAPO_RECIPE": "none"}  # the built-in defaults, without the CPU re
 def test_lora_scales_the_default_learning_rate_only_when_none_is_given(tmp_path):
     full = load_config([], env=NO_RECIPE)
     assert full.lora_rank == 0 and full.lr == 1e-6
-    assert load_config(["--lora-rank", "8"], env=NO_RECIPE).lr == 1e-5 == default_lr(8) == pytest.approx(full.lr * LORA_LR_SCALE)
+    assert (load_config(["--lora-rank", "8"], env=NO_RECIPE).lr == 1e-5 == default_lr(8)
+            == pytest.approx(full.lr * LORA_LR_SCALE))
     assert load_config(["--lora-rank", "8", "--lr", "3e-6"], env=NO_RECIPE).lr == 3e-6  # explicit flag wins
-    assert load_config([], env={**NO_RECIPE, "SAPO_LORA_RANK": "1", "SAPO_LR": "2e-6"}).lr == 2e-6  # env counts as explicit
+    # env counts as explicit
+    assert load_config([], env={**NO_RECIPE, "SAPO_LORA_RANK": "1", "SAPO_LR": "2e-6"}).lr == 2e-6
     toml = tmp_path / "node.toml"
     toml.write_text("lora_rank = 4\nlr = 5e-7\n")
     assert load_config(["--config", str(toml)], env=NO_RECIPE).lr == 5e-7  # so does the config file

@@ -43,7 +43,8 @@ def test_identity_tiers_are_the_ones_proof_of_work_knows():
 
     assert load_config([], env={}).identity_tier == 1
     for tier in range(MAX_TIER + 1):
-        assert load_config(["--identity-tier", str(tier), "--pow-difficulty", str(MAX_POW_DIFFICULTY - TIER_BITS * tier)],
+        assert load_config(["--identity-tier", str(tier),
+                            "--pow-difficulty", str(MAX_POW_DIFFICULTY - TIER_BITS * tier)],
                            env={}).identity_tier == tier
     for args in (["--identity-tier", str(MAX_TIER + 1)],
                  ["--identity-tier", "1", "--pow-difficulty", str(MAX_POW_DIFFICULTY - TIER_BITS + 1)]):

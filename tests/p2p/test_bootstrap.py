@@ -92,7 +92,8 @@ async def test_bootstrap_lifecycle(tmp_path):
         await asyncio.gather(a.start(), b.start())
         try:
             ident = a.identity
-            data = encode_signed(RolloutBatch(WIRE_VERSION, "btest", 4, ident.public_key_bytes, time.time(), "m", []), ident)
+            data = encode_signed(RolloutBatch(WIRE_VERSION, "btest", 4, ident.public_key_bytes, time.time(), "m", []),
+                                 ident)
             assert await a.publish(4, data)
             assert [(r.publisher, r.round) for r in await b.fetch()] == [(a.identity.public_key_bytes, 4)]
             snap = await wait_for_status(url, proc, min_peers=2)

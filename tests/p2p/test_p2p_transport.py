@@ -41,7 +41,8 @@ def config(tmp: Path, name: str, peers: list[str] | None = None, **kw) -> Transp
 
 def batch(ident: Identity, rnd: int, text: str = "answer") -> bytes:
     group = WireGroup(TaskSpecWire("basic_arithmetic", {"max_terms": 3}, 5, rnd), [text, text + "!"], [1.0, 0.0])
-    return encode_signed(RolloutBatch(WIRE_VERSION, SWARM, rnd, ident.public_key_bytes, time.time(), "m", [group]), ident)
+    return encode_signed(RolloutBatch(WIRE_VERSION, SWARM, rnd, ident.public_key_bytes, time.time(), "m", [group]),
+                         ident)
 
 
 async def started(cfg: TransportConfig) -> SwarmTransport:
@@ -200,7 +201,8 @@ async def test_owner_protection_against_a_malicious_peer(tmp_path):
 
         # positive control: Mallory's own, validly signed record does reach the honest peers
         mk = owner_subkey(mallory_id.public_key_bytes)
-        assert mallory.store(batch_key(SWARM, mallory_id.public_key_bytes, 5), batch(mallory_id, 5), get_dht_time() + 60, subkey=mk)
+        assert mallory.store(batch_key(SWARM, mallory_id.public_key_bytes, 5), batch(mallory_id, 5),
+                             get_dht_time() + 60, subkey=mk)
 
         # the honest peers' stored records are unchanged
         for peer in (honest, witness):

@@ -27,7 +27,8 @@ def presence_key_of(owner: Identity) -> str:
 
 def batch_bytes(ident: Identity, rnd: int = 3, swarm: str = SWARM) -> bytes:
     group = WireGroup(TaskSpecWire("bf", {}, 1, 0), ["a", "b"], [1.0, 0.0])
-    return encode_signed(RolloutBatch(WIRE_VERSION, swarm, rnd, ident.public_key_bytes, time.time(), "m", [group]), ident)
+    return encode_signed(RolloutBatch(WIRE_VERSION, swarm, rnd, ident.public_key_bytes, time.time(), "m", [group]),
+                         ident)
 
 
 def record(key: str, owner: Identity, envelope: bytes, exp: float | None = None) -> DHTRecord:
@@ -99,7 +100,8 @@ def test_envelope_must_be_by_owner_and_well_placed():
     other = batch_bytes(MALLORY, 3, swarm="other")
     assert mv.check(signed(mv, record(round_key(SWARM, 3, MALLORY), MALLORY, other))) == "payload is for another swarm"
     pres = encode_presence(PresenceRecord(WIRE_VERSION, SWARM, MALLORY.public_key_bytes, 3, time.time()), MALLORY)
-    assert mv.check(signed(mv, record(round_key(SWARM, 3, MALLORY), MALLORY, pres))) == "presence record under a wrong key"
+    assert (mv.check(signed(mv, record(round_key(SWARM, 3, MALLORY), MALLORY, pres)))
+            == "presence record under a wrong key")
 
 
 def test_foreign_records_rejected():

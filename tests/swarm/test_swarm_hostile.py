@@ -346,7 +346,6 @@ async def test_a_newcomer_with_more_work_is_met_before_a_crowd_of_fresh_cheaper_
         assert all(await store_all(attacker, items))
         me = newcomer.identity.public_key_bytes
         shards = tier_shards(DEFAULT_PRESENCE_SHARDS, 1)
-        step = shards // TIER_SCAN_ROUNDS
         reader.sampler.scan_at[1] = (presence_shard(me, shards) + 1) % shards  # its shard comes last in the cycle
         bandit = PublisherBandit(rng=random.Random(0))
         met = None
@@ -385,7 +384,8 @@ async def test_presence_records_are_small_and_in_their_own_shard(tmp_path):
         own = presence_shard(evil_id.public_key_bytes, DEFAULT_PRESENCE_SHARDS)
         wrong_shard = presence_key(swarm, (own + 1) % DEFAULT_PRESENCE_SHARDS)
         stored = await store_all(evil, [(shard_key(swarm, evil_id), sub, padded, exp),
-                                        (shard_key(swarm, evil_id), sub, small_pad, exp), (wrong_shard, sub, pres, exp)])
+                                        (shard_key(swarm, evil_id), sub, small_pad, exp),
+                                        (wrong_shard, sub, pres, exp)])
         assert stored == [False, False, False]
         # the presence shard of the honest publisher still answers, and the honest batch is fetched
         got = await honest.fetch()
