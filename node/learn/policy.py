@@ -99,7 +99,7 @@ def _contiguous_lm_head_input(model: torch.nn.Module) -> None:
     One small copy first."""
     head = model.get_output_embeddings()
     if head is not None:
-        head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]))
+        head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]) if args else None)
 
 
 def _keep_converted(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
