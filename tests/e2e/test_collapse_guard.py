@@ -9,6 +9,8 @@ import pytest
 from conftest import run_node
 from node.learn.guard import EvalSummary, collapsed
 
+pytestmark = pytest.mark.timeout(600)
+
 ARGS = ["--model", "default", "--tasks", "cpu-learn", "--lora-rank", "8", "--generations", "4", "--num-local", "2",
         "--num-external", "0", "--max-new-tokens", "8", "--seed", "3", "--lr", "5e-2", "--guard-lr-factor", "0.1",
         "--eval-every", "1", "--eval-size", "16", "--eval-unseen-size", "8", "--rounds", "5", "--rollout-engine",
