@@ -187,7 +187,7 @@ class SapoNode:
         if self.held_out.due(r) and not self.stop_requested:
             await self._evaluate(r, timer, record)
             await self._guard(r, record)
-        record.update(lr=self.trainer.optimizer.param_groups[0]["lr"], guard_restores=self.guard.state.restores)
+        record.update(lr=self.trainer.lr, guard_restores=self.guard.state.restores)
         self._keep(record, selection)
         return RoundResult(r, record)
 
@@ -227,7 +227,7 @@ class SapoNode:
             record.update(guard_reason=verdict.reason, guard_restored_to=verdict.restored_to)
             self.live.last_guard = {"round": r, "reason": verdict.reason, "restored_to": verdict.restored_to}
             log.warning("collapse guard: %s; restored the weights of round %d, learning rate now %.3g",
-                        verdict.reason, verdict.restored_to, self.trainer.optimizer.param_groups[0]["lr"])
+                        verdict.reason, verdict.restored_to, self.trainer.lr)
 
     def _keep(self, record: dict, selection: Selection) -> None:
         """The finished round into the I/J policy, metrics.jsonl, TensorBoard, the live history and node.log."""

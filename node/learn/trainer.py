@@ -113,6 +113,11 @@ class Trainer:
             for s, row, m in zip(chunk, logp, mask):
                 s.old_logp = row[: int(m.sum())].tolist()
 
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step uses."""
+        return self.optimizer.param_groups[0]["lr"]
+
     def set_lr(self, lr: float) -> None:
         """A new learning rate from the next optimizer step on (the collapse guard lowers it)."""
         for group in self.optimizer.param_groups:
