@@ -61,7 +61,7 @@ def test_table_shows_each_peers_last_evaluation(tmp_path):
         v.poll()
     lines = format_table(views).splitlines()
     assert "held-out (const)" in lines[0] and "unseen (const)" in lines[0]
-    assert "0.375 (const 0.125) @0" in lines[2] and lines[2].split()[1] == "1"  # last round 1, eval of round 0
+    assert "0.375 (const 0.125) @0" in lines[2] and lines[2].split()[2] == "1"  # last round 1, eval of round 0
     assert "0.062 (const 0.188) @0" in lines[3]
     assert "unseen" not in format_table(views[:1])  # no peer with an unseen set: no such column
 
