@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +26,7 @@ import orjson
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from node.lab.cells import Cell, part_of, run_cells  # noqa: E402
 from node.learn.guard import EvalSummary, collapsed  # noqa: E402
 
 
@@ -54,35 +53,13 @@ def cell_command(s: Setting, seed: int, out: Path, engine: str) -> list[str]:
             f"--node-arg=--rollout-engine={engine}"]
 
 
-def copy_cell(run_dir: Path, dest: Path) -> int:
-    """run.json and each peer's metrics.jsonl of a finished cell; returns the number of peers copied."""
-    dest.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(run_dir / "run.json", dest / "run.json")
-    peers = sorted(p for p in run_dir.glob("peer*") if (p / "metrics.jsonl").exists())
-    for peer in peers:
-        (dest / peer.name).mkdir(exist_ok=True)
-        shutil.copy2(peer / "metrics.jsonl", dest / peer.name / "metrics.jsonl")
-    return len(peers)
-
-
-def run(args: argparse.Namespace) -> int:
-    index, parts = (int(x) for x in args.part.split("/"))
+def cells(args: argparse.Namespace) -> list[Cell]:
     grid = [s for s in GRID if not args.settings or s.name in args.settings]
-    cells = [(s, seed) for s in grid for seed in args.seeds][index::parts]
-    for s, seed in cells:
-        out = Path(args.runs) / s.name
-        dest = Path(args.data) / s.name / CONFIG.replace("/", "-") / f"seed{seed}"
-        if (dest / "run.json").exists():
-            print(f"[sweep] {s.name} seed {seed}: committed already", flush=True)
-            continue
-        print(f"[sweep] {s.name} seed {seed}: running", flush=True)
-        rc = subprocess.call(cell_command(s, seed, out, args.engine), cwd=REPO)
-        if rc != 0:
-            print(f"[sweep] {s.name} seed {seed}: sapo-experiment exited {rc}; stopping", flush=True)
-            return rc
-        peers = copy_cell(out / CONFIG.replace("/", "-") / f"seed{seed}", dest)
-        print(f"[sweep] {s.name} seed {seed}: finished, {peers} peers copied to {dest}", flush=True)
-    return 0
+    seed_dir = CONFIG.replace("/", "-")
+    return part_of([Cell(f"{s.name} seed {seed}", cell_command(s, seed, Path(args.runs) / s.name, args.engine),
+                         Path(args.runs) / s.name / seed_dir / f"seed{seed}",
+                         Path(args.data) / s.name / seed_dir / f"seed{seed}")
+                    for s in grid for seed in args.seeds], args.part)
 
 
 def final_eval(metrics: Path) -> EvalSummary | None:
@@ -154,7 +131,7 @@ def main() -> int:
     s.add_argument("--data", default=str(REPO / "docs/data/recipe-sweep"))
     s.add_argument("--json", default=None)
     args = parser.parse_args()
-    return run(args) if args.cmd == "run" else summarize(args)
+    return run_cells(cells(args), REPO, "sweep") if args.cmd == "run" else summarize(args)
 
 
 if __name__ == "__main__":

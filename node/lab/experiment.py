@@ -13,6 +13,11 @@ Later rounds agree only up to the floating-point non-determinism of multi-thread
 flipped sampled token lets runs drift apart). Sampling, signing, verification and training code are
 the same in both modes. With `--lora-rank`, memory-mode peers share one frozen base model in memory,
 each training its own named adapter on it (node/learn/lora.py): the base is held once, not once per peer.
+
+Peers need not be alike: `--models m0,m1,...` gives each peer its own model (a mixed swarm; memory mode
+loads each distinct model once, one shared base per model), and `--peer-arg P:FLAG` gives peer P a flag of
+its own after the common ones, e.g. `--peer-arg 1:--lora-init=RUN_DIR` starts peer 1 from a trained
+adapter (a veteran beside fresh peers).
 """
 
 from __future__ import annotations
@@ -24,84 +29,22 @@ import json
 import logging
 import os
 import platform
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 
 from node import __version__
 from node.cli import REPEAT_WINDOW_S
+from node.lab.runspec import PRESETS, RunSpec, parse_peer_args, slug
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.ops.config import default_lr
 
 log = logging.getLogger("sapo.experiment")
-
-
-@dataclass
-class Preset:
-    peers: int
-    num_local: int
-    num_external: int
-    generations: int = 8
-    ij_policy: str = "fixed"
-
-
-PRESETS: dict[str, Preset] = {
-    # the paper's table: 8 peers, I + J = 8, G = 8
-    "8/0": Preset(8, 8, 0), "6/2": Preset(8, 6, 2), "4/4": Preset(8, 4, 4), "2/6": Preset(8, 2, 6),
-    # single-GPU (or CPU) variants: 5 peers, I + J = 4
-    "4/0": Preset(5, 4, 0), "3/1": Preset(5, 3, 1), "2/2": Preset(5, 2, 2), "1/3": Preset(5, 1, 3),
-    # adaptive split, I + J = 4, starting at 2/2
-    "ema": Preset(5, 2, 2, ij_policy="ema"), "usefulness": Preset(5, 2, 2, ij_policy="usefulness"),
-}
-
-
-@dataclass
-class RunSpec:
-    config_name: str
-    seed: int
-    peers: int
-    num_local: int
-    num_external: int
-    generations: int
-    ij_policy: str
-    rounds: int
-    model: str
-    tasks: str
-    max_new_tokens: int
-    lr: float
-    mode: str
-    threads: int
-    extra_args: list[str] = field(default_factory=list)
-    eval_every: int = 10  # held-out evaluation cadence and size, passed to every peer
-    eval_size: int = 64
-    lora_rank: int = 0  # > 0: every peer trains a LoRA adapter (memory mode: all on one shared base)
-    lora_alpha: float = 32.0
-
-    def peer_seed(self, p: int) -> int:
-        return 1000 * self.seed + p
-
-    def node_args(self, p: int, run_dir: Path) -> list[str]:
-        args = ["--model", self.model, "--tasks", self.tasks, "--num-local", str(self.num_local),
-                "--num-external", str(self.num_external), "--generations", str(self.generations),
-                "--ij-policy", self.ij_policy, "--rounds", str(self.rounds), "--seed", str(self.peer_seed(p)),
-                "--lr", str(self.lr), "--run-dir", str(run_dir), "--name", f"peer{p}",
-                "--threads", str(self.threads), "--eval-every", str(self.eval_every),
-                "--eval-size", str(self.eval_size)]
-        if self.max_new_tokens:
-            args += ["--max-new-tokens", str(self.max_new_tokens)]
-        if self.lora_rank:
-            args += ["--lora-rank", str(self.lora_rank), "--lora-alpha", str(self.lora_alpha)]
-        return args + list(self.extra_args)
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name.replace("/", "-"))
 
 
 def provenance() -> dict:
@@ -179,8 +122,11 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
     device = pick_device("auto")
     setup_logging(root, "INFO", spec.config_name)
     mix = resolve_mix(spec.tasks)
-    base_model, tokenizer = load_model(spec.model, device)
-    shared = LoraBase(base_model, LoraSettings(spec.lora_rank, spec.lora_alpha)) if spec.lora_rank else None
+    loaded = {}  # model name -> (base model, tokenizer, shared LoRA base or None): each model once
+    for name in dict.fromkeys(spec.model_of(p) for p in range(spec.peers)):
+        model, tokenizer = load_model(name, device)
+        loaded[name] = (model, tokenizer, LoraBase(model, LoraSettings(spec.lora_rank, spec.lora_alpha))
+                        if spec.lora_rank else None)
     board = MemoryBoard()
     nodes = []
     for p in range(spec.peers):
@@ -189,19 +135,22 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
         cfg = load_config(spec.node_args(p, peer_dir) + ["--swarm", f"exp-{slug(spec.config_name)}"]
                           + (["--resume"] if resume else []), env={})
         identity = Identity.load_or_create(peer_dir / KEY_FILENAME, create=True, pow_difficulty=cfg.pow_difficulty)
-        exchange = MemoryExchange(board, identity, mix, verify_config(cfg), spec.model)
+        base_model, tokenizer, shared = loaded[spec.model_of(p)]
+        exchange = MemoryExchange(board, identity, mix, verify_config(cfg), spec.model_of(p))
         if shared is not None:  # one base in memory; this peer's own adapter (and optimizer) on it
-            adapter = shared.adapter(f"peer{p}", seed=cfg.seed)
+            adapter = shared.adapter(f"peer{p}", seed=cfg.seed)  # --lora-init loads into it when the node opens
             node = build_node(cfg, mix, adapter.model, tokenizer, exchange, device, stop=Stop.node_stop,
                               adapter=adapter)
         else:
             node = build_node(cfg, mix, copy.deepcopy(base_model), tokenizer, exchange, device, stop=Stop.node_stop)
         await node.open()
         nodes.append(node)
-    if shared is not None:
-        log.info("%d peers share one base model, each with its own rank-%d LoRA adapter (%d trainable parameters)",
-                 len(nodes), spec.lora_rank, nodes[0].adapter.num_parameters())
-    del base_model, shared
+    if spec.lora_rank:
+        for name in loaded:
+            on_it = [n for p, n in enumerate(nodes) if spec.model_of(p) == name]
+            log.info("%d peers share one base model, each with its own rank-%d LoRA adapter (%d trainable "
+                     "parameters; %s)", len(on_it), spec.lora_rank, on_it[0].adapter.num_parameters(), name)
+    del loaded
     try:
         while any(n.pending for n in nodes) and not Stop.node_stop.is_set():
             for node in nodes:  # round-robin: the same interleaving every time
@@ -285,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peers", type=int, default=0, help="override the preset's peer count")
     ap.add_argument("--generations", type=int, default=0, help="override the preset's G")
     ap.add_argument("--model", default="default")
+    ap.add_argument("--models", default="", help="one model per peer, comma-separated (a mixed swarm): overrides "
+                    "--model and sets the peer count to the list's length")
     ap.add_argument("--tasks", default="cpu-easy")
     ap.add_argument("--max-new-tokens", type=int, default=0)
     ap.add_argument("--lr", type=float, default=None,
@@ -299,7 +250,22 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every N rounds (0 = off)")
     ap.add_argument("--eval-size", type=int, default=64, help="tasks in the held-out evaluation set")
     ap.add_argument("--node-arg", action="append", default=[], help="extra sapo-node flag (repeatable)")
+    ap.add_argument("--peer-arg", action="append", default=[], metavar="P:FLAG",
+                    help="a sapo-node flag for peer P only, after the common ones so that it wins (repeatable), "
+                    "e.g. 1:--lora-init=RUN_DIR")
     return ap
+
+
+def peer_plan(args: argparse.Namespace) -> tuple[dict[str, int], list[str], dict[str, dict[int, list[str]]]]:
+    """(peers per configuration, per-peer models, per-peer flags per configuration) from the CLI; ValueError
+    with the message to print. Checked for every configuration before any run starts."""
+    models = [m.strip() for m in args.models.split(",")] if args.models else []
+    if any(not m for m in models):
+        raise ValueError(f"--models {args.models!r}: an empty model name")
+    if models and args.peers and args.peers != len(models):
+        raise ValueError(f"--models names {len(models)} models but --peers is {args.peers}; give one model per peer")
+    peers = {name: len(models) or args.peers or PRESETS[name].peers for name in args.configs}
+    return peers, models, {name: parse_peer_args(args.peer_arg, n) for name, n in peers.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,6 +277,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.rounds < 1 or not args.seeds or args.lora_rank < 0:
         print("sapo-experiment: error: --rounds must be >= 1, --seeds non-empty and --lora-rank >= 0", file=sys.stderr)
+        return 2
+    try:
+        peer_counts, models, peer_args = peer_plan(args)
+    except ValueError as exc:
+        print(f"sapo-experiment: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     exp = Path(args.out)
@@ -332,16 +303,18 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     for name in args.configs:
         preset = PRESETS[name]
-        peers = args.peers or preset.peers
+        peers = peer_counts[name]
         threads = args.threads or max(1, (os.cpu_count() or 1) // (1 if args.mode == "memory" else peers))
         for seed in args.seeds:
             spec = RunSpec(config_name=name, seed=seed, peers=peers, num_local=preset.num_local,
                            num_external=preset.num_external, generations=args.generations or preset.generations,
-                           ij_policy=preset.ij_policy, rounds=args.rounds, model=args.model, tasks=args.tasks,
+                           ij_policy=preset.ij_policy, rounds=args.rounds,
+                           model=args.model if not models else models[0] if len(set(models)) == 1 else "mixed",
+                           tasks=args.tasks,
                            max_new_tokens=args.max_new_tokens, lr=args.lr or default_lr(args.lora_rank),
                            mode=args.mode, threads=threads, extra_args=list(args.node_arg),
                            eval_every=args.eval_every, eval_size=args.eval_size, lora_rank=args.lora_rank,
-                           lora_alpha=args.lora_alpha)
+                           lora_alpha=args.lora_alpha, models=models, peer_args=peer_args[name])
             root = run_dir_of(exp, spec)
             root.mkdir(parents=True, exist_ok=True)
             if is_complete(root / "run.json"):

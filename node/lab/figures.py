@@ -9,7 +9,8 @@ from typing import Sequence
 import numpy as np
 
 from node.lab.runs import Run
-from node.lab.stats import align_series, moving_average, nanmean_rows
+from node.lab.stats import align_series, eval_curve, moving_average, nanmean_rows
+from node.lab.views import peer_model, restrict
 
 
 def _figure(w: float, h: float):
@@ -190,12 +191,27 @@ def fig_j_trajectory(runs: Sequence[Run], summary: dict, path: Path) -> bool:
 
 
 
+def plot_seed_band(ax, runs: Sequence[Run], color, label: str, attr: str = "eval_acc", style: str = "-",
+                   band: bool = True) -> bool:
+    """The mean over runs (seeds) of each run's held-out curve (the mean over its agents), with the min/max
+    band over seeds; False when none evaluated."""
+    curves = [c for c in (eval_curve(r, attr) for r in runs) if c[1].size]
+    if not curves:
+        return False
+    rounds = np.unique(np.concatenate([x for x, _ in curves]))
+    mat = np.full((len(curves), rounds.size), np.nan)
+    for j, (x, y) in enumerate(curves):
+        mat[j, np.searchsorted(rounds, x)] = y
+    ax.plot(rounds, nanmean_rows(mat), color=color, lw=2, ls=style, marker="o", ms=3, label=label)
+    if band:
+        ax.fill_between(rounds, np.nanmin(mat, axis=0), np.nanmax(mat, axis=0), color=color, alpha=0.15, lw=0)
+    return True
+
+
 def fig_learning_health(runs: Sequence[Run], summary: dict, path: Path) -> None:
     """Held-out accuracy per config (mean over seeds of the swarm mean, band = min/max over seeds; the unseen
     set's dashed where the mix has one), and the collapse signs: share of groups with signal and token
     entropy (moving averages, mean over agents)."""
-    from node.lab.stats import eval_curve
-
     configs = summary["configs"]
     w = summary["window"]
     by = _by_cfg(runs, configs)
@@ -204,16 +220,7 @@ def fig_learning_health(runs: Sequence[Run], summary: dict, path: Path) -> None:
     cols = _colors(len(configs))
     for i, cfg in enumerate(configs):
         for attr, style, label in (("eval_acc", "-", cfg), ("unseen_acc", "--", f"{cfg}, unseen")):
-            curves = [eval_curve(r, attr) for r in by[cfg]]
-            curves = [(x, y) for x, y in curves if y.size]
-            if curves:
-                rounds = np.unique(np.concatenate([x for x, _ in curves]))
-                mat = np.full((len(curves), rounds.size), np.nan)
-                for j, (x, y) in enumerate(curves):
-                    mat[j, np.searchsorted(rounds, x)] = y
-                lo, hi = np.nanmin(mat, axis=0), np.nanmax(mat, axis=0)
-                axes[0].plot(rounds, nanmean_rows(mat), color=cols[i], lw=2, ls=style, marker="o", ms=3, label=label)
-                axes[0].fill_between(rounds, lo, hi, color=cols[i], alpha=0.15, lw=0)
+            plot_seed_band(axes[0], by[cfg], cols[i], label, attr, style)
         for ax, attr in ((axes[1], "signal_frac"), (axes[2], "entropy")):
             series = [p for r in by[cfg] for p in r.peers if getattr(p, attr).size]
             rounds, mat = align_series(series, attr)
@@ -272,3 +279,51 @@ def fig_paired_seeds(summary: dict, path: Path) -> bool:
     fig.tight_layout()
     fig.savefig(path)
     return True
+
+
+def _heldout_axes(ax, title: str, summary: dict) -> None:
+    base = summary.get("eval_baseline", math.nan)
+    if ax.lines and math.isfinite(base):
+        ax.axhline(base, color="grey", ls="--", lw=1.2, label=f"constant answer {base:.3f}")
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("round")
+    ax.set_ylabel("held-out accuracy (greedy)")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=8, loc="best")
+
+
+def fig_families(runs: Sequence[Run], summary: dict, path: Path) -> None:
+    """One panel per model family of a mixed swarm: the family's held-out curve per configuration (mean over
+    seeds of the mean over the family's peers; band = min/max over seeds)."""
+    families = summary["families"]["families"]
+    nr, nc = _grid(len(families))
+    fig = _figure(5.2 * nc, 3.8 * nr)
+    axes = fig.subplots(nr, nc, squeeze=False, sharey=True)
+    cols = _colors(len(summary["configs"]))
+    for k, fam in enumerate(families):
+        ax = axes[k // nc][k % nc]
+        mine = restrict(runs, lambda r, p: peer_model(r, p) == fam)
+        for cfg, color in zip(summary["configs"], cols):
+            plot_seed_band(ax, [r for r in mine if r.config == cfg], color, cfg)
+        _heldout_axes(ax, f"{fam}: band = min/max over seeds", summary)
+    for k in range(len(families), nr * nc):
+        axes[k // nc][k % nc].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def fig_focus(runs: Sequence[Run], summary: dict, path: Path) -> None:
+    """The focus peer's held-out curve per configuration (solid; band = min/max over seeds) against the mean
+    curve of the other peers of its runs, the veterans (dashed, same colour, no band)."""
+    peer = summary["focus"]["peer"]
+    fig = _figure(8, 4.8)
+    ax = fig.add_subplot(111)
+    for cfg, color in zip(summary["configs"], _colors(len(summary["configs"]))):
+        mine = [r for r in runs if r.config == cfg]
+        plot_seed_band(ax, restrict(mine, lambda r, p: p.peer == peer), color, f"{cfg}: {peer}")
+        plot_seed_band(ax, restrict(mine, lambda r, p: p.peer != peer), color, f"{cfg}: veterans (mean)", style="--",
+                       band=False)
+    _heldout_axes(ax, f"{peer} (band = min/max over seeds) against the veterans' mean", summary)
+    fig.tight_layout()
+    fig.savefig(path)

@@ -3,7 +3,7 @@
 Usage::
 
     sapo-report EXPERIMENT_DIR [EXPERIMENT_DIR ...] [--out DIR] [--threshold R] [--baseline NAME]
-                [--window 10] [--drop X] [--bootstrap 2000] [--boot-seed 0]
+                [--window 10] [--drop X] [--bootstrap 2000] [--boot-seed 0] [--focus-peer P]
 
 Input layout (discovered leniently): every ``metrics.jsonl`` below an experiment dir is one agent
 (peer) of one run.  A run is identified by the nearest ``run.json`` above the file (fields
@@ -49,6 +49,14 @@ Definitions (also written into the report):
   When present it is the report's first comparison; training reward stays as the second view.
   Lines that carry ``eval_unseen_accuracy`` (a task mix split by content) get the same for the
   unseen set, questions whose content training never draws.
+* per model family (when a run's peers ran different models: the ``model`` of their metrics lines, else
+  run.json's ``models``): the held-out measures over each family's peers only, each configuration paired
+  by seed with the baseline's same family; the permutation p-values are Holm-corrected across families.
+* focus peer (``--focus-peer P``: agent ``peer<P>``, e.g. a newcomer among veterans): the held-out measures
+  of that agent alone (area: trapezoids over its own evaluations / their span), paired by seed with the
+  same agent of the baseline; the other agents of its runs are the veterans, drawn as their mean curve.
+  Also the first evaluated round at which it reaches half of the veterans' mean accuracy at their first
+  evaluation (same seed; the run's round count when never).
 * collapse signs: ``signal_frac`` (share of groups with differing rewards; older runs:
   ``local_signal_frac``) and ``entropy_mean`` (token entropy of the samples), all rounds and the
   last quarter of each agent's rounds.
@@ -72,11 +80,23 @@ from node.lab.figures import (
     fig_learning_health,
     fig_paired_seeds,
     fig_ma_band,
+    fig_families,
+    fig_focus,
     fig_per_agent,
 )
 from node.lab.runs import PeerSeries, Run, load_runs
 from node.lab.stats import summarize
-from node.lab.tables import FIGURES, agents_table, console_table, heldout_section, num, pct
+from node.lab.tables import (
+    FIGURES,
+    agents_table,
+    console_table,
+    families_section,
+    focus_section,
+    heldout_section,
+    num,
+    pct,
+)
+from node.lab.views import family_summary, focus_name, focus_summary
 
 __all__ = [
     "PeerSeries",
@@ -109,6 +129,10 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
     has_adaptive = fig_j_trajectory(runs, summary, out / FIGURES["j_trajectory"])
     fig_learning_health(runs, summary, out / FIGURES["health"])
     fig_paired_seeds(summary, out / FIGURES["paired"])
+    if summary.get("families"):
+        fig_families(runs, summary, out / FIGURES["families"])
+    if summary.get("focus"):
+        fig_focus(runs, summary, out / FIGURES["focus"])
     (out / "summary.json").write_text(json.dumps(_jsonable(summary), indent=2, sort_keys=False))
 
     per = summary["per_config"]
@@ -146,6 +170,8 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
         )
     L.append("")
 
+    L += focus_section(summary)
+    L += families_section(summary)
     L += heldout_section(summary)
 
     L.append("## Cumulative reward" + (" (training reward, the second view)" if summary.get("has_eval") else "")
@@ -258,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--drop", type=float, default=None, help="steep-drop size X (default 0.1 × max observed MA)")
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default 2000)")
     ap.add_argument("--boot-seed", type=int, default=0, help="bootstrap RNG seed (default 0)")
+    ap.add_argument("--focus-peer", default=None, metavar="P",
+                    help="also compare agent peer<P> alone across configurations (a newcomer among veterans)")
     return ap
 
 
@@ -281,6 +309,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs, baseline=a.baseline, threshold=a.threshold, window=a.window, drop=a.drop,
             n_boot=a.bootstrap, boot_seed=a.boot_seed,
         )
+        summary["families"] = family_summary(runs, summary)
+        if a.focus_peer is not None:
+            summary["focus"] = focus_summary(runs, summary, focus_name(a.focus_peer))
     except ValueError as e:
         print(f"sapo-report: {e}", file=sys.stderr)
         return 2

@@ -40,6 +40,7 @@ class PeerSeries:
     eval_baseline: float = float("nan")  # constant-answer accuracy on the evaluation set (logged since v0.3)
     unseen_acc: np.ndarray = field(default_factory=lambda: np.array([]))  # the unseen set's (mixes split by content)
     unseen_baseline: float = float("nan")
+    model: str | None = None  # last "model" logged (peers of a mixed swarm run different ones)
 
 
 @dataclass
@@ -142,7 +143,8 @@ def _read_metrics(path: Path, peer: str) -> tuple[PeerSeries | None, int, int]:
     rounds = np.array(sorted(by_round), dtype=np.int64)
     recs = [by_round[int(r)] for r in rounds]
 
-    pol = next((o["ij_policy"] for o in reversed(recs) if isinstance(o.get("ij_policy"), str)), None)
+    def last_text(key: str) -> str | None:
+        return next((o[key] for o in reversed(recs) if isinstance(o.get(key), str) and o[key]), None)
 
     def col(key: str) -> np.ndarray:
         return np.array([_num(o.get(key)) for o in recs], dtype=float)
@@ -163,7 +165,8 @@ def _read_metrics(path: Path, peer: str) -> tuple[PeerSeries | None, int, int]:
             accepted=col("external_accepted"),
             rejected=col("external_rejected"),
             round_s=col("round_s"),
-            ij_policy=pol,
+            ij_policy=last_text("ij_policy"),
+            model=last_text("model"),
             eval_acc=col("eval_accuracy"),
             eval_baseline=largest("eval_baseline"),
             unseen_acc=col("eval_unseen_accuracy"),

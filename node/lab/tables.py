@@ -18,6 +18,8 @@ FIGURES = {
     "j_trajectory": "j_trajectory.png",
     "health": "heldout_and_collapse.png",
     "paired": "heldout_by_seed.png",
+    "families": "heldout_per_family.png",
+    "focus": "focus_peer.png",
 }
 
 
@@ -81,19 +83,19 @@ def heldout_section(summary: dict) -> list[str]:
     return L
 
 
-def heldout_table(summary: dict, prefix: str) -> list[str]:
+def heldout_table(summary: dict, prefix: str, figure: bool = True) -> list[str]:
     """Final and area accuracy per configuration of one evaluation set ("eval" or "unseen"), against the
     baseline configuration where there is one."""
     per = summary["per_config"]
     if summary["baseline"] is not None:
-        return heldout_comparison(summary, prefix)
+        return heldout_comparison(summary, prefix, figure)
     return md_table(["config", "final (mean ± std)", "area (mean ± std)"], [
         [c, f"{num(per[c][f'{prefix}_final_mean'], '.4f')} ± {num(per[c][f'{prefix}_final_std'], '.4f')}",
          f"{num(per[c][f'{prefix}_area_mean'], '.4f')} ± {num(per[c][f'{prefix}_area_std'], '.4f')}"]
         for c in summary["configs"]])
 
 
-def heldout_comparison(summary: dict, prefix: str = "eval") -> list[str]:
+def heldout_comparison(summary: dict, prefix: str = "eval", figure: bool = True) -> list[str]:
     """Held-out accuracy of each configuration against the baseline: %, CI, sign test, paired effect."""
     per, L = summary["per_config"], []
     L.append("| config | final (mean ± std) | vs baseline | 95% CI | seeds ahead (p) | area (mean ± std) "
@@ -119,7 +121,7 @@ def heldout_comparison(summary: dict, prefix: str = "eval") -> list[str]:
                       num(v.get("p_perm", math.nan), '.3f')] if v else ["baseline", "—", "—", "—"]
         L.append(f"| {c} | " + " | ".join(cells) + " |")
     L.append("")
-    if prefix == "eval":
+    if prefix == "eval" and figure:
         L.append(f"![held-out accuracy per seed, one line per seed]({FIGURES['paired']})\n")
     return L
 
@@ -146,7 +148,25 @@ def console_table(summary: dict) -> str:
         ci = "" if c == base else ("n/a" if not math.isfinite(lo) else f"[{lo:+.1f}%, {hi:+.1f}%]")
         vs = "baseline" if c == base else pct(d["improvement_pct"])
         rows.append(f"{c:<16}{d['n_seeds']:>6}{agents[c]:>8}{cum:>22}" + ("" if base is None else f"{vs:>11}  {ci}"))
-    return "\n".join(rows)
+    return "\n".join(rows + view_lines(summary))
+
+
+def view_lines(summary: dict) -> list[str]:
+    """The focus peer's and each family's paired held-out differences with the baseline, for the console."""
+    views = [(f"{summary['focus']['peer']}", summary["focus"]["per_config"])] if summary.get("focus") else []
+    if summary.get("families"):
+        views += list(summary["families"]["per_family"].items())
+    rows = []
+    for name, per in views:
+        for c, d in per.items():
+            for key, label in (("eval_final", "final"), ("eval_area", "area")):
+                v = d.get(f"{key}_vs_base")
+                if v:
+                    holm = f", Holm p = {v['p_holm']:.3f}" if "p_holm" in v else ""
+                    rows.append(f"{name} {c} − {summary['baseline']}, held-out {label}: {v['mean_diff']:+.4f} "
+                                f"[{v['ci_low']:+.4f}, {v['ci_high']:+.4f}], p = {v['p_perm']:.3f}{holm} "
+                                f"({v['n']} seeds)")
+    return [""] + rows if rows else []
 
 
 def agents_table(runs: Sequence[Run], window: int = 10) -> list[str]:
@@ -165,3 +185,71 @@ def agents_table(runs: Sequence[Run], window: int = 10) -> list[str]:
                         + [last(p.unseen_acc)] * unseen)
     return md_table(["run", "agent", "rounds", "mean reward", "last moving average", "final held-out accuracy"]
                     + ["final unseen accuracy"] * unseen, rows)
+
+
+def view_summary(summary: dict, per: dict) -> dict:
+    """A summary of a subset view (`node.lab.views`) in the shape the held-out tables read."""
+    configs = [c for c in summary["configs"] if c in per]
+    return {"per_config": per, "configs": configs, "baseline": summary["baseline"] if summary["baseline"] in per
+            else None}
+
+
+def view_tables(summary: dict, per: dict) -> list[str]:
+    """The held-out tables of a subset view; the unseen set's too where its runs evaluated one."""
+    view = view_summary(summary, per)
+    unseen = any(d.get("unseen_final_by_seed") for d in per.values())
+    return heldout_table(view, "eval", figure=False) + (
+        ["Unseen set:\n", *heldout_table(view, "unseen", figure=False)] if unseen else [])
+
+
+def families_section(summary: dict) -> list[str]:
+    """Held-out accuracy per model family of a mixed swarm, each against its own silo, Holm-corrected."""
+    fam = summary.get("families")
+    if not fam:
+        return []
+    L = ["## Per model family\n",
+         "The swarms mix models, so each family is judged on its own peers: the held-out measures above, "
+         "computed over the family's peers only (mean over them per seed), paired by seed against the "
+         "baseline's peers of the same family. The p-values of the families' tests are Holm-corrected "
+         f"across the {len(fam['families'])} families (the table after the families).\n"]
+    holm_rows = []
+    for f in fam["families"]:
+        per = fam["per_family"][f]
+        L.append(f"### {f} ({', '.join(map(str, fam['peers'][f]))} peer(s) per run)\n")
+        L += view_tables(summary, per)
+        for c in per:
+            tests = [per[c].get(f"{key}_vs_base") for key in ("eval_final", "eval_area")]
+            if all(tests):
+                holm_rows.append([c, f] + [num(t[k], ".3f") for t in tests for k in ("p_perm", "p_holm")])
+    if holm_rows:
+        L.append("Permutation p of each family's paired difference, and Holm-corrected across the families:\n")
+        L += md_table(["config", "family", "final: p", "final: Holm p", "area: p", "area: Holm p"], holm_rows)
+    L.append(f"![held-out accuracy per family]({FIGURES['families']})\n")
+    return L
+
+
+def focus_section(summary: dict) -> list[str]:
+    """One peer (a newcomer) across configurations, against the baseline, with the other peers as veterans."""
+    foc = summary.get("focus")
+    if not foc:
+        return []
+    per, peer = foc["per_config"], foc["peer"]
+    L = [f"## Focus peer: {peer}\n",
+         f"The held-out measures of {peer} alone (its area: trapezoids over its own evaluations divided by their "
+         f"round span), paired by seed against {peer} of the baseline. The other peers of each run are the "
+         "veterans (per configuration: "
+         + ", ".join(f"{c}: {', '.join(map(str, v))}" for c, v in foc["veterans"].items()) + ").\n"]
+    L += view_tables(summary, per)
+    rows = []
+    for c, d in per.items():
+        vs = d.get("rounds_to_half_vs_base")
+        if d.get("rounds_to_half_by_seed"):
+            rows.append([c, ", ".join(f"s{s}: {v}" for s, v in d["rounds_to_half_by_seed"].items())]
+                        + ([num(vs["mean_diff"], "+.1f"), num(vs["p_perm"], ".3f")] if vs else ["baseline", "—"]))
+    if rows:
+        L.append(f"Rounds until {peer} first reached half of the veterans' mean accuracy at their first evaluation "
+                 "(same seed; the run's round count when it never did), and the paired difference with the "
+                 "baseline (negative: sooner) with its exact permutation p:\n")
+        L += md_table(["config", "per seed", "vs baseline (rounds)", "p"], rows)
+    L.append(f"![{peer} against the veterans]({FIGURES['focus']})\n")
+    return L

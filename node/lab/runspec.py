@@ -1,0 +1,91 @@
+"""What one `sapo-experiment` run is: the I/J presets, a run's exact settings (`RunSpec`, written to run.json)
+and the sapo-node flags of each of its peers, per-peer models and flags included."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Preset:
+    peers: int
+    num_local: int
+    num_external: int
+    generations: int = 8
+    ij_policy: str = "fixed"
+
+
+PRESETS: dict[str, Preset] = {
+    # the paper's table: 8 peers, I + J = 8, G = 8
+    "8/0": Preset(8, 8, 0), "6/2": Preset(8, 6, 2), "4/4": Preset(8, 4, 4), "2/6": Preset(8, 2, 6),
+    # single-GPU (or CPU) variants: 5 peers, I + J = 4
+    "4/0": Preset(5, 4, 0), "3/1": Preset(5, 3, 1), "2/2": Preset(5, 2, 2), "1/3": Preset(5, 1, 3),
+    # adaptive split, I + J = 4, starting at 2/2
+    "ema": Preset(5, 2, 2, ij_policy="ema"), "usefulness": Preset(5, 2, 2, ij_policy="usefulness"),
+}
+
+
+@dataclass
+class RunSpec:
+    config_name: str
+    seed: int
+    peers: int
+    num_local: int
+    num_external: int
+    generations: int
+    ij_policy: str
+    rounds: int
+    model: str
+    tasks: str
+    max_new_tokens: int
+    lr: float
+    mode: str
+    threads: int
+    extra_args: list[str] = field(default_factory=list)
+    eval_every: int = 10  # held-out evaluation cadence and size, passed to every peer
+    eval_size: int = 64
+    lora_rank: int = 0  # > 0: every peer trains a LoRA adapter (memory mode: all on one shared base)
+    lora_alpha: float = 32.0
+    models: list[str] = field(default_factory=list)  # one per peer; empty: every peer runs `model`
+    peer_args: dict[int, list[str]] = field(default_factory=dict)  # peer -> its own flags, after the common ones
+
+    def peer_seed(self, p: int) -> int:
+        return 1000 * self.seed + p
+
+    def model_of(self, p: int) -> str:
+        return self.models[p] if self.models else self.model
+
+    def node_args(self, p: int, run_dir: Path) -> list[str]:
+        """Peer p's sapo-node flags: the common ones, then its own (argparse keeps the last of a repeated flag,
+        so a peer's own value wins)."""
+        args = ["--model", self.model_of(p), "--tasks", self.tasks, "--num-local", str(self.num_local),
+                "--num-external", str(self.num_external), "--generations", str(self.generations),
+                "--ij-policy", self.ij_policy, "--rounds", str(self.rounds), "--seed", str(self.peer_seed(p)),
+                "--lr", str(self.lr), "--run-dir", str(run_dir), "--name", f"peer{p}",
+                "--threads", str(self.threads), "--eval-every", str(self.eval_every),
+                "--eval-size", str(self.eval_size), "--lora-rank", str(self.lora_rank)]
+        if self.max_new_tokens:
+            args += ["--max-new-tokens", str(self.max_new_tokens)]
+        if self.lora_rank:
+            args += ["--lora-alpha", str(self.lora_alpha)]
+        return args + list(self.extra_args) + list(self.peer_args.get(p, []))
+
+
+def parse_peer_args(values: list[str], peers: int) -> dict[int, list[str]]:
+    """`P:FLAG` items (`1:--lora-init=DIR`) -> {P: [FLAG, ...]} in the order given; ValueError naming the bad one."""
+    out: dict[int, list[str]] = {}
+    for item in values:
+        head, sep, flag = item.partition(":")
+        if not sep or not head.strip().isdigit() or not flag.startswith("-"):
+            raise ValueError(f"--peer-arg {item!r}: expected PEER:FLAG, e.g. 1:--lora-init=RUN_DIR")
+        p = int(head)
+        if p >= peers:
+            raise ValueError(f"--peer-arg {item!r}: peer {p} does not exist (peers 0..{peers - 1})")
+        out.setdefault(p, []).append(flag)
+    return out
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name.replace("/", "-"))

@@ -1,0 +1,140 @@
+"""The experiments of docs/RESULTS.md section 8 (issue 30): a newcomer among veterans (8a) and two model
+families in one swarm (8b), cell by cell, resumable, each finished cell committed to docs/data/<experiment>/.
+
+    python scripts/sharing_pays.py run --experiment veterans            # 8a's 4 veterans: 100 solo rounds each
+    python scripts/sharing_pays.py run --experiment newcomer [--part 0/2] [--arms shares silo] [--seeds 0 1]
+                                               # --part i/n: every n-th seed, all its arms
+    python scripts/sharing_pays.py run --experiment families [--part 1/2]
+    python scripts/sharing_pays.py commands --experiment newcomer       # print the cells' commands
+    sapo-report docs/data/newcomer --focus-peer 0 --out docs/data/newcomer/report
+    sapo-report docs/data/families --out docs/data/families/report
+
+Every cell is one `sapo-experiment` command: one arm (configuration), one seed k, in memory mode on one
+thread. Peer p of seed k runs node seed 1000k + p, so the newcomer (peer 0) has the same seed in the silo arm
+(`--peers 1`) as in the swarm arms, where peers 1-4 are the veterans started with `--lora-init` from the 4
+veterans' adapters (`--veterans`, default: the veterans experiment's run dirs, whose checkpoints it keeps).
+
+The recipe is read, not written here: learning rate, LoRA rank and tasks from node/ops/config.py
+RECIPES["cpu"], the KL weight from it too (the node's default where the recipe names none), and every peer
+runs `--recipe cpu`, so the cells follow the recipe the sweep of section 7 chooses. Each run.json records the
+command's settings and the git commit it ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from node.lab.cells import Cell, part_of, run_cells  # noqa: E402
+from node.lab.runspec import slug  # noqa: E402
+from node.ops.config import RECIPES, NodeConfig  # noqa: E402
+
+SEEDS = list(range(8))
+ROUNDS = 30
+VETERAN_ROUNDS = 100
+VETERAN_SEEDS = [0, 1, 2, 3]  # solo runs; veteran p (peer p of a swarm cell) starts from VETERAN_SEEDS[p - 1]
+FAMILY_MODELS = "default,default,default,gemma3-270m,gemma3-270m"
+ARMS = {  # experiment -> arm -> (sapo-experiment configuration, its own flags)
+    "veterans": {"solo": ("4/0", ["--peers", "1", "--rounds", str(VETERAN_ROUNDS), "--eval-every", "10",
+                                  "--keep-run-checkpoints"])},
+    "newcomer": {"shares": ("2/2", ["--peers", "5"]), "silo": ("4/0", ["--peers", "1"]),
+                 "adaptive": ("usefulness", ["--peers", "5"])},
+    "families": {"shares": ("2/2", ["--models", FAMILY_MODELS]), "silo": ("4/0", ["--models", FAMILY_MODELS])},
+}
+DEFAULT_ARMS = {"veterans": ["solo"], "newcomer": ["shares", "silo"], "families": ["shares", "silo"]}
+
+
+def recipe_flags(engine: str) -> list[str]:
+    """The CPU recipe as sapo-experiment flags (read at run time: the recipe may change before a cell runs)."""
+    recipe = RECIPES["cpu"]
+    beta = recipe.get("beta", NodeConfig.__dataclass_fields__["beta"].default)
+    return ["--mode", "memory", "--threads", "1", "--tasks", str(recipe["tasks"]), "--lora-rank",
+            str(recipe["lora_rank"]), "--lr", str(recipe["lr"]), "--eval-size", "128", "--node-arg=--recipe=cpu",
+            f"--node-arg=--beta={beta}", f"--node-arg=--rollout-engine={engine}"]
+
+
+def veteran_dirs(runs: Path) -> list[Path]:
+    """Where `run --experiment veterans` leaves the 4 trained adapters (a run dir: its newest checkpoint)."""
+    return [runs / "veterans" / "4-0" / f"seed{j}" / "peer0" for j in VETERAN_SEEDS]
+
+
+def has_adapter(path: Path) -> bool:
+    """A round dir, or a run dir with one (what --lora-init reads)."""
+    return (path / "MANIFEST.json").is_file() or any((path / "checkpoints").glob("round-*/MANIFEST.json"))
+
+
+def arm_flags(experiment: str, arm: str, veterans: list[Path]) -> list[str]:
+    """Flags of one arm besides the common ones: the newcomer evaluates every 5 rounds, the veterans every
+    10; 8b's peers every 10."""
+    config, flags = ARMS[experiment][arm]
+    if experiment == "newcomer":
+        flags = flags + ["--rounds", str(ROUNDS), "--eval-every", "5"]
+        if arm != "silo":
+            for p, adapter in enumerate(veterans, start=1):
+                flags += ["--peer-arg", f"{p}:--lora-init={adapter}", "--peer-arg", f"{p}:--eval-every=10"]
+    elif experiment == "families":
+        flags = flags + ["--rounds", str(ROUNDS), "--eval-every", "10"]
+    return [config, *flags]
+
+
+def cell_command(experiment: str, arm: str, seed: int, args: argparse.Namespace) -> list[str]:
+    config, *flags = arm_flags(experiment, arm, [Path(v) for v in args.veterans])
+    return [sys.executable, "-m", "node.lab.experiment", config, "--out", str(Path(args.runs) / experiment),
+            *recipe_flags(args.engine), *flags, "--seeds", str(seed)]
+
+
+def cells(args: argparse.Namespace) -> list[Cell]:
+    seeds = args.seeds if args.seeds is not None else (VETERAN_SEEDS if args.experiment == "veterans" else SEEDS)
+    data = Path(args.data) / ("newcomer-veterans" if args.experiment == "veterans" else args.experiment)
+    out = []
+    for seed in part_of(seeds, args.part):  # a process takes whole seeds, all arms: each pair completes in one
+        for arm in args.arms or DEFAULT_ARMS[args.experiment]:
+            config = ARMS[args.experiment][arm][0]
+            out.append(Cell(f"{args.experiment} {arm} seed {seed}", cell_command(args.experiment, arm, seed, args),
+                            Path(args.runs) / args.experiment / slug(config) / f"seed{seed}",
+                            data / slug(config) / f"seed{seed}"))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name in ("run", "commands"):
+        p = sub.add_parser(name)
+        p.add_argument("--experiment", required=True, choices=list(ARMS))
+        p.add_argument("--arms", nargs="*", default=None, help="arms to run (default: all but adaptive)")
+        p.add_argument("--seeds", nargs="*", type=int, default=None)
+        p.add_argument("--part", default="0/1", help="i/n: every n-th seed starting at the i-th (all its arms)")
+        p.add_argument("--runs", default="runs/sharing-pays", help="where the run dirs live (not committed; "
+                       "relative paths: to the repository root)")
+        p.add_argument("--data", default="docs/data", help="cells are committed to DATA/<experiment>/")
+        p.add_argument("--veterans", nargs=4, default=None, metavar="DIR",
+                       help="the 4 veterans' adapters (run or round dirs; default: the veterans experiment's)")
+        p.add_argument("--engine", default="auto", help="--rollout-engine of every peer")
+    args = parser.parse_args()
+    os.chdir(REPO)  # relative paths (--runs, --data, --veterans) are the repository's, as in the commands
+    args.veterans = args.veterans or [str(v) for v in veteran_dirs(Path(args.runs))]
+    unknown = [a for a in args.arms or [] if a not in ARMS[args.experiment]]
+    if unknown:
+        parser.error(f"arms of {args.experiment}: {', '.join(ARMS[args.experiment])} (got {', '.join(unknown)})")
+    todo = cells(args)
+    if args.cmd == "commands":
+        for cell in todo:
+            print(shlex.join(["sapo-experiment", *cell.command[3:]]))
+        return 0
+    missing = [v for v in args.veterans if not has_adapter(Path(v))]
+    if args.experiment == "newcomer" and set(args.arms or DEFAULT_ARMS["newcomer"]) - {"silo"} and missing:
+        print(f"sharing_pays: no trained adapter in {', '.join(missing)}: run --experiment veterans first, or name "
+              "them with --veterans", file=sys.stderr)
+        return 2
+    return run_cells(todo, REPO, args.experiment)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

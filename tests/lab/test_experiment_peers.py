@@ -1,0 +1,106 @@
+"""`sapo-experiment` with peers that differ: a model per peer (`--models`) and flags per peer (`--peer-arg`),
+e.g. a veteran started from a trained adapter beside a fresh newcomer, in memory mode on shared bases."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, live_metrics, node_env
+from node.lab.experiment import main
+from node.lab.runspec import RunSpec, parse_peer_args
+from node.ops.checkpoint import CheckpointStore
+from p2p.identity import KEY_FILENAME, Identity
+
+FAST = ["--tasks", "smoke", "--generations", "4", "--max-new-tokens", "8", "--threads", "1", "--mode", "memory",
+        "--eval-every", "0", "--keep-run-checkpoints", "--node-arg=--pow-difficulty=8",
+        "--node-arg=--rollout-engine=torch"]
+
+
+def experiment(*args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "node.lab.experiment", *args, *FAST], cwd=REPO, env=node_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def spec(**kw) -> RunSpec:
+    base = dict(config_name="2/2", seed=3, peers=3, num_local=2, num_external=2, generations=4, ij_policy="fixed",
+                rounds=5, model="default", tasks="smoke", max_new_tokens=0, lr=1e-4, mode="dht", threads=1)
+    return RunSpec(**{**base, **kw})
+
+
+def flag(args: list[str], name: str) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args) if a == name]
+
+
+def test_each_peer_gets_its_model_and_its_own_flags_last():
+    s = spec(models=["default", "gemma3-270m", "default"], extra_args=["--eval-every=10"],
+             peer_args=parse_peer_args(["1:--eval-every=5", "1:--lora-init=/v/a", "2:--beta=0.04"], 3))
+    args = [s.node_args(p, Path(f"/r/peer{p}")) for p in range(3)]
+    assert [flag(a, "--model") for a in args] == [["default"], ["gemma3-270m"], ["default"]]
+    assert [flag(a, "--seed") for a in args] == [["3000"], ["3001"], ["3002"]]
+    assert args[0][-1] == "--eval-every=10"  # the common flag alone
+    assert args[1][-3:] == ["--eval-every=10", "--eval-every=5", "--lora-init=/v/a"]  # its own after: they win
+    assert args[2][-1] == "--beta=0.04" and "--lora-init=/v/a" not in args[2]
+    assert flag(spec().node_args(0, Path("/r")), "--lora-rank") == ["0"]  # said, so no node recipe picks one
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--peer-arg", "5:--beta=0.1"], "peer 5 does not exist (peers 0..4)"),
+    (["--peer-arg", "x:--beta=0.1"], "expected PEER:FLAG"),
+    (["--peer-arg", "1:beta"], "expected PEER:FLAG"),
+    (["--models", "default,tiny-random", "--peer-arg", "2:--beta=0.1"], "peer 2 does not exist (peers 0..1)"),
+    (["--models", "default,tiny-random", "--peers", "3"], "names 2 models but --peers is 3"),
+    (["--models", "default,,tiny-random"], "an empty model name"),
+])
+def test_bad_per_peer_options_are_refused_before_anything_runs(tmp_path, capsys, argv, message):
+    assert main(["2/2", "--out", str(tmp_path / "exp"), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "exp").exists()
+
+
+def test_a_mixed_swarm_in_memory_one_base_per_model(tmp_path):
+    """Two models with different tokenizers, one shared base each; the peers train on each other's groups."""
+    exp = tmp_path / "exp"
+    done = experiment("2/2", "--out", str(exp), "--models", "tiny-random-smol,tiny-random,tiny-random-smol",
+                      "--seeds", "0", "--rounds", "2", "--lora-rank", "2")
+    assert "2 peers share one base model, each with its own rank-2 LoRA adapter" in done.stderr
+    assert "1 peers share one base model" in done.stderr
+    run = exp / "2-2" / "seed0"
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["models"] == ["tiny-random-smol", "tiny-random", "tiny-random-smol"] and meta["peers"] == 3
+    assert meta["model"] == "mixed"
+    manifests = [json.loads(next((run / f"peer{p}" / "checkpoints").glob("round-*/MANIFEST.json")).read_text())
+                 for p in range(3)]
+    assert [m["meta"]["model"] for m in manifests] == meta["models"]
+    bases = [m["meta"]["base"] for m in manifests]
+    assert bases[0] == bases[2] != bases[1]
+    other = Identity.load_or_create(run / "peer1" / KEY_FILENAME, create=False).public_key_hex[:16]
+    trained_on = [src for p in (0, 2) for r in live_metrics(run / f"peer{p}") for src in r["external_sources"]]
+    assert other in trained_on, trained_on  # the first family trained on the second family's groups
+
+
+def test_a_veteran_starts_from_a_trained_adapter_beside_a_fresh_peer(tmp_path):
+    """A solo run writes an adapter; a second experiment starts its peer 1 from it (--peer-arg) on the shared
+    base. Seeds differ everywhere (source node seed 5000, peers 0 and 1), so equal weights come from the
+    checkpoint only; lr 1e-12 keeps one round from moving them."""
+    source = tmp_path / "solo"
+    experiment("4/0", "--out", str(source), "--model", "tiny-random", "--peers", "1", "--seeds", "5", "--rounds", "1",
+               "--lora-rank", "2", "--lr", "1e-2")
+    adapter_dir = source / "4-0" / "seed5" / "peer0"
+    exp = tmp_path / "exp"
+    done = experiment("2/2", "--out", str(exp), "--model", "tiny-random", "--peers", "2", "--seeds", "0", "--rounds",
+                      "1", "--lora-rank", "2", "--lr", "1e-12", "--peer-arg", f"1:--lora-init={adapter_dir}")
+    assert "adapter initialised from" in done.stderr
+    run = exp / "2-2" / "seed0"
+    assert json.loads((run / "run.json").read_text())["peer_args"] == {"1": [f"--lora-init={adapter_dir}"]}
+    theirs = CheckpointStore(adapter_dir).load_latest().model
+    veteran, newcomer = (CheckpointStore(run / f"peer{p}").load_latest().model for p in (1, 0))
+    assert set(theirs) == set(veteran) == set(newcomer)
+    assert all(torch.allclose(theirs[k], veteran[k], atol=1e-6) for k in theirs)
+    lora_a = [k for k in theirs if ".lora_A." in k]
+    assert lora_a and not any(torch.allclose(theirs[k], newcomer[k], atol=1e-3) for k in lora_a)

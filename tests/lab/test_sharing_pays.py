@@ -1,0 +1,82 @@
+"""The cells of RESULTS section 8 (scripts/sharing_pays.py) and the resumable cell runner they share with the
+recipe sweep (node/lab/cells.py)."""
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from node.lab.cells import Cell, run_cells
+from node.lab.experiment import build_parser, peer_plan
+from node.ops import config
+
+spec = importlib.util.spec_from_file_location("sharing_pays", Path(__file__).parents[2] / "scripts/sharing_pays.py")
+pays = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(pays)
+
+
+def cells_of(experiment, **kw):
+    args = argparse.Namespace(experiment=experiment, arms=None, seeds=None, part="0/1", runs="runs/x", data="data",
+                              veterans=[f"vet{j}" for j in range(4)], engine="auto")
+    vars(args).update(kw)
+    return pays.cells(args)
+
+
+def parsed(cell: Cell):
+    """The cell's command as sapo-experiment reads it, per-peer plan included (raises if it would refuse it)."""
+    assert cell.command[1:3] == ["-m", "node.lab.experiment"]
+    args = build_parser().parse_args(cell.command[3:])
+    return args, peer_plan(args)
+
+
+def test_newcomer_arms_share_the_newcomers_seed_and_start_veterans_from_their_adapters(monkeypatch):
+    monkeypatch.setitem(config.RECIPES, "cpu", {**config.RECIPES["cpu"], "lr": 3e-4, "beta": 0.04})
+    cells = cells_of("newcomer", seeds=[2, 5])
+    assert [c.label for c in cells] == ["newcomer shares seed 2", "newcomer silo seed 2", "newcomer shares seed 5",
+                                        "newcomer silo seed 5"]
+    shares, silo = (parsed(c) for c in cells[:2])
+    for args, _ in (shares, silo):
+        assert args.seeds == [2] and args.rounds == 30 and args.eval_every == 5 and args.mode == "memory"
+        assert args.lr == 3e-4 and "--beta=0.04" in args.node_arg  # the recipe as it is when the cell runs
+    (counts, _, flags), (silo_counts, _, silo_flags) = shares[1], silo[1]
+    assert counts == {"2/2": 5} and silo_counts == {"4/0": 1} and silo_flags == {"4/0": {}}
+    assert flags["2/2"] == {p: [f"--lora-init=vet{p - 1}", "--eval-every=10"] for p in range(1, 5)}  # peer 0: fresh
+    assert cells[0].run_dir == Path("runs/x/newcomer/2-2/seed2") and cells[1].dest == Path("data/newcomer/4-0/seed2")
+    adaptive = cells_of("newcomer", arms=["adaptive"], seeds=[0])[0]
+    assert parsed(adaptive)[0].configs == ["usefulness"]
+
+
+def test_families_and_veterans_cells_and_parts():
+    fam = cells_of("families", part="1/2")
+    assert [c.label.split()[-1] for c in fam] == ["1", "1", "3", "3", "5", "5", "7", "7"]  # whole seeds per part
+    args, (counts, models, _) = parsed(fam[0])
+    assert counts == {"2/2": 5} and models == ["default"] * 3 + ["gemma3-270m"] * 2
+    vets = cells_of("veterans")
+    assert [c.dest for c in vets] == [Path(f"data/newcomer-veterans/4-0/seed{j}") for j in range(4)]
+    args, (counts, _, _) = parsed(vets[0])
+    assert counts == {"4/0": 1} and args.rounds == 100 and args.keep_run_checkpoints
+    # the newcomer's default veterans are these runs' peers
+    assert pays.veteran_dirs(Path("runs/x")) == [c.run_dir / "peer0" for c in vets]
+
+
+def fake_cell(tmp_path, name, code="") -> Cell:
+    """A command that writes what a finished sapo-experiment cell leaves (and counts its runs)."""
+    run_dir = tmp_path / "runs" / name
+    script = (f"import pathlib, json; d = pathlib.Path({str(run_dir)!r}); (d / 'peer0').mkdir(parents=True, "
+              f"exist_ok=True); (d / 'run.json').write_text('{{}}'); (d / 'peer0' / 'metrics.jsonl').write_text("
+              f"'{{\"round\": 0}}'); (d / 'peer0' / 'big.pt').write_text('x'); "
+              f"c = d / 'count'; c.write_text(str(int(c.read_text()) + 1 if c.exists() else 1)); {code}")
+    return Cell(name, [sys.executable, "-c", script], run_dir, tmp_path / "data" / name)
+
+
+def test_run_cells_copies_finished_cells_skips_committed_ones_and_stops_at_a_failure(tmp_path, capsys):
+    ok, failing, after = fake_cell(tmp_path, "a"), fake_cell(tmp_path, "b", "raise SystemExit(3)"), \
+        fake_cell(tmp_path, "c")
+    assert run_cells([ok, failing, after], tmp_path, "test") == 3
+    assert json.loads((ok.dest / "run.json").read_text()) == {}
+    assert sorted(p.name for p in ok.dest.rglob("*")) == ["metrics.jsonl", "peer0", "run.json"]  # no weights
+    assert not failing.dest.exists() and not after.run_dir.exists()
+    assert run_cells([ok], tmp_path, "test") == 0
+    assert (ok.run_dir / "count").read_text() == "1"  # committed: not run again
+    assert "a: committed already" in capsys.readouterr().out
