@@ -8,4 +8,6 @@ export SAPO_ENGINE="${SAPO_ENGINE:-llama}"  # the engine tests read it
 # shellcheck disable=SC1091
 . "${SAPO_VENV:-.venv}/bin/activate"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec python -m pytest -q -rs -p no:cacheprovider --durations=15 "$@"
+# two workers (SAPO_TEST_WORKERS=1: one): most end-to-end tests wait on subprocesses and the network, so two
+# keep a 2-core machine busy; the slow tests go first (tests/conftest.py) and an idle worker steals work
+exec python -m pytest -q -rs -p no:cacheprovider -n "${SAPO_TEST_WORKERS:-2}" --dist worksteal --durations=30 "$@"

@@ -22,6 +22,14 @@ from p2p.wire import TaskSpecWire, WireGroup
 
 from ci_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks: loud skips in CI)
 
+
+def pytest_collection_modifyitems(config, items):
+    """The `slow` tests first (stable otherwise): with `-n 2` (scripts/test.sh) the two workers start on the
+    long end-to-end runs and finish on the short ones, instead of one worker running a 2-minute test alone
+    at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -17,6 +17,7 @@ ARGS = ["--model", "default", "--tasks", "cpu-learn", "--lora-rank", "8", "--gen
         "torch", "--no-tensorboard"]
 
 
+@pytest.mark.slow
 def test_guard_catches_a_forced_collapse_and_recovers(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_node(*ARGS, "--run-dir", str(run_dir), timeout=600)

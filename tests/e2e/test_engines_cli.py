@@ -20,6 +20,7 @@ def engine_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "rollout engine" in line]
 
 
+@pytest.mark.slow
 def test_a_node_samples_with_the_llama_engine(tmp_path):
     if not any(importlib.util.find_spec(m) for m in BINDINGS):
         pytest.skip("no llama.cpp binding is installed (bash scripts/setup.sh installs the wheel)")

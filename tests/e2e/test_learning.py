@@ -7,8 +7,9 @@ The task mix is `test-learn` (node/learn/tasks.py): the model can repeat a one-d
 system prompt's example teaches it an answer format the reward scores 1/15. That is a reward the model
 can learn in a few rounds with LoRA at a high rate, and only by learning from it: a node whose update
 pushes the wrong way (advantages negated where groups become training sequences) stays below the
-baseline and fails both tests. Measured (lr 5e-4; silo seeds 0-2 and the two peers): held-out accuracy
-0.05-0.31 after round 0 and 1.0 after round 4; training reward 0.03-0.06 in round 0, 0.58-1.0 in round 4.
+baseline and fails both tests. Measured for the silo (lr 5e-4, seeds 0-2): held-out accuracy 0.05-0.31
+after round 0 and 1.0 after round 4; training reward 0.03-0.06 in round 0, 0.58-1.0 in round 4 (the two
+peers: their test's docstring).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def assert_learned(records: list[dict], who: str) -> None:
     assert curve[-1] >= curve[0] + MARGIN and curve[-1] >= baseline + MARGIN, summary
 
 
+@pytest.mark.slow
 def test_a_silo_node_learns_its_reward_and_the_held_out_set(tmp_path):
     """A real `sapo-node` process that loads the embedded GGUF model, samples its groups and learns."""
     run_dir = tmp_path / "silo"
@@ -59,25 +61,27 @@ def test_a_silo_node_learns_its_reward_and_the_held_out_set(tmp_path):
     assert_learned(records, "silo")
 
 
+@pytest.mark.slow
 def test_two_peers_learn_from_each_others_groups(tmp_path):
-    """Two peers (4 local + 4 external groups a round) on the in-process board of `sapo-experiment
-    --mode memory`: one base model, an adapter each, signed batches verified and re-scored; each trains on
-    the other's groups in most rounds and both learn. (With 2 + 2 groups their reward had only begun to
-    rise by round 4.)"""
+    """Two peers (2 local + 2 external groups a round, the silo's 4 groups per update) on the in-process
+    board of `sapo-experiment --mode memory`: one base model, an adapter each, signed batches verified and
+    re-scored; each trains on the other's groups in most rounds and both learn. At lr 1e-3 (measured, seeds
+    0 and 1): reward 0.006-0.049 in round 0, 0.75-1.0 in round 4; held-out 0.04-0.53 -> 1.0. (At 5e-4, 2 + 2
+    groups had only begun to rise by round 4; 4 + 4 learned but cost twice the time.)"""
     exp = tmp_path / "exp"
-    done = subprocess.run([sys.executable, "-m", "node.lab.experiment", "4/4", "--peers", "2", "--mode", "memory",
+    done = subprocess.run([sys.executable, "-m", "node.lab.experiment", "2/2", "--peers", "2", "--mode", "memory",
                            "--seeds", "0", "--threads", "1", "--out", str(exp),
-                           *LEARN,
+                           *LEARN, "--lr", "1e-3",
                            *[f"--node-arg={a}" for a in NODE_ONLY]],
                           cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-3000:]
-    peers = [live_metrics(exp / "4-4" / "seed0" / f"peer{p}") for p in range(2)]
+    peers = [live_metrics(exp / "2-2" / "seed0" / f"peer{p}") for p in range(2)]
     for p, records in enumerate(peers):
-        assert all(r["target_local"] == 4 and r["target_external"] == 4 for r in records)
+        assert all(r["target_local"] == 2 and r["target_external"] == 2 for r in records)
         used = [r for r in records if r["num_external"] > 0]
         assert len(used) >= ROUNDS - 2, f"peer{p} trained on the other's groups in rounds {[r['round'] for r in used]}"
         assert all(len(r["external_sources"]) == 1 for r in used)
         assert not any(r["rejected_by_reason"] for r in records), [r["rejected_by_reason"] for r in records]
         assert_learned(records, f"peer{p}")
-    keys = [prefix_of(exp / "4-4" / "seed0" / f"peer{p}") for p in range(2)]
+    keys = [prefix_of(exp / "2-2" / "seed0" / f"peer{p}") for p in range(2)]
     assert [sources(records) for records in peers] == [{keys[1]}, {keys[0]}]  # each trained on the other's

@@ -118,6 +118,7 @@ def assert_every_peer_kept_its_rounds(root: Path) -> None:
         assert "aborting" not in log
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_terminal_stops_every_peer_once_after_checkpointing(tmp_path):
     rc, root, out = run_and_interrupt(tmp_path, "")
     assert rc == 0, out[-3000:]
@@ -126,6 +127,7 @@ def test_ctrl_c_in_a_terminal_stops_every_peer_once_after_checkpointing(tmp_path
     assert "finished" not in out
 
 
+@pytest.mark.slow
 def test_ctrl_c_under_tee_also_stops_every_peer_cleanly(tmp_path):
     """Ctrl-C kills tee too: the script's stdout breaks, yet it waits for its peers and logs what happened."""
     rc, root, out = run_and_interrupt(tmp_path, f" | tee {tmp_path / 'swarm.out'}")

@@ -21,6 +21,7 @@ CPU = torch.device("cpu")
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--checkpoint-every", "1"]
 
 
+@pytest.mark.slow
 def test_lora_resume_reproduces_an_uninterrupted_run_with_adapter_only_checkpoints(tmp_path, tiny_args):
     straight, split = tmp_path / "straight", tmp_path / "split"
     common = [*tiny_args, *LORA, "--beta", "0.05"]
@@ -42,6 +43,7 @@ def test_lora_resume_reproduces_an_uninterrupted_run_with_adapter_only_checkpoin
     assert (ckpt.path / "model.pt").stat().st_size < full_bytes / 5
 
 
+@pytest.mark.slow
 def test_mismatched_checkpoints_are_refused_in_one_line(tmp_path, tiny_args):
     run_dir = tmp_path / "run"
     assert run_node(*tiny_args, *LORA, "--rounds", "1", "--run-dir", str(run_dir)).returncode == 0
@@ -55,6 +57,7 @@ def test_mismatched_checkpoints_are_refused_in_one_line(tmp_path, tiny_args):
     (4, "tiny-random-smol", "was trained on another base model ('tiny-random'"),
     (4, "tiny-random", None),
 ])
+@pytest.mark.slow
 def test_identity_check_names_what_differs(tmp_path, lora, model, refused):
     saved = {"model": "tiny-random", "base": base_fingerprint(load_model("tiny-random", CPU)[0]),
              "lora": {"rank": 4, "alpha": 8.0}}
@@ -75,6 +78,7 @@ def test_identity_check_names_what_differs(tmp_path, lora, model, refused):
         node.persistence.check_identity(None, "an old checkpoint")
 
 
+@pytest.mark.slow
 def test_a_new_run_starts_from_another_runs_adapter(tmp_path, tiny_args):
     """The target runs with another seed than the source, so its own fresh adapter differs from the
     source's in every A matrix (checked): ending equal to the source's can only come from --lora-init."""

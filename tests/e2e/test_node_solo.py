@@ -24,6 +24,7 @@ def read_rounds(run_dir):
     return [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
 
 
+@pytest.mark.slow
 def test_three_rounds_then_resume_to_five(tmp_path, tiny_args):
     run_dir = tmp_path / "run"
     first = run_node(*tiny_args, "--rounds", "3", "--run-dir", str(run_dir))
@@ -46,6 +47,7 @@ def test_three_rounds_then_resume_to_five(tmp_path, tiny_args):
     assert "resumed from round-000002: next round 3" in resumed.stderr
 
 
+@pytest.mark.slow
 def test_resume_reproduces_an_uninterrupted_run(tmp_path, tiny_args):
     """Same seed: 2 rounds + resume for 2 more == 4 rounds straight (RNG, sampler, optimizer restored)."""
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -59,6 +61,7 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, tiny_args):
     assert a == b
 
 
+@pytest.mark.slow
 def test_sigkill_never_leaves_an_unloadable_latest_checkpoint(tmp_path):
     """A child saves checkpoints in a tight loop; we SIGKILL it at several moments mid-write. The claim is
     about a store that holds a checkpoint, so each kill waits until the child reports its first complete
@@ -94,6 +97,7 @@ while True:
         assert saved <= ckpt.round <= saved + 1, (saved, ckpt.round)
 
 
+@pytest.mark.slow
 def test_corrupt_latest_checkpoint_falls_back(tmp_path, tiny_args):
     run_dir = tmp_path / "run"
     assert run_node(*tiny_args, "--rounds", "4", "--checkpoint-every", "2", "--run-dir", str(run_dir)).returncode == 0

@@ -81,6 +81,7 @@ def compared(records: list[dict]) -> list[dict]:
     return [{k: r[k] for k in keys} | {"loss": pytest.approx(r["loss"], rel=1e-5, abs=1e-9)} for r in records]
 
 
+@pytest.mark.slow
 def test_double_sigint_mid_round_checkpoints_last_round_and_resume_matches_uninterrupted(tmp_path):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert run_node(*ARGS, "--rounds", "4", "--run-dir", str(straight)).returncode == 0
@@ -99,6 +100,7 @@ def test_double_sigint_mid_round_checkpoints_last_round_and_resume_matches_unint
     assert compared(live_metrics(stopped)) == compared(live_metrics(straight))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_and_sighup_stop_the_same_way(tmp_path, sig):
     run_dir = tmp_path / "run"
@@ -109,6 +111,7 @@ def test_sigterm_and_sighup_stop_the_same_way(tmp_path, sig):
     assert newest_checkpoint(run_dir) == 1
 
 
+@pytest.mark.slow
 def test_closed_console_pipe_is_a_graceful_stop(tmp_path):
     """`sapo-node ... 2>&1 | tee log`, then tee dies: the node must not crash nor lose a round."""
     run_dir = tmp_path / "run"
@@ -133,6 +136,7 @@ def test_closed_console_pipe_is_a_graceful_stop(tmp_path):
     assert newest_checkpoint(run_dir) == rounds[-1]  # every completed round kept
 
 
+@pytest.mark.slow
 def test_second_node_on_a_run_dir_exits_2_naming_the_owner(tmp_path):
     run_dir = tmp_path / "run"
     first = start(run_dir, "--rounds", "100000")

@@ -2,6 +2,7 @@
 newcomer looks (metrics.jsonl, the log, TensorBoard, the progress view)."""
 
 import orjson
+import pytest
 
 from conftest import run_node
 from node.learn.tasks import PRESETS, eval_tasks
@@ -9,6 +10,7 @@ from node.ops.progress import main as progress_main
 from tbread import read_scalars
 
 
+@pytest.mark.slow
 def test_a_cpu_learn_run_records_its_unseen_evaluation(tmp_path, capsys):
     run_dir = tmp_path / "run"
     done = run_node("--model", "tiny-random", "--tasks", "cpu-learn", "--generations", "2", "--num-local", "2",

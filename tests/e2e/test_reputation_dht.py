@@ -51,6 +51,7 @@ def banned_in_file(run_dir, key_hex: str) -> bool:
     return table.get(key_hex, {}).get("banned_until", 0) > 0
 
 
+@pytest.mark.slow
 def test_liar_is_banned_and_stays_banned_after_resume(tmp_path):
     swarm = "e2e-reputation"
     boot, maddrs = start_bootstrap(tmp_path, swarm)

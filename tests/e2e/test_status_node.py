@@ -37,6 +37,7 @@ async def poll(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen, do
     raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
+@pytest.mark.slow
 async def test_live_node_status_endpoints(tmp_path: Path, tiny_args: list[str]) -> None:
     port, run_dir = free_port(), tmp_path / "run"
     url = f"http://127.0.0.1:{port}"

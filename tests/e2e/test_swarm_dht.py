@@ -78,6 +78,7 @@ def dumped_and_alive(node: Proc, procs: list[Proc], timeout: float = 60) -> None
 # ------------------------------------------------------------------------------------------------ tests
 
 
+@pytest.mark.slow
 async def test_three_peers_share_rollouts_and_records_are_owner_protected(tmp_path):
     swarm = "e2e-three"
     boot, maddrs = start_bootstrap(tmp_path, swarm)
@@ -139,6 +140,7 @@ async def test_three_peers_share_rollouts_and_records_are_owner_protected(tmp_pa
     assert codes == [0, 0, 0], [n.text()[-2000:] for n in nodes]
 
 
+@pytest.mark.slow
 def test_peers_with_different_tokenizers_train_on_each_others_groups(tmp_path):
     swarm = "e2e-mixed"
     boot, maddrs = start_bootstrap(tmp_path, swarm)
@@ -162,6 +164,7 @@ def test_peers_with_different_tokenizers_train_on_each_others_groups(tmp_path):
     assert codes == [0, 0], [n.text()[-2000:] for n in nodes]
 
 
+@pytest.mark.slow
 async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
     swarm = "e2e-hostile"
     boot, maddrs = start_bootstrap(tmp_path, swarm)
@@ -254,6 +257,7 @@ async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
     check_records(recs)
 
 
+@pytest.mark.slow
 def test_killed_peer_does_not_stall_others_and_resumes_with_same_address(tmp_path):
     swarm = "e2e-kill"
     net_timeout = 3.0

@@ -5,12 +5,14 @@ import shutil
 
 import numpy as np
 import orjson
+import pytest
 
 from conftest import run_node
 from node.ops.tensorboard import scalars
 from tbread import read_scalars, read_scalars_with_tensorboard
 
 
+@pytest.mark.slow
 def test_event_files_match_metrics_across_a_resume(tmp_path, tiny_args):
     run_dir = tmp_path / "run"
     args = [*tiny_args, "--checkpoint-every", "2", "--eval-every", "2", "--eval-size", "4", "--run-dir", str(run_dir)]
@@ -41,6 +43,7 @@ def test_event_files_match_metrics_across_a_resume(tmp_path, tiny_args):
     assert viewer is None or viewer == expected
 
 
+@pytest.mark.slow
 def test_no_tensorboard_writes_no_event_file(tmp_path, tiny_args):
     run_dir = tmp_path / "run"
     done = run_node(*tiny_args, "--rounds", "1", "--eval-every", "0", "--run-dir", str(run_dir), "--no-tensorboard")

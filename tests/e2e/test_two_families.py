@@ -24,6 +24,7 @@ pytestmark = [
 FAST = ["--eval-every", "0", "--lora-rank", "4", "--checkpoint-every", "1000"]
 
 
+@pytest.mark.slow
 def test_smollm2_and_gemma3_train_on_each_others_groups(tmp_path):
     swarm = "e2e-families"
     boot, maddrs = start_bootstrap(tmp_path, swarm)

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+import pytest
 
 from conftest import REPO, live_metrics, node_env
 from helpers_learning import check_records
@@ -28,6 +29,7 @@ def external_used(peer_dirs) -> int:
     return sum(r["num_external"] for d in peer_dirs for r in live_metrics(d))
 
 
+@pytest.mark.slow
 def test_preset_over_dht_resumes_after_ctrl_c(tmp_path):
     exp = tmp_path / "exp"
     cmd = experiment("2/2", "--rounds", "12", "--out", str(exp), *TINY)
@@ -72,6 +74,7 @@ def test_preset_over_dht_resumes_after_ctrl_c(tmp_path):
     assert third.returncode == 0 and "complete, skipped" in third.stderr, third.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_memory_mode_comparison_then_report(tmp_path):
     """Silo vs swarm in the in-process round-robin mode, then `sapo-report` on the result."""
     exp = tmp_path / "exp"
@@ -102,6 +105,7 @@ def test_memory_mode_comparison_then_report(tmp_path):
         "per_agent_rewards.png", "moving_average_band.png", "cumulative_reward.png"}
 
 
+@pytest.mark.slow
 def test_memory_mode_lora_peers_share_one_base(tmp_path):
     """Three LoRA peers in one process: one base model, an adapter (and optimizer) each, adapter-only
     checkpoints that name the same base; the learning rate follows the LoRA rule without --lr."""
@@ -122,6 +126,7 @@ def test_memory_mode_lora_peers_share_one_base(tmp_path):
     assert [rounds_of(run / f"peer{p}") for p in range(3)] == [[0, 1]] * 3
 
 
+@pytest.mark.slow
 def test_memory_mode_usefulness_policy_moves_j_inside_the_nodes(tmp_path):
     """The adaptive split runs inside real nodes: with `usefulness`, I + J stays 4 and J leaves its
     starting 2 as the peers measure what the other's groups carry; no round trains on more than it chose."""

@@ -63,6 +63,7 @@ def test_bad_per_peer_options_are_refused_before_anything_runs(tmp_path, capsys,
     assert not (tmp_path / "exp").exists()
 
 
+@pytest.mark.slow
 def test_a_mixed_swarm_in_memory_one_base_per_model(tmp_path):
     """Two models with different tokenizers, one shared base each; the peers train on each other's groups."""
     exp = tmp_path / "exp"
@@ -84,6 +85,7 @@ def test_a_mixed_swarm_in_memory_one_base_per_model(tmp_path):
     assert other in trained_on, trained_on  # the first family trained on the second family's groups
 
 
+@pytest.mark.slow
 def test_a_veteran_starts_from_a_trained_adapter_beside_a_fresh_peer(tmp_path):
     """A solo run writes an adapter; a second experiment starts its peer 1 from it (--peer-arg) on the shared
     base. Seeds differ everywhere (source node seed 5000, peers 0 and 1), so equal weights come from the

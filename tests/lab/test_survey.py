@@ -95,6 +95,7 @@ def test_cpu_learn_preset_builds_with_eval_set_and_baseline():
     assert 0 < constant_answer_baseline(tasks) <= 0.3
 
 
+@pytest.mark.slow
 def test_survey_samples_through_the_llama_engine_and_says_so(tmp_path):
     """--engine llama: the pass@8 samples come from llama.cpp (greedy answers still from torch), the record
     names the engine, and a cell samples the same on a second run (seeded from torch's RNG)."""

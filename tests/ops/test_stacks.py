@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import pytest
 
 from conftest import REPO, live_metrics, node_env
 from node.ops.stacks import DUMP_BEGIN, DUMP_END, format_stacks
@@ -46,6 +47,7 @@ def test_dumps_name_every_thread_most_recent_call_first_while_threads_run():
     assert f"a forked child of {os.getpid() + 1}" in format_stacks(os.getpid() + 1)
 
 
+@pytest.mark.slow
 def test_a_node_survives_a_burst_of_dumps_mid_round(tmp_path):
     run_dir = tmp_path / "run"
     out = tmp_path / "node.out"

@@ -76,6 +76,7 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> tuple[int, str]:
     return proc.returncode, out
 
 
+@pytest.mark.slow
 async def test_bootstrap_lifecycle(tmp_path):
     port, status_port, maddrs_file = free_port(), free_port(), tmp_path / "maddrs.txt"
     url = f"http://127.0.0.1:{status_port}"

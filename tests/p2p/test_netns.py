@@ -188,6 +188,7 @@ def wait_for_file(path: Path, proc: Proc, timeout: float) -> list[str]:
     raise AssertionError(f"{path} never appeared:\n" + "\n".join(proc.lines[-40:]))
 
 
+@pytest.mark.slow
 def test_swarm_across_namespaces(two_namespaces, tmp_path):
     (ns_a, ip_a), (ns_b, ip_b) = two_namespaces["a"], two_namespaces["b"]
     procs: list[Proc] = []

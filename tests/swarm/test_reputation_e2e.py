@@ -45,6 +45,7 @@ def make_node(tmp_path, name, seed, board, tiny_model, exchange_cls=MemoryExchan
     return build_node(cfg, MIX, copy.deepcopy(tiny_model[0]), tiny_model[1], exchange, torch.device("cpu"))
 
 
+@pytest.mark.slow
 async def test_a_liar_is_banned_and_stays_banned_after_resume(tmp_path, tiny_model):
     board = MemoryBoard()
     liar = make_node(tmp_path, "liar", 1, board, tiny_model, LyingExchange)
@@ -90,6 +91,7 @@ async def test_a_liar_is_banned_and_stays_banned_after_resume(tmp_path, tiny_mod
         await n.close()
 
 
+@pytest.mark.slow
 async def test_reset_reputation_unbans(tmp_path, tiny_model):
     board = MemoryBoard()
     liar = make_node(tmp_path, "liar", 1, board, tiny_model, LyingExchange)

@@ -104,6 +104,7 @@ async def _inject(_dht, node, key: str, subkey: bytes) -> bool:
 # ---------------------------------------------------------------------------------------------- (a) Sybils
 
 
+@pytest.mark.slow
 def test_sybils_that_follow_the_rules_do_not_dilute_honest_peers(tmp_path):
     """200 valid Sybil keys from one process, a quarter of each class of issue 20: presence records whose
     batch never exists (ghosts), batches without learning signal, the honest peers' groups copied and

@@ -108,6 +108,7 @@ def tiny_model():
     return load_model("tiny-random", torch.device("cpu"))
 
 
+@pytest.mark.slow
 async def test_three_nodes_exchange_over_memory_board(tmp_path, tiny_model):
     """Same sampling, verification and training code as the DHT swarm; only the transport differs."""
     import copy
@@ -140,6 +141,7 @@ def test_regenerated_spec_from_wire_matches():
     assert regenerate(TaskSpec.make(**w)).answer == task.answer
 
 
+@pytest.mark.slow
 async def test_a_three_times_slower_peer_gets_and_gives_groups(tmp_path, tiny_model):
     """No coordinator: the slow peer runs one round while the others run three; both directions flow."""
     import copy
