@@ -271,30 +271,35 @@ class SapoNode:
 
         return await asyncio.get_running_loop().run_in_executor(self.worker, run)
 
-    async def _bounded(self, coro, what: str):
-        """A round never waits on the network longer than --net-timeout, nor after a stop request."""
-        task = asyncio.ensure_future(coro)
-        stopped = asyncio.ensure_future(self._stop_event.wait()) if self._stop_event else None
-        try:
-            await asyncio.wait([t for t in (task, stopped) if t], timeout=self.cfg.net_timeout,
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if stopped is not None:
-                stopped.cancel()
-        if not task.done():
-            task.cancel()
-            task.add_done_callback(_ignore_outcome)
-            self.stop.check()
-            log.warning("%s took longer than --net-timeout %.1fs; going on without it", what, self.cfg.net_timeout)
-            return None
-        try:
-            return task.result()
-        except Exception as exc:  # the swarm must never crash the node
-            log.warning("%s failed: %s", what, exc)
-        return None
+    def _bounded(self, coro, what: str):
+        return within_net_timeout(coro, what, self.cfg.net_timeout, self.stop, self._stop_event)
 
 
 def _ignore_outcome(task: asyncio.Future) -> None:
     """A network call given up on (timeout or stop): fetch its outcome so asyncio does not warn about it."""
     if not task.cancelled():
         task.exception()
+
+
+async def within_net_timeout(coro, what: str, timeout: float, stop: StopRequest, stop_event: asyncio.Event | None):
+    """A round never waits on the network longer than --net-timeout, nor after a stop request (`stop_event`
+    wakes the wait; `stop.check()` then abandons the round). A failure or a timeout is logged and gives None:
+    the swarm must never crash the node."""
+    task = asyncio.ensure_future(coro)
+    stopped = asyncio.ensure_future(stop_event.wait()) if stop_event else None
+    try:
+        await asyncio.wait([t for t in (task, stopped) if t], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if stopped is not None:
+            stopped.cancel()
+    if not task.done():
+        task.cancel()
+        task.add_done_callback(_ignore_outcome)
+        stop.check()
+        log.warning("%s took longer than --net-timeout %.1fs; going on without it", what, timeout)
+        return None
+    try:
+        return task.result()
+    except Exception as exc:
+        log.warning("%s failed: %s", what, exc)
+    return None
