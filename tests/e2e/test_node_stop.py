@@ -20,9 +20,10 @@ from conftest import REPO, free_port, live_metrics, newest_checkpoint, node_env,
 
 pytestmark = pytest.mark.timeout(600)
 
-# Rounds of a few seconds, most of it generation (256 tokens), and a GRPO update in every round.
+# Rounds of a second or two, most of it generation (128 tokens: long enough to be signalled mid-way),
+# and a GRPO update in every round.
 ARGS = ["--model", "tiny-random", "--tasks", "smoke", "--generations", "6", "--num-local", "3",
-        "--max-new-tokens", "256", "--seed", "4", "--checkpoint-every", "10"]
+        "--max-new-tokens", "128", "--seed", "4", "--checkpoint-every", "10"]
 HANG_GUARD_S = 120  # not a speed target (scripts/bench_stop.py measures that): only "it did not hang"
 
 

@@ -21,6 +21,8 @@ the trainer forms pi_old with the training model (node/learn/trainer.py).
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -291,7 +293,29 @@ def _template_for(model_name: str, tokenizer: PreTrainedTokenizerBase) -> Path:
 
 
 def embedded_model_tokens() -> list[str]:
+    """The embedded model's vocabulary. Parsing a GGUF's metadata costs seconds of CPU (its 49k tokens and
+    merges), and every node on another model pays it once to learn the engine cannot serve it, so the list
+    is kept beside the cached models, keyed by the file's path, size and time (a new file, a new list)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(embedded_model_path()))
-    return reader.fields["tokenizer.ggml.tokens"].contents()
+    from node.learn.packaged import cache_dir
+
+    path = embedded_model_path()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = cache_dir() / f"gguf-tokens-{key}.json"
+    try:
+        tokens = json.loads(cached.read_text())
+        if isinstance(tokens, list) and all(isinstance(t, str) for t in tokens):
+            return tokens
+    except (OSError, ValueError):
+        pass  # not cached yet, or unreadable: parse the file
+    tokens = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].contents()
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(tokens))
+        tmp.replace(cached)  # whole or absent: concurrent nodes may write it at once
+    except OSError:
+        pass  # a read-only cache only costs the parse again
+    return tokens
