@@ -100,14 +100,24 @@ def model_path(name: str, assemble: bool = True) -> Path:
 
 
 def converted_dir(name: str) -> Path | None:
-    """Where an assembled model is kept in transformers' own format once loaded (policy.load_model): reading
-    it takes seconds, where de-quantising the GGUF and converting its 262k-token vocabulary takes a minute.
-    None for models read from their package directly."""
+    """Where a packaged model is kept in transformers' own format once loaded (policy.load_model): reading
+    it takes seconds, where de-quantising a GGUF and converting its vocabulary takes 15 s (SmolLM2's 49k
+    tokens) to a minute (Gemma's 262k). A chunked model is keyed by the checksum it ships, a single file by
+    `file_key`. None where the package is missing."""
     m = PACKAGED[name]
     home = package_dir(m.module)
-    if not m.parts or home is None:
+    if home is None:
         return None
+    if not m.parts:
+        return _model_cache(file_key(home / m.gguf)) / "transformers" if (home / m.gguf).exists() else None
     return _model_cache(_expected_sha256(home / m.checksums, m.gguf)) / "transformers"
+
+
+def file_key(path: Path) -> str:
+    """A cheap identity of a file for what is derived from it and cached (its path, size and modification
+    time; hashing 270 MB each start would cost a second): another file or a reinstall, another key."""
+    stat = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
 
 
 def _model_cache(digest: str) -> Path:

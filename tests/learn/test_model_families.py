@@ -168,3 +168,23 @@ def test_a_local_group_in_the_completion_format_is_what_a_chatml_peer_trains_on(
     for seq, text in zip(to_sequences([received], chat_tok, chat_prompter, scale_std=True), sampled.texts):
         assert chat_tok.decode(seq.completion_ids, skip_special_tokens=True) == text
         assert chat_tok.decode(seq.prompt_ids).startswith("<|im_start|>system\n")
+
+
+@pytest.mark.slow
+def test_the_default_model_is_converted_once_and_reloads_identically(tmp_path, monkeypatch):
+    """The embedded GGUF is de-quantised and its vocabulary converted on the first load (about 15 s of CPU),
+    kept in transformers' format beside the cache, and read from there afterwards: same weights, same
+    tokenizer, same chat prompt."""
+    monkeypatch.setenv("SAPO_MODEL_CACHE", str(tmp_path))
+    converted = packaged.converted_dir("default")
+    assert converted is not None and str(converted).startswith(str(tmp_path)) and not converted.exists()
+    loads = []
+    for _ in range(2):
+        model, tok = load_model("default", torch.device("cpu"))
+        prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
+                                         add_generation_prompt=True)
+        loads.append((model.state_dict(), tok(prompt)["input_ids"], prompt, len(tok), tok.pad_token))
+        assert (converted / "config.json").exists()  # written by the first load, read by the second
+    (first, *rest), (second, *rest2) = loads
+    assert rest == rest2
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)

@@ -21,7 +21,6 @@ the trainer forms pi_old with the training model (node/learn/trainer.py).
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -298,12 +297,10 @@ def embedded_model_tokens() -> list[str]:
     is kept beside the cached models, keyed by the file's path, size and time (a new file, a new list)."""
     import gguf
 
-    from node.learn.packaged import cache_dir
+    from node.learn.packaged import cache_dir, file_key
 
     path = embedded_model_path()
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = cache_dir() / f"gguf-tokens-{key}.json"
+    cached = cache_dir() / f"gguf-tokens-{file_key(path)[:16]}.json"
     try:
         tokens = json.loads(cached.read_text())
         if isinstance(tokens, list) and all(isinstance(t, str) for t in tokens):
