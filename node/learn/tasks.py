@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-import reasoning_gym
-
 from node.learn.content import CONTENT_KEYS, is_reserved
+from node.learn.lazy import import_lazily
+
+import_lazily("cellpylib")  # before reasoning_gym imports it (and matplotlib), for datasets no preset asks for
+import reasoning_gym  # noqa: E402
 
 # Every dataset is created with this size; items depend only on (seed, index), so any index below it is
 # regenerable by any node (see docs/PROTOCOL.md).

@@ -1,0 +1,37 @@
+"""Import a module only when it is first used.
+
+reasoning_gym imports every dataset module when it is imported, and two of them (game_of_life and its
+halting variant) import cellpylib, which imports matplotlib: 0.7 s of CPU at each node start for datasets no
+preset asks for. A stand-in registered under the module's name takes `import cellpylib as cpl`; the first
+attribute read from it imports the real module, which then replaces the stand-in everywhere it is looked up
+(so a task mix that does use those datasets gets the real thing).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+
+
+class _StandIn(types.ModuleType):
+    def __getattr__(self, attr: str):  # only for names the stand-in lacks: all but the module basics
+        name = self.__name__
+        if sys.modules.get(name) is self:
+            del sys.modules[name]
+        real = importlib.import_module(name)
+        self.__dict__.update({k: v for k, v in vars(real).items() if k not in ("__class__",)})
+        return getattr(real, attr)
+
+
+def import_lazily(name: str) -> None:
+    """Register a stand-in for `name` unless it is imported already or not installed."""
+    if name in sys.modules:
+        return
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        return
+    stand_in = _StandIn(name)
+    stand_in.__spec__ = spec
+    sys.modules[name] = stand_in
