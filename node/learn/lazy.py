@@ -21,7 +21,7 @@ class _StandIn(types.ModuleType):
         if sys.modules.get(name) is self:
             del sys.modules[name]
         real = importlib.import_module(name)
-        self.__dict__.update({k: v for k, v in vars(real).items() if k not in ("__class__",)})
+        self.__dict__.update(vars(real))
         return getattr(real, attr)
 
 
