@@ -18,6 +18,7 @@ import time
 from node.learn.stop import StopRequest
 from node.ops.config import ConfigError, NodeConfig, build_parser, load_config  # noqa: F401 (build_parser: the parser of sapo-node)
 from node.ops.metrics import METRICS_FILE, setup_logging
+from node.ops.quick_exit import exit_without_teardown
 from node.ops.runlock import RunDirBusy, RunDirLock
 from node.ops.stacks import install_stack_dumps
 
@@ -190,5 +191,10 @@ async def _serve(node, cfg: NodeConfig, signals: StopSignals) -> None:
             await status.stop()
 
 
+def run() -> None:
+    """The `sapo-node` command: main(), then an exit without the interpreter's 2 s teardown of torch."""
+    exit_without_teardown(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

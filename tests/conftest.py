@@ -80,11 +80,16 @@ def run_node(*args: str, timeout: float = 240, **env: str) -> subprocess.Complet
                           capture_output=True, text=True, timeout=timeout)
 
 
+# Node runs that do not test the evaluation skip it: two evaluations (after round 0 and the last round) would
+# cost more than a short run's rounds. A test that wants one passes --eval-every again (the last flag wins).
+NO_EVAL = ["--eval-every", "0"]
+
+
 @pytest.fixture
 def tiny_args():
     """A fast solo configuration on the tiny random model."""
     return ["--model", "tiny-random", "--tasks", "smoke", "--generations", "4", "--num-local", "2",
-            "--max-new-tokens", "8", "--seed", "3"]
+            "--max-new-tokens", "8", "--seed", "3", *NO_EVAL]
 
 
 # ---------------------------------------------------------------- real swarms: bootstrap and node subprocesses
@@ -93,7 +98,7 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 MANY_ROUNDS = "100000"
 FETCH_TIMEOUT_S = 30.0  # bare transports in tests: see transport()  # never reached: the test stops peers with SIGTERM
 TINY = ["--tasks", "smoke", "--num-local", "2", "--num-external", "4", "--generations", "4",
-        "--max-new-tokens", "8", "--rounds", MANY_ROUNDS]
+        "--max-new-tokens", "8", "--rounds", MANY_ROUNDS, *NO_EVAL]
 
 
 class Proc:

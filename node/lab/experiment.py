@@ -40,6 +40,7 @@ from pathlib import Path
 
 from node import __version__
 from node.cli import REPEAT_WINDOW_S
+from node.ops.quick_exit import exit_without_teardown
 from node.lab.runspec import PRESETS, RunSpec, parse_peer_args, slug
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.ops.config import default_lr
@@ -339,5 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run() -> None:
+    """The `sapo-experiment` command: main(), then an exit without the interpreter's teardown of torch."""
+    exit_without_teardown(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -33,5 +33,10 @@ def import_lazily(name: str) -> None:
     if spec is None:
         return
     stand_in = _StandIn(name)
-    stand_in.__spec__ = spec
+    # what a scan of sys.modules reads (inspect.getmodule reads every module's __file__; torch does it at
+    # import) must not import the real module
+    stand_in.__spec__, stand_in.__file__, stand_in.__loader__ = spec, spec.origin, spec.loader
+    stand_in.__package__ = name if spec.submodule_search_locations is not None else name.rpartition(".")[0]
+    if spec.submodule_search_locations is not None:
+        stand_in.__path__ = list(spec.submodule_search_locations)
     sys.modules[name] = stand_in

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, live_metrics, newest_checkpoint, node_env, run_node
+from conftest import NO_EVAL, REPO, free_port, live_metrics, newest_checkpoint, node_env, run_node
 
 pytestmark = pytest.mark.timeout(600)
 
 # Rounds of a second or two, most of it generation (128 tokens: long enough to be signalled mid-way),
 # and a GRPO update in every round.
 ARGS = ["--model", "tiny-random", "--tasks", "smoke", "--generations", "6", "--num-local", "3",
-        "--max-new-tokens", "128", "--seed", "4", "--checkpoint-every", "10"]
+        "--max-new-tokens", "128", "--seed", "4", "--checkpoint-every", "10", *NO_EVAL]
 HANG_GUARD_S = 120  # not a speed target (scripts/bench_stop.py measures that): only "it did not hang"
 
 
