@@ -9,7 +9,9 @@ question. docs/RESULTS.md defines a collapsed peer by exactly these two signs:
 A base model that has learned nothing yet can meet that definition at round 0 (on `cpu-learn` it does),
 so the guard judges a policy against its own best evaluation, not against the definition alone: it acts
 when an evaluation is collapsed by the definition AND clearly worse than the best one so far (accuracy
-down by `drop`, or distinct answers down to under half of the best's). The best evaluation is the
+down by `drop`; or below the constant-answer baseline itself and down by `margin`, the babbling kind of
+collapse, where greedy answers become more varied than the gold answers and worse than one fixed guess; or
+distinct answers down to under half of the best's). The best evaluation is the
 restore point: the node snapshots its weights there, and on a collapse it puts them back and multiplies
 its learning rate by `lr_factor`. The guard only decides; the node does the saving and restoring.
 
@@ -111,6 +113,9 @@ class CollapseGuard:
         if best.accuracy - e.accuracy >= self.cfg.drop:
             return (f"held-out accuracy {e.accuracy:.3f} is within {self.cfg.margin} of the constant answer "
                     f"({e.baseline:.3f}) and {best.accuracy - e.accuracy:.3f} below round {best.round}'s")
+        if e.accuracy < e.baseline and best.accuracy - e.accuracy >= self.cfg.margin:
+            return (f"held-out accuracy {e.accuracy:.3f} is below the constant answer's ({e.baseline:.3f}) and "
+                    f"{best.accuracy - e.accuracy:.3f} below round {best.round}'s")
         if e.distinct < 0.5 * best.distinct:
             return (f"distinct greedy answers fell to {e.distinct:.3f} from {best.distinct:.3f} at round "
                     f"{best.round} (gold answers: {e.distinct_gold:.3f})")

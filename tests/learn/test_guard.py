@@ -34,6 +34,23 @@ def test_collapse_straight_from_the_base_model_is_caught_by_its_answers():
     assert v.action == "restore" and v.restored_to == 0 and "distinct" in v.reason
 
 
+def test_babbling_below_the_constant_answer_is_caught_from_a_weak_best():
+    # RESULTS 7, lr 1e-4 seed 100, peer kept by the first guard: best 0.175 at round 0 (itself within the
+    # margin), then 0.104 with nearly every greedy answer different, under the constant answer's 0.137
+    g = CollapseGuard()
+    g.judge(ev(0, 0.175, distinct=0.14, baseline=0.137, gold=0.3))
+    v = g.judge(ev(29, 0.104, distinct=0.84, baseline=0.137, gold=0.3))
+    assert v.action == "restore" and v.restored_to == 0 and "below the constant answer" in v.reason
+    # the same fall that stays above the constant answer is the margin's business, not this rule's
+    g = CollapseGuard()
+    g.judge(ev(0, 0.175, distinct=0.14, baseline=0.137, gold=0.3))
+    assert g.judge(ev(29, 0.14, distinct=0.84, baseline=0.137, gold=0.3)).action == "keep"
+    # below the constant answer but barely below the best: noise, not a collapse from it
+    g = CollapseGuard()
+    g.judge(ev(0, 0.13, distinct=0.14, baseline=0.137, gold=0.3))
+    assert g.judge(ev(29, 0.10, distinct=0.84, baseline=0.137, gold=0.3)).action == "keep"
+
+
 def test_a_collapse_is_never_the_restore_point_even_when_its_accuracy_is_higher():
     g = CollapseGuard()
     g.judge(ev(0, 0.0, distinct=0.5, baseline=0.25, gold=0.9))  # the base answers varied, all wrong
