@@ -7,7 +7,7 @@ import sys
 import time
 import pytest
 
-from conftest import REPO, live_metrics, node_env
+from conftest import NO_EVAL, REPO, live_metrics, node_env
 from helpers_learning import check_records
 from tbread import read_scalars
 
@@ -32,7 +32,7 @@ def external_used(peer_dirs) -> int:
 @pytest.mark.slow
 def test_preset_over_dht_resumes_after_ctrl_c(tmp_path):
     exp = tmp_path / "exp"
-    cmd = experiment("2/2", "--rounds", "12", "--out", str(exp), *TINY)
+    cmd = experiment("2/2", "--rounds", "12", "--out", str(exp), *TINY, *NO_EVAL)
     run = exp / "2-2" / "seed0"
     peers = [run / "peer0", run / "peer1"]
 
