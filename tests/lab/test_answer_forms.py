@@ -1,0 +1,23 @@
+"""scripts/answer_forms.py: equation answers are found, and read as their result with the node's own scorer."""
+
+import importlib.util
+
+from conftest import REPO
+from node.learn.tasks import eval_tasks, resolve_mix, score
+
+spec = importlib.util.spec_from_file_location("answer_forms", REPO / "scripts" / "answer_forms.py")
+answer_forms = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(answer_forms)
+
+
+def test_equations_read_as_their_result():
+    assert answer_forms.result_of("3 - 2 = 1") == "1" and answer_forms.result_of("7") is None
+    tasks = eval_tasks(resolve_mix("cpu-learn"), 4)
+    golds = [t.answer for t in tasks]
+    answers = [f"x = {golds[0]}", "x = none", golds[2], "none"]
+    # as the node scores them: the plain right answer 1, the equation with the right result only partly
+    node = [score(t, a) for t, a in zip(tasks, answers)]
+    assert node[2] == 1.0 and 0 < node[0] < 1 and node[1] == node[3] == 0
+    f = answer_forms.forms(answers, tasks)
+    assert f["equation_share"] == 0.5 and f["equation_result_right"] == 0.5
+    assert f["read_as_result"] == 0.5  # the right equation now scores 1, the wrong one still 0
