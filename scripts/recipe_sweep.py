@@ -1,11 +1,12 @@
 """The recipe sweep of docs/RESULTS.md section 7: run its cells, and apply its rule to what they show.
 
     python scripts/recipe_sweep.py run [--part 0/2] [--settings lr1e-4-b0 ...] [--seeds 100 101 102]
-    python scripts/recipe_sweep.py summarize [--data docs/data/recipe-sweep] [--json out.json]
+    python scripts/recipe_sweep.py summarize [--data docs/data/recipe-sweep-v3] [--json out.json]
 
 `run` runs each (setting, seed) cell as one `sapo-experiment 4/0` in memory mode (resumable: a finished cell
 is skipped, an unfinished one continues from its checkpoints) and copies a finished cell's run.json and
-peer*/metrics.jsonl to docs/data/recipe-sweep/<setting>/4-0/seed<k>/, where `sapo-report` reads them too.
+peer*/metrics.jsonl to docs/data/recipe-sweep-v3/<setting>/4-0/seed<k>/ (cpu-learn v3, RESULTS 7a; the v2
+cells stay in docs/data/recipe-sweep/, `summarize --data` reads them), where `sapo-report` reads them too.
 `--part i/n` takes every n-th cell, so n processes share the grid on n cores.
 
 `summarize` reads the committed cells and applies the rule written before the sweep: among settings with
@@ -124,11 +125,11 @@ def main() -> int:
     r.add_argument("--part", default="0/1", help="i/n: every n-th cell starting at i")
     r.add_argument("--settings", nargs="*", default=None, help="names from the grid (default: all)")
     r.add_argument("--seeds", nargs="*", type=int, default=SEEDS)
-    r.add_argument("--runs", default="runs/recipe-sweep", help="where the run dirs live (not committed)")
-    r.add_argument("--data", default=str(REPO / "docs/data/recipe-sweep"))
+    r.add_argument("--runs", default="runs/recipe-sweep-v3", help="where the run dirs live (not committed)")
+    r.add_argument("--data", default=str(REPO / "docs/data/recipe-sweep-v3"))
     r.add_argument("--engine", default="auto", help="--rollout-engine of every peer")
     s = sub.add_parser("summarize")
-    s.add_argument("--data", default=str(REPO / "docs/data/recipe-sweep"))
+    s.add_argument("--data", default=str(REPO / "docs/data/recipe-sweep-v3"))
     s.add_argument("--json", default=None)
     args = parser.parse_args()
     return run_cells(cells(args), REPO, "sweep") if args.cmd == "run" else summarize(args)

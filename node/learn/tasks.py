@@ -78,9 +78,17 @@ class Task:
     entry: dict[str, Any]
 
 
+# Keys of a dataset's config that this node reads and reasoning-gym never sees. They are part of the task spec
+# (on the wire too), so sender and receiver score a task alike, and a mix that sets one is another task set.
+ANSWER_RULE = "answer_rule"
+ANSWER_RULES = ("exact", "result")
+NODE_KEYS = frozenset({ANSWER_RULE})
+
+
 @lru_cache(maxsize=256)
 def _dataset(name: str, config: tuple, seed: int):
-    return reasoning_gym.create_dataset(name, seed=seed, size=DATASET_SIZE, **_thaw(config))
+    return reasoning_gym.create_dataset(name, seed=seed, size=DATASET_SIZE,
+                                        **{k: v for k, v in _thaw(config).items() if k not in NODE_KEYS})
 
 
 class TaskError(ValueError):
@@ -98,10 +106,20 @@ def regenerate(spec: TaskSpec) -> Task:
     return Task(spec=spec, question=entry["question"], answer=str(entry["answer"]), entry=entry)
 
 
+def read_answer(answer: str, rule: str) -> str:
+    """The answer the scorer sees. `exact`: as written. `result`: an equation ("4 + 9 = 13") is read as its
+    result, the text after its last "=" (docs/RESULTS.md 7a: reasoning-gym pays an equation that contains the
+    right result only a fraction, so a policy that writes the sum out, mostly rightly, looked collapsed)."""
+    if rule == "result" and "=" in answer:
+        return answer.rsplit("=", 1)[1].strip()
+    return answer
+
+
 def score(task: Task, answer: str | None) -> float:
-    """reasoning-gym's own scorer on the extracted answer; no answer scores 0."""
+    """reasoning-gym's own scorer on the extracted answer, read by the task's answer rule; no answer scores 0."""
     if answer is None:
         return 0.0
+    answer = read_answer(answer, str(dict(task.spec.config).get(ANSWER_RULE, "exact")))
     try:
         value = float(_dataset(task.spec.dataset, task.spec.config, task.spec.seed).score_answer(answer, task.entry))
     except Exception:
@@ -214,14 +232,17 @@ PRESETS: dict[str, TaskMix] = {
     # Chosen by the task survey's rule (docs/RESULTS.md section 6): guessing pays little (constant-answer
     # baseline <= 0.15), sampling solves clearly more than greedy decoding (pass@8 - pass@1 >= 0.20),
     # right answers are spread, completions short. Same prompt as cpu-easy (measured there). A fifth of its
-    # arithmetic facts is reserved for the unseen evaluation (docs/RESULTS.md, "cpu-learn v2").
+    # arithmetic facts is reserved for the unseen evaluation (docs/RESULTS.md, "cpu-learn v2"). v3: an answer
+    # written as an equation is read by its result (RESULTS 7a); a v2 peer's tasks differ in config, so neither
+    # takes the other's groups.
     "cpu-learn": TaskMix(
         name="cpu-learn",
         datasets={
             "basic_arithmetic": {"weight": 1.0, "config": {
                 "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
-                "allow_parentheses": False, "allow_negation": False}},
-            "chain_sum": {"weight": 1.0, "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}},
+                "allow_parentheses": False, "allow_negation": False, ANSWER_RULE: "result"}},
+            "chain_sum": {"weight": 1.0, "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+                                                    ANSWER_RULE: "result"}},
         },
         system_prompt=CPU_EASY_SYSTEM_PROMPT,
         answer_prefix="<answer>",
@@ -293,6 +314,9 @@ def validate_mix(mix: TaskMix) -> None:
             raise TaskError(f"unknown reasoning-gym dataset {name!r} (presets: {', '.join(PRESETS)})")
         if float(entry.get("weight", 1.0)) <= 0:
             raise TaskError(f"dataset {name!r} needs a positive weight")
+        rule = entry.get("config", {}).get(ANSWER_RULE, "exact")
+        if rule not in ANSWER_RULES:
+            raise TaskError(f"dataset {name!r}: answer_rule {rule!r} is not one of {', '.join(ANSWER_RULES)}")
         regenerate(TaskSpec.make(name, entry.get("config", {}), 0, 0))
 
 
