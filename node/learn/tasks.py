@@ -78,10 +78,8 @@ class Task:
     entry: dict[str, Any]
 
 
-# Keys of a dataset's config that this node reads and reasoning-gym never sees. They are part of the task spec
-# (on the wire too), so sender and receiver score a task alike, and a mix that sets one is another task set.
-ANSWER_RULE = "answer_rule"
-ANSWER_RULES = ("exact", "result")
+# A dataset config's key that reasoning-gym never sees: it travels in the task spec, so sender and receiver score alike
+ANSWER_RULE, ANSWER_RULES = "answer_rule", ("exact", "result")
 NODE_KEYS = frozenset({ANSWER_RULE})
 
 
@@ -107,9 +105,8 @@ def regenerate(spec: TaskSpec) -> Task:
 
 
 def read_answer(answer: str, rule: str) -> str:
-    """The answer the scorer sees. `exact`: as written. `result`: an equation ("4 + 9 = 13") is read as its
-    result, the text after its last "=" (docs/RESULTS.md 7a: reasoning-gym pays an equation that contains the
-    right result only a fraction, so a policy that writes the sum out, mostly rightly, looked collapsed)."""
+    """The answer the scorer sees. `exact`: as written. `result`: an equation ("4 + 9 = 13") as its result, the
+    text after its last "=" (reasoning-gym pays the equation only a fraction: docs/RESULTS.md 7a)."""
     if rule == "result" and "=" in answer:
         return answer.rsplit("=", 1)[1].strip()
     return answer
@@ -232,9 +229,8 @@ PRESETS: dict[str, TaskMix] = {
     # Chosen by the task survey's rule (docs/RESULTS.md section 6): guessing pays little (constant-answer
     # baseline <= 0.15), sampling solves clearly more than greedy decoding (pass@8 - pass@1 >= 0.20),
     # right answers are spread, completions short. Same prompt as cpu-easy (measured there). A fifth of its
-    # arithmetic facts is reserved for the unseen evaluation (docs/RESULTS.md, "cpu-learn v2"). v3: an answer
-    # written as an equation is read by its result (RESULTS 7a); a v2 peer's tasks differ in config, so neither
-    # takes the other's groups.
+    # arithmetic facts is reserved for the unseen evaluation (docs/RESULTS.md, "cpu-learn v2"). v3: an equation
+    # answer is read by its result (RESULTS 7a); v2 and v3 configs differ, so neither takes the other's groups.
     "cpu-learn": TaskMix(
         name="cpu-learn",
         datasets={
