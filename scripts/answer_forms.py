@@ -21,14 +21,15 @@ import orjson
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from node.learn.tasks import Task, eval_tasks, resolve_mix, score  # noqa: E402
+from node.learn.tasks import Task, eval_tasks, read_answer, resolve_mix, score  # noqa: E402
 
 
 def result_of(answer: str) -> str | None:
-    """The right-hand side of an equation answer, or None for an answer that is not one."""
+    """The right-hand side of an equation answer, or None for an answer that is not one: the node's `result`
+    rule, and a trailing full stop dropped too (`6 - 9 = 1.`), which the node's rule keeps."""
     if answer is None or "=" not in answer:
         return None
-    return answer.rsplit("=", 1)[1].strip().rstrip(".").strip()
+    return read_answer(answer, "result").rstrip(".").strip()
 
 
 def forms(answers: list[str], tasks: list[Task]) -> dict:
