@@ -27,8 +27,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import reasoning_gym  # noqa: E402
 import torch  # noqa: E402
+
+from node.learn import gym  # noqa: E402
 
 from node.lab.survey import (EASIEST_OVERRIDES, FORMATS, SCREEN_TASKS, STAGES, PresetRule, choose_preset,  # noqa: E402
                              load_records, run_cells, stage_cells, summarize)
@@ -72,7 +73,7 @@ def main() -> None:
     from node.learn.policy import load_model, pick_device
 
     # hand-tuned datasets (short answers, arithmetic and counting) first: the likely useful ones
-    everything = list(EASIEST_OVERRIDES) + sorted(set(reasoning_gym.factory.DATASETS) - set(EASIEST_OVERRIDES))
+    everything = list(EASIEST_OVERRIDES) + sorted(set(gym.datasets()) - set(EASIEST_OVERRIDES))
     names = [n for n in (args.datasets.split(",") if args.datasets else everything) if n and n not in SKIP]
     model, tok = load_model(args.model, pick_device("auto"))
     engine = None

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-import reasoning_gym
 import torch
 
+from node.learn import gym
 from node.learn.evaluate import constant_answer_baseline, greedy_texts
 from node.learn.groups import Prompter, score_responses
 from node.learn.policy import SamplingConfig, sample_groups
@@ -99,7 +99,7 @@ EASIEST_OVERRIDES: dict[str, dict[str, Any]] = {
 
 def default_config(name: str) -> dict[str, Any]:
     """The dataset's own defaults, as plain values (the 'harder' level)."""
-    _, config_cls = reasoning_gym.factory.DATASETS[name]
+    _, config_cls = gym.datasets()[name]
     return {f.name: _plain(getattr(config_cls(), f.name)) for f in dataclasses.fields(config_cls)
             if f.name not in ("seed", "size")}
 

@@ -15,10 +15,7 @@ from functools import lru_cache
 from typing import Any
 
 from node.learn.content import CONTENT_KEYS, is_reserved
-from node.learn.lazy import import_lazily
-
-import_lazily("cellpylib")  # before reasoning_gym imports it (and matplotlib), for datasets no preset asks for
-import reasoning_gym  # noqa: E402
+from node.learn import gym
 
 # Every dataset is created with this size; items depend only on (seed, index), so any index below it is
 # regenerable by any node (see docs/PROTOCOL.md).
@@ -85,8 +82,8 @@ NODE_KEYS = frozenset({ANSWER_RULE})
 
 @lru_cache(maxsize=256)
 def _dataset(name: str, config: tuple, seed: int):
-    return reasoning_gym.create_dataset(name, seed=seed, size=DATASET_SIZE,
-                                        **{k: v for k, v in _thaw(config).items() if k not in NODE_KEYS})
+    return gym.create_dataset(name, seed=seed, size=DATASET_SIZE,
+                              **{k: v for k, v in _thaw(config).items() if k not in NODE_KEYS})
 
 
 class TaskError(ValueError):
@@ -300,13 +297,12 @@ def resolve_mix(value: str | dict[str, Any]) -> TaskMix:
 
 
 def validate_mix(mix: TaskMix) -> None:
-    known = set(reasoning_gym.factory.DATASETS)
     if not mix.datasets:
         raise TaskError("task mix is empty")
     if not 0 <= mix.unseen_share < 1:
         raise TaskError(f"unseen_share must be in [0, 1) (got {mix.unseen_share})")
     for name, entry in mix.datasets.items():
-        if name not in known:
+        if not gym.is_dataset(name):
             raise TaskError(f"unknown reasoning-gym dataset {name!r} (presets: {', '.join(PRESETS)})")
         if float(entry.get("weight", 1.0)) <= 0:
             raise TaskError(f"dataset {name!r} needs a positive weight")
