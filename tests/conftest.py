@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from p2p.identity import KEY_FILENAME, Identity
 from p2p.transport import SwarmTransport, TransportConfig
 from p2p.wire import TaskSpecWire, WireGroup
 
+import forkserver
 from ci_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks: loud skips in CI)
 
 
@@ -76,8 +78,22 @@ def newest_checkpoint(run_dir: Path) -> int | None:
 
 
 def run_node(*args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "node.cli", *args], cwd=REPO, env=node_env(**env),
-                          capture_output=True, text=True, timeout=timeout)
+    """`python -m node.cli ARGS` to its end (from the preloaded interpreter: tests/forkserver.py)."""
+    argv = ["-m", "node.cli", *args]
+    if not forkserver.ENABLED:
+        return subprocess.run([sys.executable, *argv], cwd=REPO, env=node_env(**env), capture_output=True,
+                              text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="run-node-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        child = forkserver.spawn(argv, REPO, node_env(**env), out, err)
+        try:
+            child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(30)
+            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, out.read_bytes(), err.read_bytes())
+        return subprocess.CompletedProcess([sys.executable, *argv], child.returncode,
+                                           out.read_text(errors="replace"), err.read_text(errors="replace"))
 
 
 # Node runs that do not test the evaluation skip it: two evaluations (after round 0 and the last round) would
@@ -108,8 +124,11 @@ class Proc:
         self.out = out
         self.dumps_stacks = args[:2] == ["-m", "node.cli"]  # sapo-node registers SIGUSR1 (faulthandler)
         self._fh = open(out, "ab")
-        self.p = subprocess.Popen([sys.executable, *args], cwd=REPO, env=node_env(), stdout=self._fh,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+        if forkserver.ENABLED:  # the same process, started from a preloaded interpreter (tests/forkserver.py)
+            self.p = forkserver.spawn(args, REPO, node_env(), out)
+        else:
+            self.p = subprocess.Popen([sys.executable, *args], cwd=REPO, env=node_env(), stdout=self._fh,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def alive(self) -> bool:
         return self.p.poll() is None

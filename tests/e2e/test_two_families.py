@@ -2,9 +2,9 @@
 Gemma 3 270M (a base model with another tokenizer and its own prompt format), a bootstrap peer and two
 `node.cli` peers on 127.0.0.1. Each trains on groups the other sampled, re-encoded in its own format.
 
-Short on purpose: the smoke mix (partial credit, so nearly every group carries a signal), G = 4, 8 new
-tokens, LoRA (no full Adam state for 268M parameters), no held-out evaluation; the peers are stopped with
-SIGTERM as soon as both have trained on the other's groups.
+Short on purpose: the smoke mix (partial credit, so nearly every group carries a signal), one local group
+of G = 4, 8 new tokens, LoRA (no full Adam state for 268M parameters), no held-out evaluation; the peers are
+stopped with SIGTERM as soon as both have trained on the other's groups.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ pytestmark = [
                        "(scripts/test.sh installs them; or SAPO_MODELS=gemma3-270m bash scripts/setup.sh)"),
 ]
 
-FAST = ["--eval-every", "0", "--lora-rank", "4", "--checkpoint-every", "1000"]
+FAST = ["--eval-every", "0", "--lora-rank", "4", "--checkpoint-every", "1000", "--num-local", "1"]
 
 
 @pytest.mark.slow
