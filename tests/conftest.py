@@ -41,6 +41,7 @@ os.environ.setdefault("SAPO_POW_DIFFICULTY", "8")
 # The CPU recipe (README "Defaults") changes what an unset flag means on a CPU; tests name what they need
 # and run on the paper's defaults otherwise. tests/ops/test_recipe.py checks the recipe itself.
 os.environ.setdefault("SAPO_RECIPE", "none")
+forkserver.SERVER_ENV = dict(os.environ)  # the suite's environment, offline, whatever a test patches later
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,7 +81,7 @@ def newest_checkpoint(run_dir: Path) -> int | None:
 def run_node(*args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
     """`python -m node.cli ARGS` to its end (from the preloaded interpreter: tests/forkserver.py)."""
     argv = ["-m", "node.cli", *args]
-    if not forkserver.ENABLED:
+    if not forkserver.usable():
         return subprocess.run([sys.executable, *argv], cwd=REPO, env=node_env(**env), capture_output=True,
                               text=True, timeout=timeout)
     with tempfile.TemporaryDirectory(prefix="run-node-") as tmp:
@@ -124,7 +125,7 @@ class Proc:
         self.out = out
         self.dumps_stacks = args[:2] == ["-m", "node.cli"]  # sapo-node registers SIGUSR1 (faulthandler)
         self._fh = open(out, "ab")
-        if forkserver.ENABLED:  # the same process, started from a preloaded interpreter (tests/forkserver.py)
+        if forkserver.usable():  # the same process, started from a preloaded interpreter (tests/forkserver.py)
             self.p = forkserver.spawn(args, REPO, node_env(), out)
         else:
             self.p = subprocess.Popen([sys.executable, *args], cwd=REPO, env=node_env(), stdout=self._fh,

@@ -26,6 +26,10 @@ import time
 from pathlib import Path
 
 ENABLED = os.environ.get("SAPO_TEST_FORKSERVER", "1") != "0"
+# the environment the server imports its libraries in (huggingface_hub reads HF_HUB_OFFLINE at import):
+# conftest sets it to the suite's, so it is not that of whichever test, perhaps with a patched environment,
+# happens to start the first child
+SERVER_ENV: dict[str, str] | None = None
 
 
 class Forked:
@@ -71,8 +75,9 @@ class _Client:
         self.count = 0
         self.dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"sapo-forkserver-{os.getpid()}"
         self.dir.mkdir(parents=True, exist_ok=True)
+        env = SERVER_ENV or dict(os.environ)
         self.server = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       cwd=Path(__file__).resolve().parents[1], text=True, bufsize=1)
+                                       cwd=Path(__file__).resolve().parents[1], env=env, text=True, bufsize=1)
         ready = self.server.stdout.readline()
         if ready.strip() != "ready":
             raise RuntimeError(f"fork server did not start: {ready!r}")
@@ -101,14 +106,30 @@ class _Client:
 
 
 _client: _Client | None = None
+_failed: str | None = None
+
+
+def usable() -> bool:
+    """Is the server on (SAPO_TEST_FORKSERVER) and running? A server that cannot start is said once on
+    stderr, and the tests start fresh interpreters instead: slower, never wrong."""
+    global _client, _failed
+    if not ENABLED or _failed is not None:
+        return False
+    if _client is None:
+        try:
+            _client = _Client()
+        except Exception as exc:
+            _failed = f"{type(exc).__name__}: {exc}"
+            print(f"tests/forkserver.py: not used ({_failed}); starting fresh interpreters", file=sys.stderr)
+            return False
+    return True
 
 
 def spawn(argv: list[str], cwd: Path, env: dict, out: Path, err: Path | None = None) -> Forked:
     """`python *argv` (argv starts with -m MODULE or -c CODE), stdin empty, stdout appended to `out` and
     stderr to `err` (default: `out` too)."""
-    global _client
-    if _client is None:
-        _client = _Client()
+    if not usable():
+        raise RuntimeError(f"the fork server is not in use ({_failed or 'SAPO_TEST_FORKSERVER=0'})")
     return _client.spawn(argv, cwd, env, out, err)
 
 

@@ -14,6 +14,10 @@ import forkserver
 
 pytestmark = pytest.mark.skipif(not forkserver.ENABLED, reason="SAPO_TEST_FORKSERVER=0")
 
+
+def setup_module():
+    assert forkserver.usable(), "the fork server did not start (its reason is on stderr)"
+
 REPORT = """
 import json, os, signal, sys
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("PROBE"),
