@@ -78,15 +78,16 @@ def newest_checkpoint(run_dir: Path) -> int | None:
     return max(rounds, default=None)
 
 
-def run_node(*args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
-    """`python -m node.cli ARGS` to its end (from the preloaded interpreter: tests/forkserver.py)."""
-    argv = ["-m", "node.cli", *args]
+def run_python(argv: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python *argv` (-m MODULE or -c CODE, from the repo root) to its end, its output captured; started from
+    the preloaded interpreter (tests/forkserver.py) where it runs."""
+    env = node_env() if env is None else env
     if not forkserver.usable():
-        return subprocess.run([sys.executable, *argv], cwd=REPO, env=node_env(**env), capture_output=True,
-                              text=True, timeout=timeout)
-    with tempfile.TemporaryDirectory(prefix="run-node-") as tmp:
+        return subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="run-python-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        child = forkserver.spawn(argv, REPO, node_env(**env), out, err)
+        child = forkserver.spawn(argv, REPO, env, out, err)
         try:
             child.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -95,6 +96,11 @@ def run_node(*args: str, timeout: float = 240, **env: str) -> subprocess.Complet
             raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, out.read_bytes(), err.read_bytes())
         return subprocess.CompletedProcess([sys.executable, *argv], child.returncode,
                                            out.read_text(errors="replace"), err.read_text(errors="replace"))
+
+
+def run_node(*args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+    """`python -m node.cli ARGS` to its end."""
+    return run_python(["-m", "node.cli", *args], timeout, node_env(**env))
 
 
 # Node runs that do not test the evaluation skip it: two evaluations (after round 0 and the last round) would

@@ -14,12 +14,10 @@ peers: their test's docstring).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, live_metrics, node_env, prefix_of, run_node, sources
+from conftest import live_metrics, prefix_of, run_node, run_python, sources
 from helpers_learning import check_records
 
 ROUNDS = 5
@@ -69,11 +67,9 @@ def test_two_peers_learn_from_each_others_groups(tmp_path):
     0 and 1): reward 0.006-0.049 in round 0, 0.75-1.0 in round 4; held-out 0.04-0.53 -> 1.0. (At 5e-4, 2 + 2
     groups had only begun to rise by round 4; 4 + 4 learned but cost twice the time.)"""
     exp = tmp_path / "exp"
-    done = subprocess.run([sys.executable, "-m", "node.lab.experiment", "2/2", "--peers", "2", "--mode", "memory",
-                           "--seeds", "0", "--threads", "1", "--out", str(exp),
-                           *LEARN, "--lr", "1e-3",
-                           *[f"--node-arg={a}" for a in NODE_ONLY]],
-                          cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=540)
+    done = run_python(["-m", "node.lab.experiment", "2/2", "--peers", "2", "--mode", "memory", "--seeds", "0",
+                       "--threads", "1", "--out", str(exp), *LEARN, "--lr", "1e-3",
+                       *[f"--node-arg={a}" for a in NODE_ONLY]], timeout=540)
     assert done.returncode == 0, done.stderr[-3000:]
     peers = [live_metrics(exp / "2-2" / "seed0" / f"peer{p}") for p in range(2)]
     for p, records in enumerate(peers):

@@ -7,7 +7,7 @@ import sys
 import time
 import pytest
 
-from conftest import NO_EVAL, REPO, live_metrics, node_env
+from conftest import NO_EVAL, REPO, live_metrics, node_env, run_python
 from helpers_learning import check_records
 from tbread import read_scalars
 
@@ -56,7 +56,7 @@ def test_preset_over_dht_resumes_after_ctrl_c(tmp_path):
     assert any(len(r) < 12 for r in done_before), done_before  # it really stopped early
     assert all((p / "checkpoints").is_dir() for p in peers)  # each peer checkpointed on the way out
 
-    second = subprocess.run(cmd, cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=300)
+    second = run_python(cmd[1:], timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     meta = json.loads((run / "run.json").read_text())
     assert meta["status"] == "complete"
@@ -70,7 +70,7 @@ def test_preset_over_dht_resumes_after_ctrl_c(tmp_path):
 
     assert not list(run.glob("peer*/checkpoints")), "a finished run keeps no checkpoints by default"
 
-    third = subprocess.run(cmd, cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=120)
+    third = run_python(cmd[1:], timeout=120)
     assert third.returncode == 0 and "complete, skipped" in third.stderr, third.stderr[-2000:]
 
 
@@ -78,9 +78,8 @@ def test_preset_over_dht_resumes_after_ctrl_c(tmp_path):
 def test_memory_mode_comparison_then_report(tmp_path):
     """Silo vs swarm in the in-process round-robin mode, then `sapo-report` on the result."""
     exp = tmp_path / "exp"
-    done = subprocess.run(experiment("4/0", "2/2", "--mode", "memory", "--rounds", "3", "--out", str(exp), *TINY,
-                                     "--eval-every", "2", "--eval-size", "6"),
-                          cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=300)
+    done = run_python(experiment("4/0", "2/2", "--mode", "memory", "--rounds", "3", "--out", str(exp), *TINY,
+                                     "--eval-every", "2", "--eval-size", "6")[1:], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     silo = [rounds_of(exp / "4-0" / "seed0" / f"peer{p}") for p in range(2)]
     assert silo == [[0, 1, 2], [0, 1, 2]]
@@ -92,8 +91,7 @@ def test_memory_mode_comparison_then_report(tmp_path):
     for logdir in logdirs:
         assert [step for step, _ in read_scalars(exp / logdir)["reward/mean"]] == [0, 1, 2]
 
-    report = subprocess.run([sys.executable, "-m", "node.lab.report", str(exp), "--out", str(tmp_path / "report")],
-                            cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=120)
+    report = run_python(["-m", "node.lab.report", str(exp), "--out", str(tmp_path / "report")], timeout=120)
     assert report.returncode == 0, report.stderr[-2000:]
     text = (tmp_path / "report" / "report.md").read_text()
     assert "4/0" in text and "2/2" in text
@@ -110,10 +108,9 @@ def test_memory_mode_lora_peers_share_one_base(tmp_path):
     """Three LoRA peers in one process: one base model, an adapter (and optimizer) each, adapter-only
     checkpoints that name the same base; the learning rate follows the LoRA rule without --lr."""
     exp = tmp_path / "exp"
-    done = subprocess.run(experiment("2/2", "--mode", "memory", "--rounds", "2", "--out", str(exp), *TINY[:-4],
+    done = run_python(experiment("2/2", "--mode", "memory", "--rounds", "2", "--out", str(exp), *TINY[:-4],
                                      "--peers", "3", "--threads", "1", "--lora-rank", "2", "--eval-every", "0",
-                                     "--keep-run-checkpoints"),
-                          cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=300)
+                                     "--keep-run-checkpoints")[1:], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "3 peers share one base model, each with its own rank-2 LoRA adapter" in done.stderr
     run = exp / "2-2" / "seed0"
@@ -131,9 +128,8 @@ def test_memory_mode_usefulness_policy_moves_j_inside_the_nodes(tmp_path):
     """The adaptive split runs inside real nodes: with `usefulness`, I + J stays 4 and J leaves its
     starting 2 as the peers measure what the other's groups carry; no round trains on more than it chose."""
     exp = tmp_path / "exp"
-    done = subprocess.run(experiment("usefulness", "--mode", "memory", "--rounds", "8", "--out", str(exp), *TINY,
-                                     "--eval-every", "0"),
-                          cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=300)
+    done = run_python(experiment("usefulness", "--mode", "memory", "--rounds", "8", "--out", str(exp), *TINY,
+                                     "--eval-every", "0")[1:], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     peers = [live_metrics(exp / "usefulness" / "seed0" / f"peer{p}") for p in range(2)]
     for records in peers:

@@ -3,13 +3,12 @@ e.g. a veteran started from a trained adapter beside a fresh newcomer, in memory
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, live_metrics, node_env
+from conftest import live_metrics, run_python
 from node.lab.experiment import main
 from node.lab.runspec import RunSpec, parse_peer_args
 from node.ops.checkpoint import CheckpointStore
@@ -21,8 +20,7 @@ FAST = ["--tasks", "smoke", "--generations", "4", "--max-new-tokens", "8", "--th
 
 
 def experiment(*args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "node.lab.experiment", *args, *FAST], cwd=REPO, env=node_env(),
-                          capture_output=True, text=True, timeout=300)
+    done = run_python(["-m", "node.lab.experiment", *args, *FAST], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
