@@ -26,10 +26,22 @@ from ci_guard import pytest_make_collect_report, pytest_runtest_makereport  # no
 
 
 def pytest_collection_modifyitems(config, items):
-    """The `slow` tests first (stable otherwise): with `-n 2` (scripts/test.sh) the two workers start on the
-    long end-to-end runs and finish on the short ones, instead of one worker running a 2-minute test alone
-    at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The `slow` tests first on every worker. pytest-xdist's `worksteal` (scripts/test.sh) hands each of its
+    k workers one contiguous k-th of this list and lets an idle worker take the tail of a busy one's share: so
+    the slow tests are dealt round-robin to the heads of the k shares and the short ones fill the rest. Each
+    worker then starts on long end-to-end runs and ends on short tests, which it can share, instead of one
+    worker running a 2-minute test alone at the end."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    fast = [item for item in items if item.get_closest_marker("slow") is None]
+    shares = [slow[w::workers] for w in range(workers)]
+    sizes = [len(items) // workers] * (workers - 1) + [len(items) - (len(items) // workers) * (workers - 1)]
+    for share, size in zip(shares, sizes):
+        take = max(0, size - len(share))
+        share.extend(fast[:take])
+        del fast[:take]
+    shares[-1].extend(fast)  # whatever a share too full of slow tests left over
+    items[:] = [item for share in shares for item in share]
 
 
 os.environ["HF_HUB_OFFLINE"] = "1"
