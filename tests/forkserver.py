@@ -18,9 +18,11 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -73,8 +75,7 @@ class _Client:
     def __init__(self):
         self.lock = threading.Lock()
         self.count = 0
-        self.dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"sapo-forkserver-{os.getpid()}"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = Path(tempfile.mkdtemp(prefix="sapo-forkserver-"))  # the children's return codes
         env = SERVER_ENV or dict(os.environ)
         self.server = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        cwd=Path(__file__).resolve().parents[1], env=env, text=True, bufsize=1)
@@ -103,6 +104,7 @@ class _Client:
                 self.server.wait(10)
             except subprocess.TimeoutExpired:
                 self.server.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 _client: _Client | None = None
