@@ -1,5 +1,9 @@
-"""The experiments of docs/RESULTS.md section 8 (issue 30): a newcomer among veterans (8a) and two model
-families in one swarm (8b), cell by cell, resumable, each finished cell committed to docs/data/<experiment>/.
+"""The experiments that run the chosen CPU recipe, cell by cell, resumable, each finished cell committed to
+docs/data/<experiment>/: issue 29's validation of the recipe (docs/RESULTS.md section 7: 8 seeds at 4/0 and at
+2/2; its 100-round solo runs are 8a's veterans) and issue 30's experiments (section 8): a newcomer among
+veterans (8a) and two model families in one swarm (8b).
+
+    python scripts/sharing_pays.py run --experiment validation [--part 0/2]   # section 7: 16 cells, seeds 0-7
 
     python scripts/sharing_pays.py run --experiment veterans            # 8a's 4 veterans: 100 solo rounds each
     python scripts/sharing_pays.py run --experiment newcomer [--part 0/2] [--arms shares silo] [--seeds 0 1]
@@ -41,13 +45,17 @@ VETERAN_ROUNDS = 100
 VETERAN_SEEDS = [0, 1, 2, 3]  # solo runs; veteran p (peer p of a swarm cell) starts from VETERAN_SEEDS[p - 1]
 FAMILY_MODELS = "default,default,default,gemma3-270m,gemma3-270m"
 ARMS = {  # experiment -> arm -> (sapo-experiment configuration, its own flags)
+    "validation": {"shares": ("2/2", ["--rounds", str(ROUNDS), "--eval-every", "10"]),
+                   "silo": ("4/0", ["--rounds", str(ROUNDS), "--eval-every", "10"])},
     "veterans": {"solo": ("4/0", ["--peers", "1", "--rounds", str(VETERAN_ROUNDS), "--eval-every", "10",
                                   "--keep-run-checkpoints"])},
     "newcomer": {"shares": ("2/2", ["--peers", "5"]), "silo": ("4/0", ["--peers", "1"]),
                  "adaptive": ("usefulness", ["--peers", "5"])},
     "families": {"shares": ("2/2", ["--models", FAMILY_MODELS]), "silo": ("4/0", ["--models", FAMILY_MODELS])},
 }
-DEFAULT_ARMS = {"veterans": ["solo"], "newcomer": ["shares", "silo"], "families": ["shares", "silo"]}
+DATA_DIRS = {"veterans": "newcomer-veterans", "validation": "recipe-validation"}  # else the experiment's name
+DEFAULT_ARMS = {"validation": ["shares", "silo"], "veterans": ["solo"], "newcomer": ["shares", "silo"],
+                "families": ["shares", "silo"]}
 
 
 def recipe_flags(engine: str) -> list[str]:
@@ -91,7 +99,7 @@ def cell_command(experiment: str, arm: str, seed: int, args: argparse.Namespace)
 
 def cells(args: argparse.Namespace) -> list[Cell]:
     seeds = args.seeds if args.seeds is not None else (VETERAN_SEEDS if args.experiment == "veterans" else SEEDS)
-    data = Path(args.data) / ("newcomer-veterans" if args.experiment == "veterans" else args.experiment)
+    data = Path(args.data) / DATA_DIRS.get(args.experiment, args.experiment)
     out = []
     for seed in part_of(seeds, args.part):  # a process takes whole seeds, all arms: each pair completes in one
         for arm in args.arms or DEFAULT_ARMS[args.experiment]:

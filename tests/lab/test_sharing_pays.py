@@ -60,6 +60,18 @@ def test_families_and_veterans_cells_and_parts():
     assert pays.veteran_dirs(Path("runs/x")) == [c.run_dir / "peer0" for c in vets]
 
 
+def test_validation_cells_run_the_recipe_at_both_configurations_on_every_seed(monkeypatch):
+    monkeypatch.setitem(config.RECIPES, "cpu", {**config.RECIPES["cpu"], "lr": 5e-5})
+    cells = cells_of("validation", part="0/2")
+    assert [c.label for c in cells][:2] == ["validation shares seed 0", "validation silo seed 0"]
+    assert [int(c.label.split()[-1]) for c in cells] == [0, 0, 2, 2, 4, 4, 6, 6]
+    for cell, config_name in zip(cells[:2], ("2/2", "4/0")):
+        args, (counts, _, flags) = parsed(cell)
+        assert counts == {config_name: 5} and flags == {config_name: {}}  # 5 fresh peers, no veteran
+        assert args.rounds == 30 and args.eval_every == 10 and args.eval_size == 128 and args.lr == 5e-5
+        assert cell.dest == Path(f"data/recipe-validation/{config_name.replace('/', '-')}/seed0")
+
+
 def fake_cell(tmp_path, name, code="") -> Cell:
     """A command that writes what a finished sapo-experiment cell leaves (and counts its runs)."""
     run_dir = tmp_path / "runs" / name
