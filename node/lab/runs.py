@@ -13,6 +13,8 @@ from typing import Any, Iterable
 import numpy as np
 import orjson
 
+from node.learn.guard import EvalSummary
+
 _SEED_RE = re.compile(r"^seed[_-]?(\w+)$", re.IGNORECASE)
 IJ_RE = re.compile(r"^(\d+)\s*[/_-]\s*(\d+)$")
 PEER_RE = re.compile(r"^peer[-_]?\w*$", re.IGNORECASE)  # a peer's run dir: scripts/local_swarm.sh's ROOT/peer<i>
@@ -41,6 +43,7 @@ class PeerSeries:
     unseen_acc: np.ndarray = field(default_factory=lambda: np.array([]))  # the unseen set's (mixes split by content)
     unseen_baseline: float = float("nan")
     model: str | None = None  # last "model" logged (peers of a mixed swarm run different ones)
+    final_eval: EvalSummary | None = None  # its last held-out evaluation, as the collapse guard reads it
 
 
 @dataclass
@@ -174,6 +177,7 @@ def _read_metrics(path: Path, peer: str) -> tuple[PeerSeries | None, int, int]:
             entropy=col("entropy_mean"),
             # older runs logged only the local share
             signal_frac=np.where(np.isnan(sf := col("signal_frac")), col("local_signal_frac"), sf),
+            final_eval=next((e for o in reversed(recs) if (e := EvalSummary.from_record(int(o["round"]), o))), None),
         ),
         bad,
         dup,

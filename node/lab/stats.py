@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from node.lab.runs import IJ_RE, PeerSeries, Run, config_sort_key, seed_sort_key
+from node.learn.guard import collapsed
 
 
 def moving_average(x: np.ndarray, window: int) -> np.ndarray:
@@ -199,8 +200,11 @@ def learning_health(rs: Sequence[Run]) -> dict:
             out.update({f"{prefix}_{key}_by_seed": by_seed, f"{prefix}_{key}_mean": _fmean(list(by_seed.values())),
                         f"{prefix}_{key}_std": _fstd(list(by_seed.values()))})
     peers = [p for r in rs for p in r.peers]
+    finals = [p.final_eval for p in peers if p.final_eval is not None]
     return {
         **out,
+        "collapsed_final": sum(collapsed(e) for e in finals),  # peers collapsed at their last evaluation
+        "evaluated_peers": len(finals),
         "signal_frac_mean": _tail_mean([p.signal_frac for p in peers], 1.0),
         "signal_frac_last_quarter": _tail_mean([p.signal_frac for p in peers]),
         "entropy_mean": _tail_mean([p.entropy for p in peers], 1.0),

@@ -74,13 +74,22 @@ def heldout_section(summary: dict) -> list[str]:
             L.append(f"Constant-answer baseline of the unseen set: **{summary['unseen_baseline']:.4f}**.\n")
         L += heldout_table(summary, "unseen")
     L.append("## Collapse signs\n")
-    L.append("Share of groups (local and external) whose rewards differ, and the mean token entropy (nats) of "
-             "the sampled completions: over all rounds and over each agent's last quarter of rounds.\n")
-    L += md_table(["config", "groups with signal", "… last quarter", "token entropy", "… last quarter"], [
-        [c] + [num(per[c][k], ".3f") for k in ("signal_frac_mean", "signal_frac_last_quarter", "entropy_mean",
-                                                "entropy_last_quarter")] for c in summary["configs"]])
+    L.append("Agents collapsed at their last held-out evaluation (docs/RESULTS.md section 7: accuracy within 0.05 "
+             "of the constant-answer baseline, or distinct greedy answers under half of the gold answers' "
+             "share); the share of groups (local and external) whose rewards differ, and the mean token entropy "
+             "(nats) of the sampled completions: over all rounds and over each agent's last quarter of rounds.\n")
+    L += md_table(["config", "collapsed agents", "groups with signal", "… last quarter", "token entropy",
+                   "… last quarter"], [
+        [c, collapsed_cell(per[c])] + [num(per[c][k], ".3f") for k in (
+            "signal_frac_mean", "signal_frac_last_quarter", "entropy_mean", "entropy_last_quarter")]
+        for c in summary["configs"]])
     L.append(f"![held-out accuracy and collapse signs]({FIGURES['health']})\n")
     return L
+
+
+def collapsed_cell(d: dict) -> str:
+    """"k of n" agents collapsed at their last evaluation; a dash where none evaluated."""
+    return f"{d['collapsed_final']} of {d['evaluated_peers']}" if d.get("evaluated_peers") else "—"
 
 
 def heldout_table(summary: dict, prefix: str, figure: bool = True) -> list[str]:
@@ -135,11 +144,13 @@ def console_table(summary: dict) -> str:
     for prefix, title in (("eval", "held-out final"), ("unseen", "unseen final")):
         if not summary.get(f"has_{prefix}"):
             continue
-        rows.append(f"{head}{title:>18}{vs_head}")
+        rows.append(f"{head}{title:>18}{'collapsed' if prefix == 'eval' else '':>11}{vs_head}")
         for c, d in summary["per_config"].items():
             vs, ci, _ = vs_cells(d, f"{prefix}_final")
             tail = "" if base is None else f"{vs:>11}  {'' if vs == 'baseline' else ci}"
-            rows.append(f"{c:<16}{d['n_seeds']:>6}{agents[c]:>8}{num(d[f'{prefix}_final_mean'], '.3f'):>18}{tail}")
+            fallen = collapsed_cell(d) if prefix == "eval" else ""
+            rows.append(f"{c:<16}{d['n_seeds']:>6}{agents[c]:>8}{num(d[f'{prefix}_final_mean'], '.3f'):>18}"
+                        f"{fallen:>11}{tail}")
         rows.append("")
     rows.append(f"{head}{'cumulative':>22}{vs_head}")
     for c, d in summary["per_config"].items():

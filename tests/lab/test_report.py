@@ -52,7 +52,9 @@ def write_exp(root, *, corrupt=True, held_out=False, unseen=False):
                         rec.update(signal_frac=1.0 - 0.1 * t, entropy_mean=ENTROPY[cfg] - 0.1 * t)
                         if t % 5 == 0 or t == ROUNDS - 1:
                             rec.update({"eval_accuracy": EVAL_BASE[cfg] + 0.01 * t + 0.01 * s,
-                                        "eval_accuracy/count_bits": 0.5, "eval_s": 2.0})
+                                        "eval_accuracy/count_bits": 0.5, "eval_s": 2.0, "eval_baseline": 0.245,
+                                        "eval_distinct_gold": 0.5,
+                                        "eval_distinct_answers": 0.2 if (cfg, s, p) == ("2/2", 2, 1) else 0.4})
                             if unseen:
                                 rec.update(eval_unseen_accuracy=UNSEEN_BASE[cfg] + 0.005 * t + 0.01 * s,
                                            eval_unseen_baseline=0.17, eval_unseen_size=64)
@@ -119,14 +121,18 @@ def test_report_leads_with_held_out_accuracy(tmp_path, capsys):
     md = (out / "report.md").read_text()
     assert md.index("## Held-out accuracy") < md.index("## Cumulative reward (training reward, the second view)")
     assert "| 2/2 | 0.4000 ± 0.0100 | +33.33% |" in md
-    assert "| 2/2 | 0.550 | 0.150 | 1.050 | 0.650 |" in md and "| 4/0 | 0.550 | 0.150 | 1.550 | 1.150 |" in md
+    # collapsed at the last evaluation: 4/0 seed 0 ends at 0.29 <= 0.245 + 0.05 (both agents); one 2/2 agent
+    # gives 0.2 distinct answers per task where the gold answers have 0.5
+    assert (d["collapsed_final"], d["evaluated_peers"], b["collapsed_final"], b["evaluated_peers"]) == (1, 6, 2, 6)
+    assert "| 2/2 | 1 of 6 | 0.550 | 0.150 | 1.050 | 0.650 |" in md
+    assert "| 4/0 | 2 of 6 | 0.550 | 0.150 | 1.550 | 1.150 |" in md
     assert (out / "heldout_and_collapse.png").stat().st_size > 1000
     assert (out / "heldout_by_seed.png").stat().st_size > 1000 and "(heldout_by_seed.png)" in md
     # every 2/2 seed is 0.10 ahead of its 4/0 twin: the paired CI is that difference, p the smallest for 3 seeds
     assert d["eval_final_vs_base"]["ci_low"] == pytest.approx(0.10) == d["eval_final_vs_base"]["ci_high"]
     assert d["eval_final_vs_base"]["p_perm"] == pytest.approx(2 / 8)
     printed = capsys.readouterr().out
-    assert "held-out final" in printed and "+33.33%" in printed
+    assert "held-out final" in printed and "+33.33%" in printed and "2 of 6" in printed
     assert "unseen" not in printed and "Unseen" not in md and not b["unseen_final_by_seed"]  # not logged
 
 
