@@ -73,36 +73,41 @@ def final_eval(metrics: Path) -> EvalSummary | None:
     return last
 
 
+def finals_row(finals: list[tuple[EvalSummary, dict]]) -> dict:
+    """What the table reports of a set of peers' final evaluations."""
+    accs = [e.accuracy for e, _ in finals]
+    unseen = [rec["eval_unseen_accuracy"] for _, rec in finals if rec.get("eval_unseen_accuracy") is not None]
+    return {"peers": len(finals), "final_rounds": sorted({e.round for e, _ in finals}),
+            "mean_final_accuracy": sum(accs) / len(accs), "collapsed": sum(collapsed(e) for e, _ in finals),
+            "mean_final_unseen": sum(unseen) / len(unseen) if unseen else None,
+            "guard_restores": sum(int(rec.get("guard_restores", 0)) for _, rec in finals)}
+
+
 def summarize(args: argparse.Namespace) -> int:
-    rows = []
+    rows, seed_rows = [], []
     for s in GRID:
-        finals = []
+        by_seed: dict[str, list] = {}
         for metrics in sorted((Path(args.data) / s.name).glob("*/seed*/peer*/metrics.jsonl")):
             found = final_eval(metrics)
             if found is not None:
-                finals.append(found)
-        if not finals:
+                by_seed.setdefault(metrics.parent.parent.name, []).append(found)
+        if not by_seed:
             continue
-        accs = [e.accuracy for e, _ in finals]
-        unseen = [rec["eval_unseen_accuracy"] for _, rec in finals if rec.get("eval_unseen_accuracy") is not None]
-        rows.append({"setting": s.name, "lr": s.lr, "beta": s.beta, "peers": len(finals),
-                     "seeds": len({m.parent.parent.name for m in (Path(args.data) / s.name).glob("*/seed*/peer*")}),
-                     "final_rounds": sorted({e.round for e, _ in finals}),
-                     "mean_final_accuracy": sum(accs) / len(accs),
-                     "collapsed": sum(collapsed(e) for e, _ in finals),
-                     "mean_final_unseen": sum(unseen) / len(unseen) if unseen else None,
-                     "guard_restores": sum(int(rec.get("guard_restores", 0)) for _, rec in finals)})
+        seed_rows += [{"setting": s.name, "seed": seed, **finals_row(f)} for seed, f in by_seed.items()]
+        rows.append({"setting": s.name, "lr": s.lr, "beta": s.beta, "seeds": len(by_seed),
+                     **finals_row([f for fs in by_seed.values() for f in fs])})
     complete = [r for r in rows if r["seeds"] >= len(SEEDS) and r["final_rounds"] == [ROUNDS - 1]]
     winner, note = pick(complete)
-    print("| setting | peers | collapsed | mean final held-out | mean final unseen | guard restores |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
+    print("| setting | seed | peers | collapsed | mean final held-out | mean final unseen | guard restores |")
+    print("|---|---|---|---|---|---|---|")
+    for r in seed_rows + [{**r, "seed": "all"} for r in rows]:
         unseen = f"{r['mean_final_unseen']:.3f}" if r["mean_final_unseen"] is not None else "–"
-        print(f"| {r['setting']} | {r['peers']} | {r['collapsed']} | {r['mean_final_accuracy']:.3f} | {unseen} "
-              f"| {r['guard_restores']} |")
+        print(f"| {r['setting']} | {r['seed'].removeprefix('seed')} | {r['peers']} | {r['collapsed']} "
+              f"| {r['mean_final_accuracy']:.3f} | {unseen} | {r['guard_restores']} |")
     print(f"\nrule: {note}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "winner": winner, "note": note}, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "seed_rows": seed_rows, "winner": winner, "note": note},
+                                              indent=1))
     return 0
 
 
