@@ -37,13 +37,6 @@ else
   for _ in $(seq 1 "$PEERS"); do MODELS+=("$MODEL"); done
 fi
 MODEL_LIST=$(IFS=,; echo "${MODELS[*]}")
-LORA_RANK="${SAPO_LORA_RANK:-0}"  # the memory check sizes LoRA peers by their frozen weights only
-for ((a = 1; a <= $#; a++)); do
-  case "${!a}" in
-    --lora-rank=*) LORA_RANK="${!a#--lora-rank=}" ;;
-    --lora-rank) b=$((a + 1)); LORA_RANK="${!b:-0}" ;;
-  esac
-done
 ROOT="${SAPO_RUN_ROOT:-runs/local-swarm}"
 ROUNDS="${SAPO_LOCAL_ROUNDS:-100}"
 HAS_GPU=$(python -c "import torch; print(int(torch.cuda.is_available()))")
@@ -57,7 +50,8 @@ if [ "$HAS_GPU" = 1 ]; then MICRO=8; else MICRO=2; fi
 MICRO="${SAPO_MICRO_BATCH_SIZE:-$MICRO}"
 
 # Refuse to start when the peers would not fit in memory (GPU memory if there is a GPU, else RAM).
-python -m node.ops.resources --models "$MODEL_LIST" --lora-rank "$LORA_RANK"
+# It sizes LoRA peers by their frozen weights, at the rank the peers' arguments resolve to (the CPU recipe: 8).
+python -m node.ops.resources --models "$MODEL_LIST" -- "$@"
 
 mkdir -p "$ROOT/bootstrap"
 rm -f "$ROOT/bootstrap/maddrs.txt"

@@ -53,9 +53,10 @@ class NodeConfig:
                                       "torch), torch (the training model), llama (llama.cpp, CPU: the wheel setup "
                                       "installs or a source build) or vllm (GPU, untested); one that cannot load "
                                       "falls back to torch with a warning")
-    engine_weights: str = opt("auto", "weights the llama engine samples with: auto (bf16 on a CPU with native bf16, "
-                                      "else f16), bf16, f16, q8_0, f32; rewritten after each full fine-tuning "
-                                      "update (with LoRA written once: then only the adapter moves)")
+    engine_weights: str = opt("auto", "weights the llama engine samples with: auto (bf16 with the ik-llama wheel; "
+                                      "a source build: bf16 on a CPU with native bf16, else f16), bf16, f16, "
+                                      "q8_0, f32; rewritten after each update, a LoRA adapter merged in (a source "
+                                      "build with f16/q8_0 and LoRA: the base written once, then only the adapter)")
     # GRPO
     lr: float = opt(1e-6, "Adam learning rate (chosen by 200-round solo runs: docs/RESULTS.md section 4); with "
                           "--lora-rank and no explicit --lr, 10x that (LoRA Without Regret)")
@@ -228,7 +229,10 @@ def validate(cfg: NodeConfig) -> None:
         raise bad("device", "must be auto, cpu or cuda[:N]")
     for peer in cfg.peers:
         if not str(peer).startswith("/"):
-            raise ConfigError(f"--peers takes multiaddrs like /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo... (got {peer!r})")
+            hint = ("; a number in SAPO_PEERS is scripts/local_swarm.sh's peer count, not for sapo-node"
+                    if str(peer).isdigit() else "")
+            raise ConfigError(f"--peers takes multiaddrs like /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo... (got {peer!r})"
+                              + hint)
 
 
 def _convert(name: str, kind: Any, raw: Any) -> Any:

@@ -7,12 +7,19 @@ trains an adapter only: weights, activations and overhead. Peers may run differe
 each is sized by its own. Used by scripts/local_swarm.sh to refuse to start peers that would run out of memory.
 
     python -m node.ops.resources --model default --peers 5
-    python -m node.ops.resources --models default,default,default,gemma3-270m,gemma3-270m
+    python -m node.ops.resources --models default,default,default,gemma3-270m,gemma3-270m -- --rounds 30
+
+Arguments after `--` are the peers' own sapo-node arguments: without `--lora-rank`, the check sizes the peers
+by the rank those arguments resolve to as the node resolves it (flags, SAPO_* variables, config file, recipe:
+LoRA rank 8 under the CPU recipe).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import os
 import sys
 from pathlib import Path
 
@@ -60,14 +67,32 @@ def free_bytes(device: str) -> int:
     return info.get("MemAvailable", info.get("MemFree", 0))
 
 
+def node_lora_rank(node_args: list[str]) -> int:
+    """The LoRA rank a sapo-node with these arguments (and this environment) trains with; 0 (the larger,
+    full fine-tuning estimate) when they do not parse, which the peers themselves will then say."""
+    from node.ops.config import ConfigError, load_config
+
+    env = {k: v for k, v in os.environ.items() if k != "SAPO_PEERS"}  # local_swarm.sh's peer count, not maddrs
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return load_config(node_args, env).lora_rank
+    except (ConfigError, SystemExit):
+        print("memory check: the peers' arguments do not parse; sized as full fine-tuning", file=sys.stderr)
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Check that N peers of a model (or one per listed model) fit in memory.")
     ap.add_argument("--model", default="default")
     ap.add_argument("--peers", type=int, default=5)
     ap.add_argument("--models", default="", help="comma list, one model per peer (overrides --model and --peers)")
-    ap.add_argument("--lora-rank", type=int, default=0, help="> 0: peers train a LoRA adapter (no full gradients/Adam)")
+    ap.add_argument("--lora-rank", type=int, default=None, help="> 0: peers train a LoRA adapter (no full "
+                    "gradients/Adam); default: the rank the peers' arguments after -- resolve to")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    ap.add_argument("node_args", nargs=argparse.REMAINDER, help="-- then the peers' sapo-node arguments")
     args = ap.parse_args(argv)
+    if args.lora_rank is None:
+        args.lora_rank = node_lora_rank(args.node_args[1:] if args.node_args[:1] == ["--"] else args.node_args)
     device = args.device
     if device == "auto":
         import torch

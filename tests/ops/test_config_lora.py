@@ -31,3 +31,11 @@ def test_lora_scales_the_default_learning_rate_only_when_none_is_given(tmp_path)
 def test_bad_lora_values_name_the_flag(args, flag):
     with pytest.raises(ConfigError, match=f"^{flag} "):
         load_config(args, env=NO_RECIPE)
+
+
+def test_a_peer_count_in_sapo_peers_is_named_as_local_swarms():
+    """local_swarm.sh's SAPO_PEERS=5 left in a shell must not leave a bare sapo-node with a puzzling error."""
+    with pytest.raises(ConfigError, match="local_swarm.sh's peer count"):
+        load_config([], env={"SAPO_PEERS": "5"})
+    with pytest.raises(ConfigError, match=r"multiaddrs.*'host:1'\)$"):
+        load_config(["--peers", "host:1"], env={})

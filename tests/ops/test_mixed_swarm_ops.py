@@ -39,3 +39,20 @@ def test_progress_names_each_peers_model(tmp_path, capsys, with_records):
                           "default,gemma3-270m"]) == 0
     rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[2:]}
     assert rows == {"peer0": "default", "peer1": "gemma3-270m"}
+
+
+def test_memory_check_sizes_peers_at_the_rank_their_arguments_resolve_to(monkeypatch, capsys):
+    """local_swarm.sh passes its peers' arguments: on a CPU the recipe's LoRA rank 8 applies unless they say."""
+    monkeypatch.setattr(resources, "count_parameters", lambda model: 100_000_000)
+    monkeypatch.setattr(resources, "free_bytes", lambda device: 10**15)
+    monkeypatch.setenv("SAPO_PEERS", "5")  # the script's peer count: not the node's --peers multiaddrs
+    monkeypatch.delenv("SAPO_LORA_RANK", raising=False)
+    monkeypatch.delenv("SAPO_RECIPE", raising=False)  # the suite's default: the node's own is auto
+    for node_args, lora in ((["--device", "cpu"], True), (["--device", "cpu", "--recipe", "none"], False),
+                            (["--device", "cpu", "--lora-rank", "0"], False), (["--device=cuda"], False),
+                            (["--device", "cpu", "--no-such-flag"], False)):
+        assert resources.main(["--models", "a,b", "--device", "cpu", "--", *node_args]) == 0
+        assert ("LoRA)" in capsys.readouterr().out) is lora, node_args
+    monkeypatch.setenv("SAPO_LORA_RANK", "4")
+    assert resources.main(["--models", "a", "--device", "cpu", "--", "--recipe", "none"]) == 0
+    assert "LoRA)" in capsys.readouterr().out
