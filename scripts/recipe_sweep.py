@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from node.lab.cells import Cell, part_of, run_cells  # noqa: E402
+from node.lab.runs import last_evaluation  # noqa: E402
 from node.learn.guard import EvalSummary, collapsed  # noqa: E402
 
 
@@ -63,14 +64,8 @@ def cells(args: argparse.Namespace) -> list[Cell]:
                     for s in grid for seed in args.seeds], args.part)
 
 
-def final_eval(metrics: Path) -> EvalSummary | None:
-    last = None
-    for line in metrics.read_bytes().splitlines():
-        rec = orjson.loads(line)
-        summary = EvalSummary.from_record(int(rec["round"]), rec)
-        if summary is not None:
-            last = (summary, rec)
-    return last
+def final_eval(metrics: Path) -> tuple[EvalSummary, dict] | None:
+    return last_evaluation([orjson.loads(line) for line in metrics.read_bytes().splitlines()])
 
 
 def finals_row(finals: list[tuple[EvalSummary, dict]]) -> dict:

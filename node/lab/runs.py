@@ -8,7 +8,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import orjson
@@ -122,6 +122,15 @@ def _parse_line(raw: bytes) -> dict | None:
     return obj
 
 
+def last_evaluation(recs: Sequence[dict]) -> tuple[EvalSummary, dict] | None:
+    """A peer's last held-out evaluation as the collapse guard reads it, with its record; None if it ran none."""
+    for rec in reversed(recs):
+        summary = EvalSummary.from_record(int(rec["round"]), rec)
+        if summary is not None:
+            return summary, rec
+    return None
+
+
 def _read_metrics(path: Path, peer: str) -> tuple[PeerSeries | None, int, int]:
     """(series or None if no valid line, corrupt line count, duplicate round count)."""
     by_round: dict[int, dict] = {}
@@ -177,7 +186,7 @@ def _read_metrics(path: Path, peer: str) -> tuple[PeerSeries | None, int, int]:
             entropy=col("entropy_mean"),
             # older runs logged only the local share
             signal_frac=np.where(np.isnan(sf := col("signal_frac")), col("local_signal_frac"), sf),
-            final_eval=next((e for o in reversed(recs) if (e := EvalSummary.from_record(int(o["round"]), o))), None),
+            final_eval=(last_evaluation(recs) or (None, None))[0],
         ),
         bad,
         dup,
