@@ -17,7 +17,7 @@ import torch
 
 from node.learn.formats import stop_token_ids
 from node.learn.groups import Prompter, score_responses
-from node.learn.kvcache import CommonPrefix
+from node.learn.kvcache import CommonPrefix, left_padded
 from node.learn.stop import StopRequest
 from node.learn.tasks import Task, TaskMix, eval_tasks, extract_answer, score
 
@@ -107,10 +107,12 @@ def constant_answer_baseline(tasks: list[Task], by_dataset: dict[str, float] | N
 
 @torch.no_grad()
 def greedy_texts(model: torch.nn.Module, tokenizer, prompts: list[str], max_new_tokens: int,
-                 batch_size: int, stop: StopRequest | None = None) -> list[str]:
-    """Greedy completions, `batch_size` prompts per generate call, decoded without special tokens, in the
-    order of `prompts`. Batches hold prompts of similar length (sorted), so little of a batch is padding.
-    A stop request ends it within one decoder layer (RoundAbandoned)."""
+                 batch_size: int, stop: StopRequest | None = None, compact: bool = True) -> list[str]:
+    """Greedy completions, `batch_size` prompts per batch, decoded without special tokens, in the order of
+    `prompts`. Batches hold prompts of similar length (sorted), so little of a batch is padding, and a row
+    that has answered leaves its batch (`greedy_rows`; `compact=False` decodes with `generate` instead,
+    every row until the batch's longest answer ends). A stop request ends it within one decoder layer
+    (RoundAbandoned)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -126,24 +128,63 @@ def greedy_texts(model: torch.nn.Module, tokenizer, prompts: list[str], max_new_
             batch = order[start: start + batch_size]
             if prefix is not None:
                 input_ids, attn, cache = prefix.batch([ids[i] for i in batch], tokenizer.pad_token_id)
-                inputs = {"input_ids": input_ids, "attention_mask": attn, "past_key_values": cache}
             else:
-                inputs = dict(tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True,
-                                        add_special_tokens=False).to(device))
+                input_ids, attn = left_padded([ids[i] for i in batch], tokenizer.pad_token_id)
+                input_ids, attn, cache = input_ids.to(device), attn.to(device), None
             with stop.watch(model) if stop is not None else nullcontext():
-                out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, use_cache=True,
-                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids(tokenizer),
-                                     temperature=None, top_p=None, top_k=None)
-            for i, text in zip(batch, tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:],
-                                                             skip_special_tokens=True)):
+                if compact:
+                    new = greedy_rows(model, input_ids, attn, cache, max_new_tokens, stop_token_ids(tokenizer))
+                else:
+                    out = model.generate(input_ids=input_ids, attention_mask=attn, past_key_values=cache,
+                                         do_sample=False, max_new_tokens=max_new_tokens, use_cache=True,
+                                         pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids(tokenizer),
+                                         temperature=None, top_p=None, top_k=None)
+                    new = out[:, input_ids.shape[1]:]
+            for i, text in zip(batch, tokenizer.batch_decode(new, skip_special_tokens=True)):
                 texts[i] = text
     finally:
         model.train(was_training)
     return texts
 
 
+@torch.no_grad()
+def greedy_rows(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, cache, max_new_tokens: int,
+                stop_ids: list[int]) -> list[list[int]]:
+    """Greedy decoding of a left-padded batch, continuing from `cache` (a DynamicCache holding the rows'
+    first tokens) or from nothing (None). A row that emits a stop token leaves the batch, its cache rows
+    with it: answers here are mostly a few tokens, and with `generate` one rambling row kept all the others
+    decoding to the cap (a third of the row-steps did any work, docs/BENCHMARKS.md). Positions are counted
+    as `generate` counts them, so each row gets `generate`'s tokens. Returns each row's new tokens, its
+    stop token included."""
+    positions = (attn.cumsum(dim=1) - 1).masked_fill(attn == 0, 1)
+    start, length = (cache.get_seq_length() if cache is not None else 0), ids.shape[1]
+    out = model(input_ids=ids[:, start:], attention_mask=attn, position_ids=positions[:, start:],
+                past_key_values=cache, cache_position=torch.arange(start, length, device=ids.device),
+                use_cache=True, logits_to_keep=1)
+    logits, cache = out.logits[:, -1], out.past_key_values
+    rows, pos = torch.arange(ids.shape[0]), positions[:, -1:]
+    stops = torch.tensor(stop_ids, device=ids.device)
+    new: list[list[int]] = [[] for _ in range(ids.shape[0])]
+    for step in range(max_new_tokens):
+        token = logits.float().argmax(dim=-1)
+        for row, t in zip(rows.tolist(), token.tolist()):
+            new[row].append(t)
+        running = ~torch.isin(token, stops)
+        if step == max_new_tokens - 1 or not running.any():
+            break
+        if not running.all():
+            keep = running.nonzero().squeeze(1)
+            rows, token, attn, pos = rows[keep.cpu()], token[keep], attn[keep], pos[keep]
+            cache.batch_select_indices(keep)
+        attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
+        pos = pos + 1
+        logits = model(input_ids=token[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache,
+                       cache_position=torch.tensor([length + step], device=ids.device), use_cache=True).logits[:, -1]
+    return new
+
+
 def evaluate(model: torch.nn.Module, tokenizer, prompter: Prompter, tasks: list[Task], max_new_tokens: int,
-             batch_size: int = 32, stop: StopRequest | None = None, unseen: list[Task] | None = None) -> EvalResult:
+             batch_size: int = 64, stop: StopRequest | None = None, unseen: list[Task] | None = None) -> EvalResult:
     """Accuracy of greedy answers on `tasks`, scored by the same reward function as training; with
     `unseen`, that set's too (`.unseen`), generated in the same batches."""
     t0 = time.perf_counter()

@@ -174,7 +174,7 @@ def test_greedy_texts_come_back_in_prompt_order(tiny):
             return torch.cat([input_ids, first, first], dim=1)
 
     prompts = ["z" * 9, "a", "q" * 5, "m" * 2, "k" * 7, "b"]
-    texts = greedy_texts(Echo(), tok, prompts, max_new_tokens=2, batch_size=4)
+    texts = greedy_texts(Echo(), tok, prompts, max_new_tokens=2, batch_size=4, compact=False)
     assert texts == [tok.decode(tok(p, add_special_tokens=False)["input_ids"][:1] * 2) for p in prompts]
     assert len(set(texts)) == len(prompts)
 
@@ -200,3 +200,43 @@ def test_common_prompt_prefix_runs_once_with_the_same_next_token_scores(tiny):
     for a, b in zip(shared.scores, plain.scores):
         assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
     assert CommonPrefix.build(model, [[1, 2, 3], [4, 5, 6]]) is None  # nothing in common
+
+
+def test_a_finished_row_leaves_the_batch_and_the_others_decode_as_with_generate(tiny):
+    """greedy_rows drops a row (and its cache rows) once it stops; every row's tokens are still the ones
+    `generate` gives it, also for the rows that go on after others have left."""
+    from node.learn.evaluate import greedy_rows
+    from node.learn.kvcache import CommonPrefix, left_padded
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, tok = tiny
+    torch.manual_seed(0)  # large weights: the tiny-random model answers every prompt with the same token
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         initializer_range=0.5, tie_word_embeddings=True)).eval()
+    prompter = Prompter(tok, PRESETS["cpu-easy"])
+    ids = tok([prompter(t) for t in eval_tasks(PRESETS["cpu-easy"], 6)], add_special_tokens=False)["input_ids"]
+    prefix = CommonPrefix.build(model, ids)
+    gen = {"do_sample": False, "max_new_tokens": 8, "pad_token_id": tok.pad_token_id, "temperature": None,
+           "top_p": None, "top_k": None}
+    input_ids, attn, cache = prefix.batch(ids, tok.pad_token_id)
+    free = model.generate(input_ids=input_ids, attention_mask=attn, past_key_values=cache, eos_token_id=None,
+                          **gen)[:, input_ids.shape[1]:].tolist()
+    stops = sorted({free[0][1], free[2][4]})  # rows end at different steps; the others run to the cap
+
+    def upto_stop(row: list[int]) -> list[int]:
+        ends = [i for i, t in enumerate(row) if t in stops]
+        return row[: ends[0] + 1] if ends else row
+
+    expected = [upto_stop(row) for row in free]
+    assert len({len(row) for row in expected}) > 1 and max(map(len, expected)) == 8
+    input_ids, attn, cache = prefix.batch(ids, tok.pad_token_id)
+    assert greedy_rows(model, input_ids, attn, cache, 8, stops) == expected
+    assert cache.get_seq_length() == input_ids.shape[1] + 7  # the cache ended with the rows still decoding
+    assert cache.layers[0].keys.shape[0] == sum(len(row) == 8 for row in expected)
+
+    plain_ids, plain_attn = left_padded(ids, tok.pad_token_id)  # no prefix: the rows' own cache from scratch
+    plain = model.generate(input_ids=plain_ids, attention_mask=plain_attn, eos_token_id=stops, **gen)
+    assert greedy_rows(model, plain_ids, plain_attn, None, 8, stops) == [
+        upto_stop(row) for row in plain[:, plain_ids.shape[1]:].tolist()]
