@@ -9,9 +9,11 @@ evaluation gives the same training records as one without.
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,6 +23,8 @@ from node.learn.kvcache import CommonPrefix, left_padded
 from node.learn.stop import StopRequest
 from node.learn.tasks import Task, TaskMix, eval_tasks, extract_answer, score
 
+
+log = logging.getLogger(__name__)
 
 MAX_ANSWER_CHARS = 40  # answers kept per task in metrics.jsonl (enough to tell a collapse)
 
@@ -126,15 +130,23 @@ def greedy_texts(model: torch.nn.Module, tokenizer, prompts: list[str], max_new_
             if stop is not None:
                 stop.check()
             batch = order[start: start + batch_size]
-            if prefix is not None:
-                input_ids, attn, cache = prefix.batch([ids[i] for i in batch], tokenizer.pad_token_id)
-            else:
+
+            def inputs() -> tuple[torch.Tensor, torch.Tensor, Any]:
+                if prefix is not None:
+                    return prefix.batch([ids[i] for i in batch], tokenizer.pad_token_id)
                 input_ids, attn = left_padded([ids[i] for i in batch], tokenizer.pad_token_id)
-                input_ids, attn, cache = input_ids.to(device), attn.to(device), None
+                return input_ids.to(device), attn.to(device), None
+
             with stop.watch(model) if stop is not None else nullcontext():
+                new = None
                 if compact:
-                    new = greedy_rows(model, input_ids, attn, cache, max_new_tokens, stop_token_ids(tokenizer))
-                else:
+                    try:
+                        new = greedy_rows(model, *inputs(), max_new_tokens, stop_token_ids(tokenizer))
+                    except TypeError as exc:  # a model whose forward takes no positions or cache: generate
+                        log.warning("greedy decoding falls back to generate (%s)", exc)
+                        compact = False
+                if new is None:
+                    input_ids, attn, cache = inputs()
                     out = model.generate(input_ids=input_ids, attention_mask=attn, past_key_values=cache,
                                          do_sample=False, max_new_tokens=max_new_tokens, use_cache=True,
                                          pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids(tokenizer),

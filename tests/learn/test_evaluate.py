@@ -160,8 +160,9 @@ async def test_a_run_with_eval_has_the_same_training_records_as_without(tmp_path
     assert all("eval" in r["phase_s"] for r in records[1])
 
 
-def test_greedy_texts_come_back_in_prompt_order(tiny):
-    """Batches are formed from length-sorted prompts; each text must still land on its own prompt."""
+def test_greedy_texts_come_back_in_prompt_order(tiny, caplog):
+    """Batches are formed from length-sorted prompts; each text must still land on its own prompt. A model
+    whose forward takes no cache or positions is decoded by its `generate`, with a warning."""
     _, tok = tiny
 
     class Echo(torch.nn.Module):  # "generates" the first real token of its prompt: text identifies prompt
@@ -169,12 +170,16 @@ def test_greedy_texts_come_back_in_prompt_order(tiny):
             super().__init__()
             self.w = torch.nn.Parameter(torch.zeros(1))
 
+        def forward(self, input_ids):  # nothing else: greedy_rows' call is a TypeError
+            raise AssertionError("not called with these arguments")
+
         def generate(self, input_ids, attention_mask, **_):
             first = input_ids.gather(1, attention_mask.argmax(dim=1, keepdim=True))
             return torch.cat([input_ids, first, first], dim=1)
 
     prompts = ["z" * 9, "a", "q" * 5, "m" * 2, "k" * 7, "b"]
-    texts = greedy_texts(Echo(), tok, prompts, max_new_tokens=2, batch_size=4, compact=False)
+    texts = greedy_texts(Echo(), tok, prompts, max_new_tokens=2, batch_size=4)
+    assert "falls back to generate" in caplog.text
     assert texts == [tok.decode(tok(p, add_special_tokens=False)["input_ids"][:1] * 2) for p in prompts]
     assert len(set(texts)) == len(prompts)
 
