@@ -245,3 +245,31 @@ def test_a_finished_row_leaves_the_batch_and_the_others_decode_as_with_generate(
     plain = model.generate(input_ids=plain_ids, attention_mask=plain_attn, eos_token_id=stops, **gen)
     assert greedy_rows(model, plain_ids, plain_attn, None, 8, stops) == [
         upto_stop(row) for row in plain[:, plain_ids.shape[1]:].tolist()]
+
+
+def test_greedy_rows_on_a_sliding_window_cache_gives_generates_tokens():
+    """Gemma 3's cache mixes sliding-window and full layers; with a window (8) shorter than the sequences,
+    rows that leave at different steps still get `generate`'s tokens."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from node.learn.evaluate import greedy_rows
+    from node.learn.kvcache import left_padded
+
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=0, tie_word_embeddings=False)).eval()
+    with torch.no_grad():  # large random weights: each row writes its own varied tokens
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    g = torch.Generator().manual_seed(1)
+    ids, attn = left_padded([torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 12, 9, 3)], 0)
+    gen = {"do_sample": False, "max_new_tokens": 10, "pad_token_id": 0, "temperature": None, "top_p": None,
+           "top_k": None}
+    free = model.generate(input_ids=ids, attention_mask=attn, eos_token_id=None, **gen)[:, ids.shape[1]:].tolist()
+    stops = sorted({free[0][2], free[3][5]})
+    expected = [row[: next((i + 1 for i, t in enumerate(row) if t in stops), len(row))] for row in free]
+    assert len({len(row) for row in expected}) > 1 and max(map(len, expected)) == 10
+    assert ids.shape[1] + 10 > 8  # the window is exceeded
+    assert greedy_rows(model, ids, attn, None, 10, stops) == expected
