@@ -27,6 +27,7 @@ from node.learn.tasks import Task, TaskMix, eval_tasks, extract_answer, score
 log = logging.getLogger(__name__)
 
 MAX_ANSWER_CHARS = 40  # answers kept per task in metrics.jsonl (enough to tell a collapse)
+EVAL_BATCH = 64  # prompts per decoding batch; 128 outgrows the memory allowance (docs/BENCHMARKS.md)
 
 
 @dataclass
@@ -196,7 +197,8 @@ def greedy_rows(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, c
 
 
 def evaluate(model: torch.nn.Module, tokenizer, prompter: Prompter, tasks: list[Task], max_new_tokens: int,
-             batch_size: int = 64, stop: StopRequest | None = None, unseen: list[Task] | None = None) -> EvalResult:
+             batch_size: int = EVAL_BATCH, stop: StopRequest | None = None,
+             unseen: list[Task] | None = None) -> EvalResult:
     """Accuracy of greedy answers on `tasks`, scored by the same reward function as training; with
     `unseen`, that set's too (`.unseen`), generated in the same batches."""
     t0 = time.perf_counter()
@@ -255,10 +257,12 @@ class EvalSet:
 class HeldOutEval:
     """When a node evaluates (every `every` rounds from round 0, and after its last round) and on what: the
     in-distribution set of `size` tasks and, where the mix splits by content, the unseen set of
-    `unseen_size` tasks (0: `size`)."""
+    `unseen_size` tasks (0: `size`), `batch_size` prompts per decoding batch."""
 
-    def __init__(self, mix: TaskMix, size: int, every: int, rounds: int, unseen_size: int = 0):
+    def __init__(self, mix: TaskMix, size: int, every: int, rounds: int, unseen_size: int = 0,
+                 batch_size: int = EVAL_BATCH):
         self.mix, self.size, self.every, self.rounds = mix, size, every, rounds
+        self.batch_size = batch_size
         self.unseen_size = unseen_size or size
         self.seen: EvalSet | None = None  # built on first use, in the worker thread
         self.unseen: EvalSet | None = None  # stays None for a mix without a content split
@@ -276,7 +280,7 @@ class HeldOutEval:
             self.seen = EvalSet.of(eval_tasks(self.mix, self.size))
             unseen = eval_tasks(self.mix, self.unseen_size, unseen=True)
             self.unseen = EvalSet.of(unseen) if unseen else None
-        result = evaluate(model, tokenizer, prompter, self.seen.tasks, max_new_tokens, stop=stop,
+        result = evaluate(model, tokenizer, prompter, self.seen.tasks, max_new_tokens, self.batch_size, stop=stop,
                           unseen=self.unseen.tasks if self.unseen is not None else None)
         if result.unseen is not None and self.unseen is not None:
             self.unseen.label(result.unseen)

@@ -29,7 +29,7 @@ def in_format(mix, text: str) -> str:
 
 
 def run_eval(mix, tok, respond, size: int = 40):
-    held = HeldOutEval(mix, size, every=1, rounds=1)
+    held = HeldOutEval(mix, size, every=1, rounds=1, batch_size=16)  # several batches of the real path
     # a mix split by content answers its unseen set in the same pass: the policy knows those questions too
     policy = ScriptedPolicy(tok, eval_tasks(mix, size) + eval_tasks(mix, size, unseen=True), respond)
     result = held.run(policy, tok, Prompter(tok, mix), max_new_tokens=8)
