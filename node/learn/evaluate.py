@@ -19,7 +19,7 @@ import torch
 
 from node.learn.formats import stop_token_ids
 from node.learn.groups import Prompter, score_responses
-from node.learn.kvcache import CommonPrefix, left_padded
+from node.learn.kvcache import CommonPrefix, generate_positions, left_padded
 from node.learn.stop import StopRequest
 from node.learn.tasks import Task, TaskMix, eval_tasks, extract_answer, score
 
@@ -127,30 +127,26 @@ def greedy_texts(model: torch.nn.Module, tokenizer, prompts: list[str], max_new_
     try:
         with stop.watch(model) if stop is not None else nullcontext():
             prefix = CommonPrefix.build(model, ids)  # the chat template and system prompt, run once
+        stop_ids = stop_token_ids(tokenizer)
         for start in range(0, len(prompts), batch_size):
             if stop is not None:
                 stop.check()
             batch = order[start: start + batch_size]
-
-            def inputs() -> tuple[torch.Tensor, torch.Tensor, Any]:
-                if prefix is not None:
-                    return prefix.batch([ids[i] for i in batch], tokenizer.pad_token_id)
-                input_ids, attn = left_padded([ids[i] for i in batch], tokenizer.pad_token_id)
-                return input_ids.to(device), attn.to(device), None
-
+            rows = [ids[i] for i in batch]
             with stop.watch(model) if stop is not None else nullcontext():
                 new = None
                 if compact:
                     try:
-                        new = greedy_rows(model, *inputs(), max_new_tokens, stop_token_ids(tokenizer))
+                        new = greedy_rows(model, *_batch_inputs(prefix, rows, tokenizer.pad_token_id, device),
+                                          max_new_tokens, stop_ids)
                     except TypeError as exc:  # a model whose forward takes no positions or cache: generate
                         log.warning("greedy decoding falls back to generate (%s)", exc)
                         compact = False
-                if new is None:
-                    input_ids, attn, cache = inputs()
+                if new is None:  # fresh inputs: a failed greedy_rows may have left the cache half extended
+                    input_ids, attn, cache = _batch_inputs(prefix, rows, tokenizer.pad_token_id, device)
                     out = model.generate(input_ids=input_ids, attention_mask=attn, past_key_values=cache,
                                          do_sample=False, max_new_tokens=max_new_tokens, use_cache=True,
-                                         pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids(tokenizer),
+                                         pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_ids,
                                          temperature=None, top_p=None, top_k=None)
                     new = out[:, input_ids.shape[1]:]
             for i, text in zip(batch, tokenizer.batch_decode(new, skip_special_tokens=True)):
@@ -158,6 +154,16 @@ def greedy_texts(model: torch.nn.Module, tokenizer, prompts: list[str], max_new_
     finally:
         model.train(was_training)
     return texts
+
+
+def _batch_inputs(prefix: CommonPrefix | None, rows: list[list[int]], pad_id: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """(input ids, attention mask, cache or None) of a batch: on a copy of the common prefix's cache, or
+    left-padded from scratch."""
+    if prefix is not None:
+        return prefix.batch(rows, pad_id)
+    input_ids, attn = left_padded(rows, pad_id)
+    return input_ids.to(device), attn.to(device), None
 
 
 @torch.no_grad()
@@ -169,7 +175,7 @@ def greedy_rows(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, c
     decoding to the cap (a third of the row-steps did any work, docs/BENCHMARKS.md). Positions are counted
     as `generate` counts them, so each row gets `generate`'s tokens. Returns each row's new tokens, its
     stop token included."""
-    positions = (attn.cumsum(dim=1) - 1).masked_fill(attn == 0, 1)
+    positions = generate_positions(attn)
     start, length = (cache.get_seq_length() if cache is not None else 0), ids.shape[1]
     out = model(input_ids=ids[:, start:], attention_mask=attn, position_ids=positions[:, start:],
                 past_key_values=cache, cache_position=torch.arange(start, length, device=ids.device),

@@ -35,6 +35,12 @@ def left_padded(rows: list[list[int]] | list[tuple[int, ...]], pad_id: int) -> t
     return ids, attn
 
 
+def generate_positions(attn: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded batch as `generate` counts them (over real tokens; pads get 1), so a
+    decoding or a cache made outside `generate` gives its tokens."""
+    return (attn.cumsum(dim=1) - 1).masked_fill(attn == 0, 1)
+
+
 def _reusable_cache(model: torch.nn.Module, what: str, **inputs):
     """The KV cache of one forward over `inputs`, or None when the model takes no cache this way or
     returns one whose rows cannot be repeated and extended."""
@@ -52,7 +58,7 @@ def shared_prompt_cache(model: torch.nn.Module, ids: torch.Tensor, attn: torch.T
     on short-answer mixes is most of a round's generation. None when the model's cache cannot be shared."""
     if group_size < 2 or ids.shape[1] < 2:
         return None
-    positions = (attn.cumsum(dim=1) - 1).masked_fill(attn == 0, 1)  # what generate uses for left padding
+    positions = generate_positions(attn)
     cache = _reusable_cache(model, "prompt prefill", input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
                             position_ids=positions[:, :-1])
     if cache is None:
