@@ -37,6 +37,7 @@ class StopSignals:
         self.first_at: float | None = None
         self.count = 0
         self.saved_round = lambda: -1  # set once the node exists: names the checkpoint an abort keeps
+        self._owner = os.getpid()  # handlers act only in this process, never in a forked child
 
     def __call__(self, signame: str) -> None:
         now = time.monotonic()
@@ -70,17 +71,15 @@ class StopSignals:
     def install_early(self) -> None:
         """Plain handlers until the event loop runs (model loading): a stop then ends the node before round 0.
         Explicit handlers also undo SIGINT inherited as ignored from a script that started us with `&`."""
-        owner = os.getpid()
-
-        def handler(signum: int, _frame) -> None:
-            if os.getpid() != owner:  # a forked child (hivemind's DHT process): behave as if we never were
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-                return
-            self(signal.Signals(signum).name)
-
         for sig in STOP_SIGNALS:
-            signal.signal(sig, handler)
+            signal.signal(sig, self._plain_handler)
+
+    def _plain_handler(self, signum: int, _frame) -> None:
+        if os.getpid() != self._owner:  # a forked child (hivemind's DHT process): behave as if we never were
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self(signal.Signals(signum).name)
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
         for sig in STOP_SIGNALS:
@@ -88,10 +87,19 @@ class StopSignals:
 
     def uninstall(self, loop: asyncio.AbstractEventLoop) -> None:
         """Back to plain handlers while the loop still runs: closing a loop that holds signal handlers resets
-        SIGINT to KeyboardInterrupt, and a repeat arriving during the exit would then kill it (exit -2)."""
+        SIGINT to KeyboardInterrupt, and a repeat arriving during the exit would then kill it (exit -2).
+
+        Removing a loop handler resets SIGINT to KeyboardInterrupt for a moment too; a repeat that lands in
+        that moment raises it (at the latest from signal.signal, which runs pending handlers first). That is
+        the same repeat the plain handler would have counted, so it is counted here and the swap goes on."""
         for sig in STOP_SIGNALS:
-            loop.remove_signal_handler(sig)
-        self.install_early()
+            while True:
+                try:
+                    loop.remove_signal_handler(sig)  # a no-op once removed: a retry only re-installs
+                    signal.signal(sig, self._plain_handler)
+                    break
+                except KeyboardInterrupt:
+                    self(signal.SIGINT.name)
 
 
 def fail(message: str, code: int = 2) -> int:

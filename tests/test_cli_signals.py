@@ -51,3 +51,33 @@ def test_a_lost_console_is_a_graceful_stop_never_an_abort(signals):
     for _ in range(5):
         signals.console_lost()
     assert signals.stop.is_set() and signals.stop.reason == "console closed"
+
+
+def test_a_repeat_landing_while_the_loop_handlers_are_removed_is_counted_not_fatal(signals, monkeypatch):
+    """The race CI met: the node stopped within 50 ms, and the repeat Ctrl-C arrived while `uninstall` swapped
+    the loop's handlers for plain ones, when SIGINT briefly meant KeyboardInterrupt (the node died, exit -2)."""
+    import asyncio
+    import os
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in cli.STOP_SIGNALS}
+    loop = asyncio.new_event_loop()
+    remove = loop.remove_signal_handler
+
+    def remove_then_repeat(sig):  # the repeat lands right after asyncio reset SIGINT to its default
+        removed = remove(sig)
+        if sig == signal.SIGINT and removed:
+            os.kill(os.getpid(), signal.SIGINT)
+        return removed
+
+    monkeypatch.setattr(loop, "remove_signal_handler", remove_then_repeat)
+    try:
+        signals.install(loop)
+        signals("SIGINT")  # the first request; the node then stops and uninstalls
+        signals.uninstall(loop)  # must not raise KeyboardInterrupt
+        assert signals.count == 2 and signals.stop.reason == "SIGINT"
+        assert all(signal.getsignal(sig) == signals._plain_handler for sig in cli.STOP_SIGNALS)
+    finally:
+        loop.close()
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
