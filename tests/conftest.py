@@ -53,6 +53,12 @@ os.environ.setdefault("SAPO_POW_DIFFICULTY", "8")
 # The CPU recipe (README "Defaults") changes what an unset flag means on a CPU; tests name what they need
 # and run on the paper's defaults otherwise. tests/ops/test_recipe.py checks the recipe itself.
 os.environ.setdefault("SAPO_RECIPE", "none")
+# Each pytest-xdist worker computes in-process (tests/learn, ...) with its share of the cores: torch's default
+# of one thread per core gives 2 workers 4 threads on 2 cores, and the waiting threads spin. Measured on
+# tests/learn, 2 workers on 2 cores: 260 s of CPU with 2 threads each, 139 s with 1. Nodes that tests start
+# set their own count (SAPO_THREADS in node_env).
+TORCH_THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+torch.set_num_threads(TORCH_THREADS)
 forkserver.SERVER_ENV = dict(os.environ)  # the suite's environment, offline, whatever a test patches later
 
 REPO = Path(__file__).resolve().parents[1]
