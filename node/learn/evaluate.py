@@ -126,7 +126,7 @@ def greedy_texts(model: torch.nn.Module, tokenizer, prompts: list[str], max_new_
     texts: list[str] = [""] * len(prompts)
     try:
         with stop.watch(model) if stop is not None else nullcontext():
-            prefix = CommonPrefix.build(model, ids)  # the chat template and system prompt, run once
+            prefix = CommonPrefix.build(model, ids, max_new_tokens)  # the chat template and system prompt, once
         stop_ids = stop_token_ids(tokenizer)
         for start in range(0, len(prompts), batch_size):
             if stop is not None:

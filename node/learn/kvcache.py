@@ -3,7 +3,9 @@
 Sampling prefills each prompt once for its G completions (`shared_prompt_cache`), the held-out
 evaluation runs the chat template and system prompt once for the whole set (`CommonPrefix`), and
 training scores a group's completions on its prompt's cache (node/learn/prefix.py). All of it needs a
-cache whose rows can be selected, repeated and extended: `is_full_attention_cache`.
+cache whose rows can be selected, repeated and extended: `is_full_attention_cache`. Sliding-window layers
+(Gemma 3's, window 512) qualify while every sequence that reads the cache fits in the window: no token
+then falls out of it, and the window's mask is the causal one.
 """
 
 from __future__ import annotations
@@ -12,15 +14,29 @@ import logging
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 log = logging.getLogger(__name__)
 
 
-def is_full_attention_cache(cache) -> bool:
-    """A plain DynamicCache of full-attention layers: rows can be selected, repeated and extended freely
-    (sliding windows, recurrent state or encoder-decoder caches cannot)."""
-    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
+def is_full_attention_cache(cache, longest: int) -> bool:
+    """A DynamicCache that attends like full attention for sequences of up to `longest` tokens (padding
+    included): rows can be selected, repeated, extended and rebuilt as plain layers. Full-attention layers
+    always; sliding-window layers when `longest` fits their window (recurrent state or encoder-decoder
+    caches never)."""
+    return isinstance(cache, DynamicCache) and all(
+        type(layer) is DynamicLayer
+        or (type(layer) is DynamicSlidingWindowLayer and longest <= layer.sliding_window)
+        for layer in cache.layers)
+
+
+def attention_window(model: torch.nn.Module) -> int | None:
+    """The smallest sliding window among the model's attention layers (its config's), None when every layer
+    attends to the whole sequence. Lets a caller pick a layout before running anything."""
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or []
+    return int(window) if window and any("sliding" in t for t in types) else None
 
 
 def left_padded(rows: list[list[int]] | list[tuple[int, ...]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,26 +57,35 @@ def generate_positions(attn: torch.Tensor) -> torch.Tensor:
     return (attn.cumsum(dim=1) - 1).masked_fill(attn == 0, 1)
 
 
-def _reusable_cache(model: torch.nn.Module, what: str, **inputs):
+def _reusable_cache(model: torch.nn.Module, what: str, longest: int, **inputs):
     """The KV cache of one forward over `inputs`, or None when the model takes no cache this way or
-    returns one whose rows cannot be repeated and extended."""
+    returns one whose rows cannot be repeated and extended to `longest` tokens."""
+    window = attention_window(model)
+    if window is not None and longest > window:  # known before running anything: nothing to share
+        log.debug("%s not shared: %d tokens exceed the model's attention window (%d)", what, longest, window)
+        return None
     try:
         cache = model(**inputs, use_cache=True, logits_to_keep=1).past_key_values
     except (TypeError, ValueError, NotImplementedError) as exc:
         log.debug("%s not shared: %s", what, exc)
         return None
-    return cache if is_full_attention_cache(cache) else None
+    if not is_full_attention_cache(cache, longest):
+        log.debug("%s not shared: %s cannot serve %d tokens as full attention", what, type(cache).__name__, longest)
+        return None
+    return cache
 
 
-def shared_prompt_cache(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, group_size: int):
+def shared_prompt_cache(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, group_size: int,
+                        max_new_tokens: int):
     """Each prompt but its last token run once, the KV cache repeated over its group: `generate` then
     continues from the last prompt token. Without it every prompt is prefilled `group_size` times, which
-    on short-answer mixes is most of a round's generation. None when the model's cache cannot be shared."""
+    on short-answer mixes is most of a round's generation. None when the model's cache cannot be shared
+    for prompts and `max_new_tokens` more."""
     if group_size < 2 or ids.shape[1] < 2:
         return None
     positions = generate_positions(attn)
-    cache = _reusable_cache(model, "prompt prefill", input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
-                            position_ids=positions[:, :-1])
+    cache = _reusable_cache(model, "prompt prefill", ids.shape[1] + max_new_tokens, input_ids=ids[:, :-1],
+                            attention_mask=attn[:, :-1], position_ids=positions[:, :-1])
     if cache is None:
         return None
     for layer in cache.layers:
@@ -82,8 +107,9 @@ class CommonPrefix:
 
     @classmethod
     @torch.no_grad()
-    def build(cls, model: torch.nn.Module, prompts: list[list[int]]) -> CommonPrefix | None:
-        """None when the prompts share too little, or the model's cache cannot be reused this way."""
+    def build(cls, model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int) -> CommonPrefix | None:
+        """None when the prompts share too little, or the model's cache cannot be reused this way for the
+        longest prompt and `max_new_tokens` more."""
         if not prompts:
             return None
         n, shortest = 0, min(map(len, prompts))
@@ -92,7 +118,9 @@ class CommonPrefix:
         if n < cls.MIN_TOKENS:
             return None
         device = next(model.parameters()).device
-        cache = _reusable_cache(model, "common prompt prefix", input_ids=torch.tensor([prompts[0][:n]], device=device))
+        longest = max(map(len, prompts)) + max_new_tokens  # a batch is [prefix | pad | rest]: its longest prompt
+        cache = _reusable_cache(model, "common prompt prefix", longest,
+                                input_ids=torch.tensor([prompts[0][:n]], device=device))
         if cache is None:
             return None
         return cls(prompts[0][:n], [(layer.keys, layer.values) for layer in cache.layers])

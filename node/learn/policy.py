@@ -277,8 +277,10 @@ def sample_groups(
         with watch:
             inputs = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
                       "num_return_sequences": group_size}
-            cache = shared_prompt_cache(model, enc["input_ids"], enc["attention_mask"], group_size) if share_prompt \
-                else None
+            cache = None
+            if share_prompt:
+                cache = shared_prompt_cache(model, enc["input_ids"], enc["attention_mask"], group_size,
+                                            cfg.max_new_tokens)
             if cache is not None:  # rows already in group order: prompt p's completions at p*G ... p*G + G-1
                 inputs = {"input_ids": enc["input_ids"].repeat_interleave(group_size, dim=0),
                           "attention_mask": enc["attention_mask"].repeat_interleave(group_size, dim=0),

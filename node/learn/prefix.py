@@ -17,9 +17,10 @@ checks it in float64 for every loss type), with the prompt's forward and backwar
 Position ids continue from each prompt's real length and the attention mask is [prompt mask | completion
 mask], exactly what the plain layout [left pad | prompt | completion | right pad] computes.
 
-A model whose cache is not a plain `DynamicCache` of full-attention layers (sliding windows, recurrent
-state, encoder-decoder) cannot share this way; `supports_prefix_sharing` probes for it and the trainer
-then keeps the plain path.
+A model whose cache is not a `DynamicCache` of full-attention layers (recurrent state, encoder-decoder)
+cannot share this way; `supports_prefix_sharing` probes for it and the trainer then keeps the plain path.
+Sliding-window layers (Gemma 3) share while the update's longest sequence fits their window, where they
+attend exactly as full attention; an update with a longer one runs plain.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from transformers import DynamicCache
 
 from node.learn.choices import PREFIX_SHARING
-from node.learn.kvcache import is_full_attention_cache, left_padded
+from node.learn.kvcache import attention_window, is_full_attention_cache, left_padded
 from node.learn.policy import Sequence, completion_logprobs, token_logprobs
 
 __all__ = [
@@ -108,7 +109,7 @@ def split_completions(lengths: list[int], budget: int) -> list[int]:
 class SharedPrefix:
     """One unit's prompts, run once; completions of any subset of its sequences are scored on top."""
 
-    def __init__(self, model: torch.nn.Module, prompts: list[tuple[int, ...]], pad_id: int):
+    def __init__(self, model: torch.nn.Module, prompts: list[tuple[int, ...]], pad_id: int, longest: int):
         device = next(model.parameters()).device
         self.model = model
         ids, attn = left_padded(prompts, pad_id)
@@ -118,8 +119,9 @@ class SharedPrefix:
         out = model(input_ids=ids.to(device), attention_mask=self.attn, position_ids=positions, use_cache=True,
                     logits_to_keep=1)
         cache = out.past_key_values
-        if not is_full_attention_cache(cache):
-            raise TypeError(f"prefix sharing needs a DynamicCache of full-attention layers, got {type(cache).__name__}")
+        if not is_full_attention_cache(cache, longest):
+            raise TypeError(f"prefix sharing needs a DynamicCache that attends fully over {longest} tokens, "
+                            f"got {type(cache).__name__}")
         self.graph = [out.logits[:, -1]] + [t for layer in cache.layers for t in (layer.keys, layer.values)]
         grad = torch.is_grad_enabled()
         self.leaves = [t.detach().requires_grad_(grad) for t in self.graph]
@@ -167,6 +169,10 @@ def micro_batches(model: torch.nn.Module, seqs: list[Sequence], pad_id: int, tem
     with `shared`, the prompt's part of those gradients is added when the unit is finished, so the
     generator must be run to its end (a for loop does).
     """
+    window = attention_window(model)
+    if shared and window is not None and seqs:
+        longest = max(len(s.prompt_ids) for s in seqs) + max(len(s.completion_ids) for s in seqs)
+        shared = longest <= window  # past the window a sliding layer forgets: the plain layout is exact
     if not shared:
         for start in range(0, len(seqs), micro_batch_size):
             chunk = seqs[start: start + micro_batch_size]
@@ -177,7 +183,8 @@ def micro_batches(model: torch.nn.Module, seqs: list[Sequence], pad_id: int, tem
         return
     budget = token_budget(seqs, micro_batch_size)
     for unit in plan_units(seqs, budget):
-        prefix = SharedPrefix(model, unit.prompts, pad_id)
+        longest = max(map(len, unit.prompts)) + max(len(seqs[i].completion_ids) for m in unit.members for i in m)
+        prefix = SharedPrefix(model, unit.prompts, pad_id, longest)
         flat = [(row, i) for row, members in enumerate(unit.members) for i in members]
         flat.sort(key=lambda ri: -len(seqs[ri[1]].completion_ids))  # like lengths together: less padding
         room = budget - _padded_cost(unit.prompts, [])  # the prefix's activations live as long as the unit

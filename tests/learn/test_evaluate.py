@@ -194,7 +194,7 @@ def test_common_prompt_prefix_runs_once_with_the_same_next_token_scores(tiny):
     prompts = [prompter(t) for t in eval_tasks(mix, 5)]
     ids = tok(prompts, add_special_tokens=False)["input_ids"]
     assert len({len(x) for x in ids}) > 1
-    prefix = CommonPrefix.build(model, ids)
+    prefix = CommonPrefix.build(model, ids, 8)
     assert prefix is not None and len(prefix.ids) >= CommonPrefix.MIN_TOKENS
     assert all(x[: len(prefix.ids)] == prefix.ids for x in ids)
     input_ids, attn, cache = prefix.batch(ids, tok.pad_token_id)
@@ -204,7 +204,7 @@ def test_common_prompt_prefix_runs_once_with_the_same_next_token_scores(tiny):
     plain = model.generate(**tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False), **gen)
     for a, b in zip(shared.scores, plain.scores):
         assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
-    assert CommonPrefix.build(model, [[1, 2, 3], [4, 5, 6]]) is None  # nothing in common
+    assert CommonPrefix.build(model, [[1, 2, 3], [4, 5, 6]], 3) is None  # nothing in common
 
 
 def test_a_finished_row_leaves_the_batch_and_the_others_decode_as_with_generate(tiny):
@@ -222,7 +222,7 @@ def test_a_finished_row_leaves_the_batch_and_the_others_decode_as_with_generate(
                                          initializer_range=0.5, tie_word_embeddings=True)).eval()
     prompter = Prompter(tok, PRESETS["cpu-easy"])
     ids = tok([prompter(t) for t in eval_tasks(PRESETS["cpu-easy"], 6)], add_special_tokens=False)["input_ids"]
-    prefix = CommonPrefix.build(model, ids)
+    prefix = CommonPrefix.build(model, ids, 8)
     gen = {"do_sample": False, "max_new_tokens": 8, "pad_token_id": tok.pad_token_id, "temperature": None,
            "top_p": None, "top_k": None}
     input_ids, attn, cache = prefix.batch(ids, tok.pad_token_id)
@@ -273,3 +273,33 @@ def test_greedy_rows_on_a_sliding_window_cache_gives_generates_tokens():
     assert len({len(row) for row in expected}) > 1 and max(map(len, expected)) == 10
     assert ids.shape[1] + 10 > 8  # the window is exceeded
     assert greedy_rows(model, ids, attn, None, 10, stops) == expected
+
+
+@pytest.mark.parametrize("window", [512, 64])
+def test_a_sliding_window_model_shares_the_common_prefix_while_prompts_fit_its_window(tiny, window):
+    """Gemma 3 (a sliding layer and a full one): the chat template and system prompt run once for the set
+    when the longest prompt and its answer fit the window, with the greedy tokens of the unshared layout;
+    past the window nothing is shared."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from node.learn.evaluate import greedy_rows
+    from node.learn.kvcache import CommonPrefix, left_padded
+
+    _, tok = tiny
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=window, layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=True)).eval()
+    with torch.no_grad():  # large random weights: varied tokens
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    prompter = Prompter(tok, PRESETS["cpu-easy"])
+    ids = tok([prompter(t) for t in eval_tasks(PRESETS["cpu-easy"], 4)], add_special_tokens=False)["input_ids"]
+    assert 64 < max(map(len, ids)) and max(map(len, ids)) + 8 <= 512
+    prefix = CommonPrefix.build(model, ids, 8)
+    assert (prefix is not None) == (window == 512)
+    plain_ids, plain_attn = left_padded(ids, tok.pad_token_id)
+    expected = greedy_rows(model, plain_ids, plain_attn, None, 8, [])
+    if prefix is not None:
+        assert greedy_rows(model, *prefix.batch(ids, tok.pad_token_id), 8, []) == expected

@@ -124,10 +124,58 @@ def test_auto_picks_shared_for_llama_and_plain_for_a_model_without_a_cache(tiny6
         Trainer(wrapped, tok.pad_token_id, TrainConfig(prefix_sharing="on")).shared_prefix
 
 
-def test_generation_prefills_each_prompt_once_with_the_same_samples(tiny64):
+def gemma64(vocab: int, window: int) -> torch.nn.Module:
+    """A tiny random Gemma 3 in float64: one sliding-window layer (`window` tokens) and one full layer."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(5)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=window, layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=0, tie_word_embeddings=True)).double()
+    for module in model.modules():  # Gemma's RMSNorm rounds to float32 too: keep float64
+        if type(module).__name__ == "Gemma3RMSNorm":
+            module.forward = types.MethodType(
+                lambda self, x: self._norm(x) * (1.0 + self.weight), module)
+    return model
+
+
+@pytest.mark.parametrize("window", [512, 64])
+def test_a_sliding_window_model_shares_while_the_update_fits_its_window(tiny64, window, monkeypatch):
+    """Gemma 3's sliding layers attend fully over sequences that fit the window: the prompt then runs once
+    per group with the plain layout's gradients; an update with a longer sequence runs plain, just as exact."""
+    import node.learn.prefix as prefix_mod
+
+    _, tok, seqs = tiny64
+    model = gemma64(len(tok), window)
+    longest = max(len(s.prompt_ids) for s in seqs) + max(len(s.completion_ids) for s in seqs)
+    assert max(len(s.prompt_ids) for s in seqs) > 64 and longest <= 512  # one window fits, the other does not
+    assert supports_prefix_sharing(model, tok.pad_token_id)  # the probe's sequences fit either window
+    built = []  # the prompts of every prefix run as a SharedPrefix
+    monkeypatch.setattr(prefix_mod.SharedPrefix, "__init__", _counting(prefix_mod.SharedPrefix.__init__, built))
+    plain, _ = _grads(model, tok, seqs, shared=False, micro_batch_size=3)
+    assert not built
+    shared, _ = _grads(model, tok, seqs, shared=True, micro_batch_size=3)
+    # the trainer's probe (short sequences) shares either way; the update's own prompts only when they fit
+    assert any(max(map(len, prompts)) > 64 for prompts in built) == (window == 512)
+    assert plain.abs().max() > 1e-6 and (plain - shared).abs().max() < 1e-9
+
+
+def _counting(init, calls: list):
+    def wrapped(self, model, prompts, *args, **kwargs):
+        calls.append(prompts)
+        init(self, model, prompts, *args, **kwargs)
+    return wrapped
+
+
+@pytest.mark.parametrize("model_kind", ["llama", "gemma", "gemma past its window"])
+def test_generation_prefills_each_prompt_once_with_the_same_samples(tiny64, model_kind):
     """Prompts of different lengths (left padding): one prefill per prompt, the same tokens and behaviour
-    log-probs as prefilling every completion's own copy, for the same seed."""
+    log-probs as prefilling every completion's own copy, for the same seed. A sliding-window model shares
+    while prompt and answer fit its window, and prefills every completion past it."""
     model, tok, _ = tiny64
+    if model_kind != "llama":
+        model = gemma64(len(tok), 512 if model_kind == "gemma" else 64)
     mix = PRESETS["cpu-easy"]
     prompter = Prompter(tok, mix)
     prompts = [prompter(t) for t in TaskSampler(mix, seed=21).sample(3)]
@@ -144,7 +192,8 @@ def test_generation_prefills_each_prompt_once_with_the_same_samples(tiny64):
     finally:
         hook.remove()
     (shared, shared_calls), (plain, plain_calls) = runs[True], runs[False]
-    assert shared_calls[0][0] == 3 and plain_calls[0][0] == 12  # prefill batch: prompts, not completions
+    # prefill batch: prompts, not completions
+    assert shared_calls[0][0] == (12 if model_kind == "gemma past its window" else 3) and plain_calls[0][0] == 12
     for a, b in zip(shared, plain):
         assert a.completion_ids == b.completion_ids and a.prompt_ids == b.prompt_ids
         for x, y in zip(a.behaviour_logp, b.behaviour_logp):
