@@ -10,7 +10,8 @@ Prints these figures (measured side by side in this run, same batch, same seed):
      seconds are what an idle machine's wall clock would show)
   1. per-phase seconds of N solo rounds (generate, score, train, ...), from the node's own metrics
   2. generation throughput of the node's sampler (behaviour log-probs recorded) / bare model.generate
-     (target >= 0.95)
+     (target >= 0.95), and the sampler's seconds with each prompt prefilled once per group vs once per
+     completion (`share_prompt`)
   3. training time of one GRPO update, plain layout (each completion with its own copy of the prompt) vs
      shared prefix (each group's prompt once), beside a bare forward+backward(+Adam) over the same tokens
      in the plain layout (issue 11 targets: plain/shared >= 1.6 with G = 6, >= 3 with G = 16 on cpu-easy)
@@ -191,16 +192,17 @@ def variants_section(args, model, tok, mix, max_new) -> dict:
     return out
 
 
-def generation_section(args, model, tok, prompts, scfg, max_new, device) -> None:
-    """2. generation: node sampler vs bare generate, same prompts, same seeds."""
+def generation_section(args, model, tok, prompts, scfg, max_new, device) -> dict:
+    """2. generation: node sampler vs bare generate, and the sampler with and without its per-group prompt
+    prefill, same prompts, same seeds."""
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     plen = enc["input_ids"].shape[1]
-    node_tokens, bare_tokens = [], []
+    node_tokens, unshared_tokens, bare_tokens = [], [], []
 
-    def node_gen(i):
+    def node_gen(i, share=True, counts=node_tokens):
         torch.manual_seed(1000 + i)
-        groups = sample_groups(model, tok, prompts, args.generations, scfg)
-        node_tokens.append(sum(len(c) for g in groups for c in g.completion_ids))
+        groups = sample_groups(model, tok, prompts, args.generations, scfg, share_prompt=share)
+        counts.append(sum(len(c) for g in groups for c in g.completion_ids))
 
     @torch.no_grad()
     def bare_gen(i):
@@ -216,15 +218,23 @@ def generation_section(args, model, tok, prompts, scfg, max_new, device) -> None
 
     node_gen(-1), bare_gen(-1)  # warm-up
     node_tokens.clear(), bare_tokens.clear()
-    t_node, t_bare = [], []
-    for i in range(args.repeats):  # interleaved so drift hits both equally
-        t_node += timed(lambda _: node_gen(i), 1)
+    t_node, t_unshared, t_bare, cpu_node, cpu_unshared = [], [], [], [], []
+    for i in range(args.repeats):  # interleaved so drift hits all alike
+        t_node += timed(lambda _: node_gen(i), 1, cpu_node)
+        t_unshared += timed(lambda _: node_gen(i, False, unshared_tokens), 1, cpu_unshared)
         t_bare += timed(lambda _: bare_gen(i), 1)
     node_tps = sum(node_tokens) / sum(t_node)
     bare_tps = sum(bare_tokens) / sum(t_bare)
     print("\n## 2. generation throughput (tokens/s)")
     print(f"  node sampler {node_tps:9.1f}   bare generate {bare_tps:9.1f}   ratio {node_tps / bare_tps:.3f} "
-          f"(target >= 0.95; same seeds, tokens {sum(node_tokens)} vs {sum(bare_tokens)})")
+          f"(target >= 0.95; same seeds, tokens {sum(node_tokens)} vs {sum(bare_tokens)}: the sampler stops at "
+          "the chat's stop tokens, bare generate at EOS only)")
+    print(f"  each prompt prefilled once per group vs once per completion (same samples): "
+          f"{sum(t_node):.1f} vs {sum(t_unshared):.1f} wall s, {sum(cpu_node):.1f} vs {sum(cpu_unshared):.1f} CPU s "
+          f"({sum(cpu_unshared) / sum(cpu_node):.2f}x; tokens {sum(node_tokens)} vs {sum(unshared_tokens)})")
+    return {"sample_shared_s": t_node, "sample_unshared_s": t_unshared, "sample_shared_cpu_s": cpu_node,
+            "sample_unshared_cpu_s": cpu_unshared, "sample_tokens": [sum(node_tokens), sum(unshared_tokens)],
+            "node_tokens_per_s": node_tps, "bare_tokens_per_s": bare_tps}
 
 
 def main() -> None:
@@ -290,7 +300,7 @@ def main() -> None:
     prompts = [prompter(t) for t in tasks]
     scfg = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=max_new)
     if not args.skip_generation:
-        generation_section(args, model, tok, prompts, scfg, max_new, device)
+        result.update(generation_section(args, model, tok, prompts, scfg, max_new, device))
 
     if args.skip_training:
         _write(args, result)

@@ -32,11 +32,13 @@ def is_full_attention_cache(cache, longest: int) -> bool:
 
 def attention_window(model: torch.nn.Module) -> int | None:
     """The smallest sliding window among the model's attention layers (its config's), None when every layer
-    attends to the whole sequence. Lets a caller pick a layout before running anything."""
+    attends to the whole sequence. Lets a caller pick a layout before running anything. A config with a
+    window but no per-layer types counts as sliding everywhere: a wrong guess only costs the sharing."""
     config = getattr(model, "config", None)
     window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) or []
-    return int(window) if window and any("sliding" in t for t in types) else None
+    types = getattr(config, "layer_types", None)
+    sliding = types is None or any("sliding" in t for t in types)
+    return int(window) if window and sliding else None
 
 
 def left_padded(rows: list[list[int]] | list[tuple[int, ...]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
