@@ -256,6 +256,8 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="figure 0: torch/full vs engine vs LoRA vs both")
     ap.add_argument("--variant-threads", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2])
     ap.add_argument("--variant-repeats", type=int, default=2)
+    ap.add_argument("--train-lora", action="store_true", help="figure 3 trains a LoRA adapter (--lora-rank), "
+                    "not every weight")
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--lora-alpha", type=float, default=32.0)
     ap.add_argument("--engine-weights", default="auto", help="llama engine weights (auto: bf16 on a CPU with "
@@ -312,18 +314,26 @@ def main() -> None:
         g.rewards = [float(i % 2) for i in range(len(g.rewards))]
     seqs = to_sequences(groups, tok, prompter, scale_std=True)
     micro = args.micro_batch_size
-    trainers = {mode: Trainer(model, tok.pad_token_id, TrainConfig(lr=1e-7, micro_batch_size=micro,
-                                                                   prefix_sharing=mode)) for mode in ("off", "on")}
+    train_model, adapter = model, None
+    if args.train_lora:  # what a LoRA node trains: the prompt's saving is then most of the body's work
+        from node.learn.lora import attach
+
+        adapter = attach(copy.deepcopy(model), args.lora_rank, args.lora_alpha)
+        train_model = adapter.model
+    trainers = {mode: Trainer(train_model, tok.pad_token_id, TrainConfig(lr=1e-7, micro_batch_size=micro,
+                                                                         prefix_sharing=mode), adapter=adapter)
+                for mode in ("off", "on")}
     from node.learn.policy import pad_batch
 
     batches = [pad_batch(seqs[i: i + micro], tok.pad_token_id, device) for i in range(0, len(seqs), micro)]
-    bare_opt = torch.optim.Adam(model.parameters(), lr=1e-7, foreach=False)
+    bare_params = adapter.parameters() if adapter is not None else model.parameters()
+    bare_opt = torch.optim.Adam(bare_params, lr=1e-7, foreach=False)
 
     def bare_step(_):
         bare_opt.zero_grad(set_to_none=True)
         for ids, attn, positions, comp_ids, _ in batches:
-            model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False,
-                  logits_to_keep=comp_ids.shape[1] + 1).logits.float().mean().backward()
+            train_model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False,
+                        logits_to_keep=comp_ids.shape[1] + 1).logits.float().mean().backward()
         bare_opt.step()
 
     steps = {"plain": lambda _: trainers["off"].step(seqs), "shared": lambda _: trainers["on"].step(seqs),
@@ -339,7 +349,8 @@ def main() -> None:
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     n_tokens = sum(len(x.prompt_ids) + len(x.completion_ids) for x in seqs)
     prompt_tokens = sum(len(x.prompt_ids) for x in seqs)
-    print(f"\n## 3. training step, same {len(seqs)} sequences ({n_tokens} tokens, "
+    print(f"\n## 3. training step ({f'LoRA rank {args.lora_rank}' if adapter else 'full fine-tuning'}), "
+          f"same {len(seqs)} sequences ({n_tokens} tokens, "
           f"{100 * prompt_tokens / n_tokens:.0f}% prompt), micro-batch {micro}, median of {args.repeats}")
     print(f"  {'plain':>8} {'shared':>8} {'bare f+b':>9}   speed-up   shared/bare")
     for label, m in (("wall", med), ("cpu", med_cpu)):
@@ -347,6 +358,7 @@ def main() -> None:
               f"{m['shared'] / m['bare']:7.2f}   ({label} seconds)")
     result.update(train_plain_s=med["plain"], train_shared_s=med["shared"], fwd_bwd_bare_s=med["bare"],
                   speedup=med["plain"] / med["shared"], sequences=len(seqs), tokens=n_tokens,
+                  train_lora_rank=args.lora_rank if adapter else 0,
                   prompt_tokens=prompt_tokens, micro_batch_size=micro, repeats=args.repeats,
                   train_times_s=times, train_cpu_s=cpu, train_plain_cpu_s=med_cpu["plain"],
                   train_shared_cpu_s=med_cpu["shared"], fwd_bwd_bare_cpu_s=med_cpu["bare"],
