@@ -326,8 +326,7 @@ def main() -> None:
     from node.learn.policy import pad_batch
 
     batches = [pad_batch(seqs[i: i + micro], tok.pad_token_id, device) for i in range(0, len(seqs), micro)]
-    bare_params = adapter.parameters() if adapter is not None else model.parameters()
-    bare_opt = torch.optim.Adam(bare_params, lr=1e-7, foreach=False)
+    bare_opt = torch.optim.Adam(trainers["off"].params, lr=1e-7, foreach=False)  # what the trainers update
 
     def bare_step(_):
         bare_opt.zero_grad(set_to_none=True)

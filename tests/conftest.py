@@ -302,6 +302,17 @@ def transport(tmp: Path, name: str, swarm: str, peers: list[str], identity: Iden
                                           initial_peers=peers, **kw), identity)
 
 
+def tiny_gemma3(vocab: int, window: int, pad_id: int = 0, tie: bool = True) -> torch.nn.Module:
+    """A tiny random Gemma 3: one sliding-window layer (`window` tokens) and one full-attention layer, the
+    mix of the real model's cache. Seed torch before calling for fixed weights."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=window, layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=pad_id, tie_word_embeddings=tie))
+
+
 def tiny_signal_groups(seed: int, max_new_tokens: int):
     """The tiny random model and three cpu-easy groups of four completions it sampled, with rewards set so
     every group carries a learning signal (a random model earns nothing): (model, tok, prompter, tasks,

@@ -14,6 +14,8 @@ from node.learn.tasks import (DATASET_SIZE, EVAL_INDEX_START, PRESETS, TaskSampl
 from node.ops.config import load_config
 from node.swarm.exchange import Silo
 
+from conftest import tiny_gemma3
+
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -250,16 +252,11 @@ def test_a_finished_row_leaves_the_batch_and_the_others_decode_as_with_generate(
 def test_greedy_rows_on_a_sliding_window_cache_gives_generates_tokens():
     """Gemma 3's cache mixes sliding-window and full layers; with a window (8) shorter than the sequences,
     rows that leave at different steps still get `generate`'s tokens."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
     from node.learn.evaluate import greedy_rows
     from node.learn.kvcache import left_padded
 
     torch.manual_seed(0)
-    model = Gemma3ForCausalLM(Gemma3TextConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-        pad_token_id=0, tie_word_embeddings=False)).eval()
+    model = tiny_gemma3(300, 8, tie=False).eval()
     with torch.no_grad():  # large random weights: each row writes its own varied tokens
         for p in model.parameters():
             p.normal_(0, 0.3)
@@ -280,17 +277,12 @@ def test_a_sliding_window_model_shares_the_common_prefix_while_prompts_fit_its_w
     """Gemma 3 (a sliding layer and a full one): the chat template and system prompt run once for the set
     when the longest prompt and its answer fit the window, with the greedy tokens of the unshared layout;
     past the window nothing is shared."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
     from node.learn.evaluate import greedy_rows
     from node.learn.kvcache import CommonPrefix, left_padded
 
     _, tok = tiny
     torch.manual_seed(0)
-    model = Gemma3ForCausalLM(Gemma3TextConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=window, layer_types=["sliding_attention", "full_attention"],
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=True)).eval()
+    model = tiny_gemma3(len(tok), window, pad_id=tok.pad_token_id).eval()
     with torch.no_grad():  # large random weights: varied tokens
         for p in model.parameters():
             p.normal_(0, 0.3)

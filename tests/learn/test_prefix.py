@@ -12,7 +12,7 @@ from node.learn.prefix import micro_batches, plan_units, split_completions, supp
 from node.learn.tasks import PRESETS, TaskSampler
 from node.learn.trainer import TrainConfig, Trainer
 
-from conftest import tiny_signal_groups
+from conftest import tiny_gemma3, tiny_signal_groups
 
 
 @pytest.fixture(scope="module")
@@ -125,14 +125,9 @@ def test_auto_picks_shared_for_llama_and_plain_for_a_model_without_a_cache(tiny6
 
 
 def gemma64(vocab: int, window: int) -> torch.nn.Module:
-    """A tiny random Gemma 3 in float64: one sliding-window layer (`window` tokens) and one full layer."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
+    """conftest's tiny Gemma 3 in float64."""
     torch.manual_seed(5)
-    model = Gemma3ForCausalLM(Gemma3TextConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=window, layer_types=["sliding_attention", "full_attention"],
-        pad_token_id=0, tie_word_embeddings=True)).double()
+    model = tiny_gemma3(vocab, window).double()
     for module in model.modules():  # Gemma's RMSNorm rounds to float32 too: keep float64
         if type(module).__name__ == "Gemma3RMSNorm":
             module.forward = types.MethodType(
