@@ -51,8 +51,11 @@ def pick_device(requested: str = "auto") -> torch.device:
 
 
 def load_model(name: str, device: torch.device) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
-    """Returns (model in train mode on device, tokenizer with a pad token and a chat template)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    """Returns (model in train mode on device, tokenizer with a pad token and a chat template).
+
+    The weights are fp32 on every device: they are the optimizer's masters, and bf16-stored weights round
+    small updates away (node/learn/precision.py); the forward passes run in bf16 under mixed precision."""
+    dtype = torch.float32
     _quiet_progress_bars()
     try:
         if name in ("tiny-random", "tiny-random-smol"):
@@ -69,7 +72,7 @@ def load_model(name: str, device: torch.device) -> tuple[torch.nn.Module, PreTra
                     raise ModelLoadError(f"GGUF file not found: {path}")
                 tokenizer = _gguf_tokenizer(path)
                 model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-                if converted is not None and dtype == torch.float32:  # de-quantised exactly: same weights later
+                if converted is not None:  # de-quantised exactly: the same weights next time, loaded faster
                     _keep_converted(model, tokenizer, converted)
             else:
                 tokenizer = AutoTokenizer.from_pretrained(name)

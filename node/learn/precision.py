@@ -11,8 +11,10 @@ What it changes for GRPO: log-probs of the same tokens differ between an increme
 forward by bf16 rounding (~1e-2 nats), so under mixed precision the torch sampler's recorded behaviour
 log-probs are not used as pi_old; the update forms pi_old with its own forward, exactly as for a rollout
 engine (node/learn/engines/). On a CPU without native bf16, autocast would emulate it and run slower than
-fp32: `auto` picks fp32 there. On CUDA the model is already loaded in bf16 (node/learn/policy.py), so `auto`
-adds nothing there.
+fp32: `auto` picks fp32 there. On CUDA `auto` is bf16 wherever the GPU computes in it (Ampere and later): the
+model is loaded in fp32 there too (node/learn/policy.py), because weights *stored* in bf16 lose Adam's
+updates: at the paper's lr 1e-6 a step moves a weight of ~0.03 by ~1e-6, under half of bf16's spacing there
+(~1.2e-4), so every such update rounds away and full fine-tuning does not learn at all.
 """
 
 from __future__ import annotations
@@ -32,12 +34,18 @@ def native_bf16_cpu() -> bool:
         return False
 
 
+def cuda_bf16() -> bool:
+    """Whether the GPU computes in bf16 natively (compute capability 8.0 and later)."""
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def resolve(mode: str, device: torch.device) -> str:
-    """`bf16` or `off` for this device: `auto` is bf16 on a CPU with native bf16, off everywhere else."""
+    """`bf16` or `off` for this device: `auto` is bf16 on a CPU or GPU that computes in bf16 natively, else off."""
     if mode not in MIXED_PRECISION:
         raise ValueError(f"mixed precision must be one of {MIXED_PRECISION}, not {mode!r}")
     if mode == "auto":
-        return "bf16" if device.type == "cpu" and native_bf16_cpu() else "off"
+        native = cuda_bf16() if device.type == "cuda" else device.type == "cpu" and native_bf16_cpu()
+        return "bf16" if native else "off"
     return mode
 
 
