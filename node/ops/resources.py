@@ -24,8 +24,13 @@ import sys
 from pathlib import Path
 
 GIB = 1024**3
-RUNTIME_OVERHEAD = {"cpu": int(0.9 * GIB), "cuda": int(0.6 * GIB)}  # torch + transformers + hivemind
-ACTIVATION_FACTOR = 1.0  # activations for a micro-batch of short sequences, relative to the weights
+# torch + transformers + hivemind; on a GPU also the CUDA context and the caching allocator's slack
+RUNTIME_OVERHEAD = {"cpu": int(0.9 * GIB), "cuda": int(1.0 * GIB)}
+# activations of a micro-batch, relative to the (bf16 on a GPU) weights: short sequences on a CPU (micro-batch 2);
+# on a GPU micro-batch 8 and the paper mix's long completions. Measured on an H100 with 5 peers of the default
+# model (docs/data/gpu-check-h100, nvidia-smi): 2.6 GB a peer for the default recipe (LoRA, cpu-learn), 6.9 GB
+# for full fine-tuning on the paper mix; this estimate gives 4.6 and 6.5.
+ACTIVATION_FACTOR = {"cpu": 1.0, "cuda": 12.0}
 ENGINE_BYTES = {"cpu": 2, "cuda": 0}  # per parameter: the rollout engine's copy (`auto`: llama.cpp, bf16, on a CPU)
 
 
@@ -55,7 +60,7 @@ def peer_bytes(n_params: int, device: str, lora: bool = False) -> int:
     a LoRA base is frozen, stored in bf16 on a GPU (mixed precision); activations are bf16 on a GPU."""
     half = 2 if device == "cuda" else 4
     per_param = (half if lora else 4 + 4 + 8) + ENGINE_BYTES[device]  # weights (+ grads, Adam m+v); engine
-    return int(n_params * per_param + n_params * half * ACTIVATION_FACTOR + RUNTIME_OVERHEAD[device])
+    return int(n_params * per_param + n_params * half * ACTIVATION_FACTOR[device] + RUNTIME_OVERHEAD[device])
 
 
 def free_bytes(device: str) -> int:
@@ -69,15 +74,16 @@ def free_bytes(device: str) -> int:
     return info.get("MemAvailable", info.get("MemFree", 0))
 
 
-def node_lora_rank(node_args: list[str]) -> int:
-    """The LoRA rank a sapo-node with these arguments (and this environment) trains with; 0 (the larger,
-    full fine-tuning estimate) when they do not parse, which the peers themselves will then say."""
+def node_lora_rank(node_args: list[str], model: str = "default") -> int:
+    """The LoRA rank a sapo-node of `model` with these arguments (and this environment) trains with (the
+    recipe depends on the model on a GPU); 0 (the larger, full fine-tuning estimate) when they do not parse,
+    which the peers themselves will then say."""
     from node.ops.config import ConfigError, load_config
 
     env = {k: v for k, v in os.environ.items() if k != "SAPO_PEERS"}  # local_swarm.sh's peer count, not maddrs
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            return load_config(node_args, env).lora_rank
+            return load_config(["--model", model, *node_args], env).lora_rank
     except (ConfigError, SystemExit):
         print("memory check: the peers' arguments do not parse; sized as full fine-tuning", file=sys.stderr)
         return 0
@@ -93,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("node_args", nargs=argparse.REMAINDER, help="-- then the peers' sapo-node arguments")
     args = ap.parse_args(argv)
-    if args.lora_rank is None:
-        args.lora_rank = node_lora_rank(args.node_args[1:] if args.node_args[:1] == ["--"] else args.node_args)
+    node_args = args.node_args[1:] if args.node_args[:1] == ["--"] else args.node_args
     device = args.device
     if device == "auto":
         import torch
@@ -109,10 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             print(f"memory check: cannot size model {model!r} ({exc}); skipping the check", file=sys.stderr)
             return 0
-        need_one, count = peer_bytes(n_params, device, lora=args.lora_rank > 0), models.count(model)
+        rank = args.lora_rank if args.lora_rank is not None else node_lora_rank(node_args, model)
+        need_one, count = peer_bytes(n_params, device, lora=rank > 0), models.count(model)
         need += need_one * count
         print(f"memory check: {count} peers x {need_one / GIB:.2f} GiB ({model}: {n_params / 1e6:.0f}M params, "
-              f"{device}{', LoRA' if args.lora_rank > 0 else ''})")
+              f"{device}{', LoRA' if rank > 0 else ''})")
     free = free_bytes(device)
     where = "GPU" if device == "cuda" else "RAM"
     print(f"memory check: {len(models)} peers need {need / GIB:.1f} GiB, {free / GIB:.1f} GiB {where} free")

@@ -53,6 +53,9 @@ def test_memory_check_sizes_peers_at_the_rank_their_arguments_resolve_to(monkeyp
                             (["--device", "cpu", "--no-such-flag"], False)):
         assert resources.main(["--models", "a,b", "--device", "cpu", "--", *node_args]) == 0
         assert ("LoRA)" in capsys.readouterr().out) is lora, node_args
+    # on a GPU the packaged models take the CPU recipe (LoRA), any other model the paper's setup
+    assert resources.main(["--models", "default,a", "--device", "cuda", "--", "--device=cuda"]) == 0
+    assert [("LoRA)" in line) for line in capsys.readouterr().out.splitlines()[:2]] == [True, False]
     monkeypatch.setenv("SAPO_LORA_RANK", "4")
     assert resources.main(["--models", "a", "--device", "cpu", "--", "--recipe", "none"]) == 0
     assert "LoRA)" in capsys.readouterr().out

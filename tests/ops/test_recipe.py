@@ -23,12 +23,19 @@ def test_full_fine_tuning_on_a_cpu_keeps_the_full_fine_tuning_rate():
     assert cfg.lora_rank == 0 and cfg.lr == 1e-6
 
 
-def test_no_recipe_and_gpu_keep_the_papers_setup():
-    for argv in (["--recipe", "none"], ["--device", "cuda"]):
+def test_no_recipe_and_a_gpu_with_another_model_keep_the_papers_setup():
+    for argv in (["--recipe", "none"], ["--device", "cuda", "--model", "Qwen/Qwen2.5-0.5B-Instruct"]):
         cfg = load_config(argv, env={})
         assert (cfg.recipe, cfg.tasks, cfg.lora_rank, cfg.lr, cfg.num_local, cfg.num_external) == \
             ("none", "paper", 0, 1e-6, 4, 4)
     assert resolve_recipe("cpu", "cuda") == "cpu"  # asked for by name: taken as given
+
+
+def test_a_gpu_with_a_packaged_model_takes_the_cpu_recipe():
+    """The paper mix gives the small packaged models no reward to learn from; the CPU recipe learns on a GPU."""
+    for model in ("default", "gemma3-270m"):
+        assert load_config(["--device", "cuda:0", "--model", model], env={}).recipe == "cpu"
+    assert resolve_recipe("auto", "cuda", "/models/qwen") == "none"
 
 
 def test_unknown_recipe_is_one_clear_error():
