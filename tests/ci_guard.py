@@ -1,10 +1,12 @@
-"""Loud skips: in CI (CI=true), a skipped rollout-engine, browser or protocol-versions test fails the run.
+"""Loud skips: in CI (CI=true), a skipped rollout-engine, browser, protocol-versions or two-family test fails
+the run.
 
 These tests skip for reasons that are about the machine, not the code (llama-cpp-python did not build,
-chromium is missing, the clone is shallow), and a skip reads as a pass. CI installs what they need
-(.ci/run), so there a skip means the set-up broke and the code went untested: it is reported as a failure
-that names the skip's reason. A test that cannot run in CI for a reason of its own goes in ALLOWED, with
-that reason, and README.md ("Tests") must say it too (tests/test_ci_guard.py checks both ways).
+chromium is missing, the clone is shallow, the Gemma 3 packages did not install), and a skip reads as a
+pass. CI installs what they need (.ci/run, scripts/test.sh), so there a skip means the set-up broke and the
+code went untested: it is reported as a failure that names the skip's reason. A test that cannot run in CI
+for a reason of its own goes in ALLOWED, with that reason, and README.md ("Tests") must say it too
+(tests/test_ci_guard.py checks both ways).
 Hooked into pytest by tests/conftest.py.
 """
 
@@ -19,12 +21,14 @@ GUARDED: dict[str, tuple[str, ...]] = {
     "engine": ("tests/learn/test_engine.py", "tests/e2e/test_engines_cli.py", "tests/lab/test_survey.py"),
     "browser": ("tests/ops/test_dashboard.py",),
     "versions": ("tests/p2p/test_p2p_versions.py",),
+    "models": ("tests/e2e/test_two_families.py",),
 }
 # ... and the skip reasons that name what they need (a guarded test moved to another file is still caught)
 GUARDED_REASONS: dict[str, tuple[str, ...]] = {
     "engine": ("llama_cpp", "llama-cpp-python"),
     "browser": ("chromium",),
     "versions": ("protocol v1",),
+    "models": ("gemma3-270m packages",),
 }
 # node id (or prefix) -> why it cannot run in CI; every entry is documented in README.md
 ALLOWED: dict[str, str] = {}

@@ -1,4 +1,4 @@
-"""Loud skips (tests/ci_guard.py): in CI a skipped engine, browser or versions test fails the run, every
+"""Loud skips (tests/ci_guard.py): in CI a skipped engine, browser, versions or two-family test fails the run, every
 exception is explained in the README, and the test command lists every skip with its reason."""
 
 import subprocess
@@ -23,6 +23,8 @@ def test_a_guarded_skip_fails_only_in_ci():
     # a guarded test in another file is known by what its skip says it lacks
     assert "engine" in verdict("tests/learn/engines/test_llama.py::t", "could not import 'llama_cpp'", CI)
     assert "browser" in verdict("tests/ops/test_ui.py::t", "/usr/bin/chromium not found", CI)
+    families = "tests/e2e/test_two_families.py::test_smollm2_and_gemma3_train_on_each_others_groups"
+    assert "models" in verdict(families, "gemma3-270m packages not installed", CI)
 
 
 def test_guarded_files_exist_and_every_allowed_skip_is_explained_in_the_readme():

@@ -22,9 +22,9 @@ from helpers_learning import check_records
 
 ROUNDS = 5
 LEARN = ["--model", "default", "--tasks", "test-learn", "--lora-rank", "8", "--lr", "5e-4", "--generations", "8",
-         "--rounds", str(ROUNDS), "--eval-every", str(ROUNDS - 1), "--eval-size", "32"]
+         "--rounds", str(ROUNDS), "--eval-every", str(ROUNDS - 1), "--eval-size", "16"]
 NODE_ONLY = ["--mixed-precision", "off", "--rollout-engine", "torch", "--no-tensorboard", "--checkpoint-every", "100"]
-MARGIN = 0.3  # what "learned" means here: far above both yardsticks, not a lucky task or two (32 tasks)
+MARGIN = 0.3  # what "learned" means: far above both yardsticks, ~5 of the 16 held-out tasks, not a lucky one
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -141,30 +141,6 @@ async def test_three_peers_share_rollouts_and_records_are_owner_protected(tmp_pa
 
 
 @pytest.mark.slow
-def test_peers_with_different_tokenizers_train_on_each_others_groups(tmp_path):
-    swarm = "e2e-mixed"
-    boot, maddrs = start_bootstrap(tmp_path, swarm)
-    byte_dir, smol_dir = tmp_path / "byte", tmp_path / "smol"
-    nodes = [start_node(byte_dir, maddrs, swarm, model="tiny-random", seed=1),
-             start_node(smol_dir, maddrs, swarm, model="tiny-random-smol", seed=2)]
-    try:
-        kb, ks = prefix_of(byte_dir), prefix_of(smol_dir)
-        wait_for(lambda: ks in sources(rounds(byte_dir)) and kb in sources(rounds(smol_dir)), nodes, 240,
-                 "each model training on the other's groups")
-        for d, other in ((byte_dir, ks), (smol_dir, kb)):
-            recs = rounds(d)
-            assert sources(recs) == {other}
-            used = [r for r in recs if r["external_sources"]]
-            assert all(r["optimizer_steps"] > 0 and r["num_external"] > 0 for r in used)
-            assert not reasons(recs), reasons(recs)  # the other's rewards re-score identically here
-            check_records(recs)
-    finally:
-        codes = stop_all(nodes)
-        boot.stop()
-    assert codes == [0, 0], [n.text()[-2000:] for n in nodes]
-
-
-@pytest.mark.slow
 async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
     swarm = "e2e-hostile"
     boot, maddrs = start_bootstrap(tmp_path, swarm)

@@ -4,7 +4,8 @@ Gemma 3 270M (a base model with another tokenizer and its own prompt format), a 
 
 Short on purpose: the smoke mix (partial credit, so nearly every group carries a signal), one local group
 of G = 4, 8 new tokens, LoRA (no full Adam state for 268M parameters), no held-out evaluation; the peers are
-stopped with SIGTERM as soon as both have trained on the other's groups.
+stopped with SIGTERM as soon as both have trained on the other's groups. (It replaced a test of two tiny
+random models with different tokenizers, which it covers; in CI it must not skip: tests/ci_guard.py.)
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import prefix_of, reasons, sources, start_bootstrap, start_node, stop_all, wait_for
+from helpers_learning import check_records
 from conftest import live_metrics as rounds
 from node.learn.packaged import is_installed
 
@@ -43,6 +45,7 @@ def test_smollm2_and_gemma3_train_on_each_others_groups(tmp_path):
             used = [r for r in recs if r["external_sources"]]
             assert all(r["optimizer_steps"] > 0 and r["num_external"] > 0 for r in used), used
             assert not reasons(recs), reasons(recs)  # the other's rewards re-score identically here
+            check_records(recs)
         assert "loading model gemma3-270m" in (gemma_dir / "node.log").read_text()
     finally:
         codes = stop_all(nodes)
