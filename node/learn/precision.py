@@ -36,7 +36,12 @@ def native_bf16_cpu() -> bool:
 
 def cuda_bf16() -> bool:
     """Whether the GPU computes in bf16 natively (compute capability 8.0 and later)."""
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # torch before 2.3 has no emulation to leave out
+        return torch.cuda.is_bf16_supported()
 
 
 def resolve(mode: str, device: torch.device) -> str:
