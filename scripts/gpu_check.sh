@@ -60,12 +60,12 @@ for spec in ${GPU_SWARMS:-paper=150 cpu=200}; do
   name=${spec%%=*}
   secs=${spec#*=}
   root="runs/gpu-$name"
-  ROOTS+=("$root")
   case "$name" in
     paper) extra=(--recipe none) ;;
     cpu) extra=(--recipe cpu) ;;
     *) echo "unknown swarm $name" >&2; continue ;;
   esac
+  ROOTS+=("$root")
   echo "== swarm $name: ${GPU_ROUNDS:-30} rounds, at most $secs s ($(date +%T))"
   echo "$name start $(date +%s)" >>"$OUT/phases.txt"
   SAPO_SKIP_SETUP=1 SAPO_VENV="$VENV" SAPO_PROGRESS=0 SAPO_RUN_ROOT="$root" SAPO_LOCAL_ROUNDS="${GPU_ROUNDS:-30}" \
