@@ -94,6 +94,7 @@ class SapoNode:
         self.rounds_this_run = 0
         self.engine_stale = False  # the weights moved since the engine last synced (an update, a resume)
         self._stop_event: asyncio.Event | None = None  # wakes network waits; made in run()
+        self.publisher = ""  # this node's public key, once the exchange has started
 
     @property
     def stop_requested(self) -> bool:
@@ -129,9 +130,11 @@ class SapoNode:
     async def open(self) -> None:
         await self._in_worker(self.persistence.load_reputation)
         await self.exchange.start()
+        self.publisher = self.exchange.identity_info().get("public_key", "")  # who the others see (records)
         restored = await self._in_worker(self.persistence.restore)  # --resume, else --lora-init
         if restored is not None:
             self.next_round, self.engine_stale = restored, True
+            await self._evaluate_skipped_round()
         # after resume's truncation: the curves hold each round of metrics.jsonl once, new rounds follow
         await self._in_worker(self.tensorboard.rebuild, self.metrics.path)
 
@@ -183,7 +186,7 @@ class SapoNode:
         record = round_record(r=r, timer=timer, local=local, external=external, selection=selection,
                               target=(num_local, num_external), stats=stats, tokens=tokens,
                               exchange=self.exchange.stats, peak_mem_mb=peak_memory_mb(self.device),
-                              ij_policy=self.cfg.ij_policy, model=self.cfg.model)
+                              ij_policy=self.cfg.ij_policy, model=self.cfg.model, publisher=self.publisher)
         if self.held_out.due(r) and not self.stop_requested:
             await self._evaluate(r, timer, record)
             await self._guard(r, record)
@@ -210,6 +213,26 @@ class SapoNode:
         record.update(result.to_record(), t_end=time.time(), round_s=round(time.time() - timer.t0, 4))
         record["phase_s"]["eval"] = round(timer.seconds["eval"], 4)
         log.info("%s", result.log_line(r))
+
+    async def _evaluate_skipped_round(self) -> None:
+        """A stop after a round's update keeps the round but skips its due evaluation. The checkpoint holds
+        that round's weights, so on resume the evaluation (and the guard's reading of it) runs first, as it
+        would have then, into that round's record: a run's curve never loses a scheduled point, and a run
+        stopped in its last round still ends with its final evaluation."""
+        r, record = self.next_round - 1, self.metrics.last()
+        if not (r >= 0 and self.held_out.due(r) and record and record.get("round") == r
+                and "eval_accuracy" not in record):
+            return
+        log.info("round %d: its held-out evaluation was skipped by a stop; evaluating its checkpoint now", r)
+        t_end, round_s = record.get("t_end"), float(record.get("round_s", 0.0))
+        timer = PhaseTimer(self.live)
+        await self._evaluate(r, timer, record)
+        if "eval_accuracy" not in record:  # stopped again: the next resume evaluates it
+            return
+        record.update(t_end=t_end, round_s=round(round_s + timer.seconds["eval"], 4), eval_on_resume=True)
+        await self._guard(r, record)
+        record.update(lr=self.trainer.lr, guard_restores=self.guard.state.restores)
+        self.metrics.replace_last(record)
 
     async def _guard(self, r: int, record: dict) -> None:
         """The collapse guard reads the evaluation: a new best is the restore point; a collapse from it puts

@@ -151,7 +151,9 @@ class Persistence:
         """Loads the newest good checkpoint and returns the next round; None when there is none yet."""
         ckpt = self.store.load_latest(map_location=self.device)
         if ckpt is None:
-            log.warning("--resume: no checkpoint in %s yet; starting at round 0", self.store.dir)
+            moved = self.metrics.truncate_after(-1)  # rounds of an earlier start that never checkpointed
+            log.warning("--resume: no checkpoint in %s yet; starting at round 0%s", self.store.dir,
+                        f" ({moved} metrics lines moved to metrics.orphaned.jsonl)" if moved else "")
             return None
         self.check_identity(ckpt.meta, f"checkpoint {ckpt.path}")
         self._load_weights(ckpt.model)

@@ -24,6 +24,7 @@ from node.swarm.exchange import Exchange, ExchangeStats
 from node.swarm.ij_policy import RoundObservation
 
 HISTORY_ROUNDS = 500  # rounds the live history keeps (status, dashboard)
+SOURCE_PREFIX = 16  # hex digits of a publisher key that name it in a record
 # Learning-health keys kept in the live history (status, dashboard)
 HISTORY_EXTRA = ("entropy_mean", "signal_frac", "local_signal_frac", "eval_accuracy", "eval_unseen_accuracy",
                  "lr", "guard_restores")
@@ -60,7 +61,7 @@ def tokens_generated(sampled: list[SampledGroup]) -> int:
 
 def round_record(*, r: int, timer: PhaseTimer, local: list[Group], external: list[Group], selection: Selection,
                  target: tuple[int, int], stats: StepStats, tokens: int, exchange: ExchangeStats,
-                 peak_mem_mb: float, ij_policy: str, model: str) -> dict[str, Any]:
+                 peak_mem_mb: float, ij_policy: str, model: str, publisher: str = "") -> dict[str, Any]:
     """The round's metrics.jsonl line: `local` are the groups we sampled, `external` the verified ones we
     received, `selection` what was trained on out of them, `target` the (I, J) the policy asked for."""
     rewards = [x for g in local for x in g.rewards]
@@ -89,6 +90,7 @@ def round_record(*, r: int, timer: PhaseTimer, local: list[Group], external: lis
         "verify_bytes": exchange.round_verify_bytes,
         "verify_s": round(exchange.round_verify_s, 4),
         "external_sources": _count_sources(selection.external),
+        "publisher": publisher[:SOURCE_PREFIX] or None,  # this peer as the others' external_sources name it
         "loss": stats.loss,
         "kl": stats.kl,
         "clip_frac": stats.clip_frac,
@@ -177,7 +179,7 @@ def status_snapshot(*, swarm: str, model: str, live: LiveState, exchange: Exchan
 def _count_sources(groups: list[Group]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for g in groups:
-        counts[g.source[:16]] = counts.get(g.source[:16], 0) + 1
+        counts[g.source[:SOURCE_PREFIX]] = counts.get(g.source[:SOURCE_PREFIX], 0) + 1
     return counts
 
 

@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from node.lab.cells import Cell, part_of, run_cells  # noqa: E402
 from node.lab.runspec import slug  # noqa: E402
+from node.ops.checkpoint import PREFIX  # noqa: E402
 from node.ops.config import RECIPES, NodeConfig  # noqa: E402
 
 SEEDS = list(range(8))
@@ -68,8 +69,10 @@ def recipe_flags(engine: str) -> list[str]:
 
 
 def veteran_dirs(runs: Path) -> list[Path]:
-    """Where `run --experiment veterans` leaves the 4 trained adapters (a run dir: its newest checkpoint)."""
-    return [runs / "veterans" / "4-0" / f"seed{j}" / "peer0" for j in VETERAN_SEEDS]
+    """The 4 trained adapters that `run --experiment veterans` leaves: each run's round-99 checkpoint by its
+    exact name, so a newcomer cell can never start from a veteran that had not finished its 100 rounds."""
+    return [runs / "veterans" / "4-0" / f"seed{j}" / "peer0" / "checkpoints" / f"{PREFIX}{VETERAN_ROUNDS - 1:06d}"
+            for j in VETERAN_SEEDS]
 
 
 def has_adapter(path: Path) -> bool:

@@ -9,7 +9,9 @@ git keeps them. So the work goes on across days and machines, and `--part i/n` s
 
 from __future__ import annotations
 
+import json
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,14 +28,41 @@ class Cell:
     dest: Path  # where its run.json and peer*/metrics.jsonl are committed
 
 
+def unfinished(run_dir: Path) -> list[str]:
+    """Why a cell's run is not a result yet (empty when it is): its run.json must say complete, and each of
+    its peers must have every round and, where the cell evaluates, the evaluation after its last round
+    (the one every summary reads)."""
+    try:
+        meta = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError) as exc:
+        return [f"no readable run.json ({exc})"]
+    problems = [] if meta.get("status") == "complete" else [f"run.json says {meta.get('status')!r}"]
+    rounds, peers = int(meta.get("rounds", 0)), int(meta.get("peers", 0))
+    for p in range(peers):
+        path = run_dir / f"peer{p}" / "metrics.jsonl"
+        try:
+            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        except (OSError, ValueError) as exc:
+            problems.append(f"peer{p}: no readable metrics.jsonl ({exc})")
+            continue
+        last = {r.get("round"): r for r in records}  # a repeated round: its newest line counts, as in reports
+        missing = sorted(set(range(rounds)) - set(last))
+        if missing:
+            problems.append(f"peer{p}: {len(missing)} of {rounds} rounds missing (from round {missing[0]})")
+        elif meta.get("eval_every", 0) > 0 and "eval_accuracy" not in last[rounds - 1]:
+            problems.append(f"peer{p}: no held-out evaluation after its last round")
+    return problems
+
+
 def copy_cell(run_dir: Path, dest: Path) -> int:
-    """run.json and each peer's metrics.jsonl of a finished cell; returns the number of peers copied."""
+    """Each peer's metrics.jsonl of a finished cell, then its run.json (whose presence marks the cell
+    committed, so it comes last); returns the number of peers copied."""
     dest.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(run_dir / "run.json", dest / "run.json")
     peers = sorted(p for p in run_dir.glob("peer*") if (p / "metrics.jsonl").exists())
     for peer in peers:
         (dest / peer.name).mkdir(exist_ok=True)
         shutil.copy2(peer / "metrics.jsonl", dest / peer.name / "metrics.jsonl")
+    shutil.copy2(run_dir / "run.json", dest / "run.json")
     return len(peers)
 
 
@@ -45,6 +74,23 @@ def part_of(items: Sequence[T], part: str) -> list[T]:
     return list(items)[index::parts]
 
 
+def run_forwarding_stops(command: list[str], cwd: Path) -> int:
+    """The cell's process, with this process's Ctrl-C or SIGTERM passed on to it and waited for: it stops
+    at a safe point and checkpoints (seconds) instead of being killed, and never outlives this runner."""
+    child = subprocess.Popen(command, cwd=cwd)
+
+    def forward(signum, frame):
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_cells(cells: Sequence[Cell], cwd: Path, tag: str) -> int:
     """Run the cells not committed yet, in order, copying each as it finishes; stops at the first failure
     (returns its exit code; an interrupted cell resumes with the same command)."""
@@ -53,10 +99,14 @@ def run_cells(cells: Sequence[Cell], cwd: Path, tag: str) -> int:
             print(f"[{tag}] {cell.label}: committed already", flush=True)
             continue
         print(f"[{tag}] {cell.label}: running", flush=True)
-        rc = subprocess.call(cell.command, cwd=cwd)
+        rc = run_forwarding_stops(cell.command, cwd)
         if rc != 0:
             print(f"[{tag}] {cell.label}: sapo-experiment exited {rc}; stopping", flush=True)
             return rc
+        problems = unfinished(cell.run_dir)
+        if problems:
+            print(f"[{tag}] {cell.label}: not copied, the run is not a result: {'; '.join(problems)}", flush=True)
+            return 1
         peers = copy_cell(cell.run_dir, cell.dest)
         print(f"[{tag}] {cell.label}: finished, {peers} peers copied to {cell.dest}", flush=True)
     return 0

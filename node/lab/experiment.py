@@ -41,6 +41,7 @@ from pathlib import Path
 from node import __version__
 from node.cli import REPEAT_WINDOW_S
 from node.ops.quick_exit import exit_without_teardown
+from node.ops.runlock import RunDirBusy, RunDirLock
 from node.lab.runspec import PRESETS, RunSpec, parse_peer_args, slug
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.ops.config import default_lr
@@ -73,8 +74,11 @@ def run_dir_of(exp: Path, spec: RunSpec) -> Path:
 
 def write_run_json(path: Path, spec: RunSpec, status: str, prov: dict) -> None:
     """`prov` is taken once when the runner starts: the code that runs is the code loaded then, even if
-    the checkout moves on while a long experiment is going."""
-    data = {**asdict(spec), "status": status, "updated_at": time.time(), **prov}
+    the checkout moves on while a long experiment is going. `git_commits` lists every commit that ran a
+    part of the run (a resumed run may span several)."""
+    earlier = read_run_json(path).get("git_commits", [])
+    commits = earlier + [prov.get("git_commit")] if prov.get("git_commit") not in earlier else earlier
+    data = {**asdict(spec), "status": status, "updated_at": time.time(), **prov, "git_commits": commits}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
@@ -90,11 +94,27 @@ def prune_checkpoints(root: Path) -> int:
     return freed
 
 
-def is_complete(path: Path) -> bool:
+def read_run_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text()).get("status") == "complete"
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
-        return False
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def is_complete(path: Path) -> bool:
+    return read_run_json(path).get("status") == "complete"
+
+
+RESUMABLE_CHANGES = ("rounds", "threads")  # a resumed run may go on longer, or on another number of cores
+
+
+def settings_changed(path: Path, spec: RunSpec) -> list[str]:
+    """What an interrupted run was started with that this command changes: resuming would mix two settings
+    (say two recipes) in one run whose run.json names only the second."""
+    saved, now = read_run_json(path), json.loads(json.dumps(asdict(spec)))
+    return [f"{k} {saved[k]!r} -> {v!r}" for k, v in now.items()
+            if k in saved and k not in RESUMABLE_CHANGES and saved[k] != v]
 
 
 # --- memory mode: peers in this process ---------------------------------------------------------------
@@ -321,6 +341,17 @@ def main(argv: list[str] | None = None) -> int:
             if is_complete(root / "run.json"):
                 log.info("%s seed %d: complete, skipped", name, seed)
                 continue
+            try:
+                RunDirLock(root).acquire()  # held until this process exits: two runners never share a run
+            except RunDirBusy as exc:
+                log.error("%s seed %d: %s", name, seed, exc)
+                return 2
+            changed = settings_changed(root / "run.json", spec)
+            if changed:
+                log.error("%s seed %d: %s was started with other settings (%s); resuming would mix them in one "
+                          "run: use another --out, or remove that dir to start it again", name, seed, root,
+                          "; ".join(changed))
+                return 2
             log.info("%s seed %d: %d peers x %d rounds (%s mode) in %s", name, seed, peers, args.rounds,
                      args.mode, root)
             write_run_json(root / "run.json", spec, "running", prov)

@@ -83,6 +83,22 @@ class MetricsWriter:
             f.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
             f.flush()
 
+    def last(self) -> dict[str, Any] | None:
+        """The newest whole record (on resume, after truncate_after: the last completed round's)."""
+        lines = self.path.read_bytes().splitlines() if self.path.exists() else []
+        try:
+            return orjson.loads(lines[-1]) if lines else None
+        except orjson.JSONDecodeError:
+            return None
+
+    def replace_last(self, record: dict[str, Any]) -> None:
+        """The newest record, completed later (an evaluation a stop skipped); written atomically."""
+        lines = self.path.read_bytes().splitlines()[:-1]
+        lines.append(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY))
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_bytes(b"".join(line + b"\n" for line in lines))
+        tmp.replace(self.path)
+
     def truncate_after(self, last_round: int) -> int:
         """On resume: rounds after the checkpoint will run again. Their old lines move to
         metrics.orphaned.jsonl (kept, never deleted) so metrics.jsonl has each round once."""

@@ -96,6 +96,7 @@ def test_solo_evidence_script_reports_the_unseen_bar(tmp_path):
     assert out.returncode == 0, out.stderr
     ev = json.loads((tmp_path / "ev.json").read_text())
     assert ev["unseen"]["overall"]["gain"] == pytest.approx(0.3) and ev["unseen_meets_bar"] is True
+    assert ev["overall"]["gain"] == 1.0 and ev["in_distribution_meets_issue29_bar"] is True
     assert "unseen accuracy 0.000 after round 0 -> 0.300" in out.stdout and "issue 29" in out.stdout
 
 

@@ -63,6 +63,7 @@ def test_preset_over_dht_resumes_after_ctrl_c(tmp_path):
     assert meta["status"] == "complete"
     assert meta["num_local"] == 2 and meta["num_external"] == 2 and meta["peers"] == 2
     assert meta["versions"]["torch"] and meta["versions"]["hivemind"] and meta["git_commit"]
+    assert meta["git_commits"] == [meta["git_commit"]]  # both parts of the run on one commit
     for p, before in zip(peers, done_before):
         got = rounds_of(p)
         assert got == list(range(ROUNDS)), got  # continued where it stopped: no round lost, none repeated

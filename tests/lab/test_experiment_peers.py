@@ -2,6 +2,7 @@
 e.g. a veteran started from a trained adapter beside a fresh newcomer, in memory mode on shared bases."""
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -61,6 +62,21 @@ def test_bad_per_peer_options_are_refused_before_anything_runs(tmp_path, capsys,
     assert not (tmp_path / "exp").exists()
 
 
+def test_an_interrupted_run_resumes_only_with_its_own_settings(tmp_path, caplog, monkeypatch):
+    """Resuming with another learning rate would mix two recipes in one run whose run.json names the second;
+    and a run dir has one runner at a time."""
+    monkeypatch.setattr("signal.signal", lambda *a: None)  # main's handlers stay out of the test process
+    run = tmp_path / "exp" / "2-2" / "seed0"
+    run.mkdir(parents=True)
+    saved = {"config_name": "2/2", "seed": 0, "lr": 0.5, "rounds": 3, "status": "interrupted"}
+    (run / "run.json").write_text(json.dumps(saved))
+    argv = ["2/2", "--out", str(tmp_path / "exp"), "--seeds", "0", "--rounds", "5", "--lr", "0.001", *FAST]
+    assert main(argv) == 2
+    assert "lr 0.5 -> 0.001" in caplog.text and "rounds" not in caplog.text.split("other settings")[1]
+    assert json.loads((run / "run.json").read_text()) == saved  # untouched
+    assert (run / "node.lock").read_text().strip() == str(os.getpid())  # the runner's lock (tests/ops/test_runlock)
+
+
 @pytest.mark.slow
 def test_a_mixed_swarm_in_memory_one_base_per_model(tmp_path):
     """Two models with different tokenizers, one shared base each; the peers train on each other's groups."""
@@ -79,6 +95,7 @@ def test_a_mixed_swarm_in_memory_one_base_per_model(tmp_path):
     bases = [m["meta"]["base"] for m in manifests]
     assert bases[0] == bases[2] != bases[1]
     other = Identity.load_or_create(run / "peer1" / KEY_FILENAME, create=False).public_key_hex[:16]
+    assert {r["publisher"] for r in live_metrics(run / "peer1")} == {other}  # how its records name it
     trained_on = [src for p in (0, 2) for r in live_metrics(run / f"peer{p}") for src in r["external_sources"]]
     assert other in trained_on, trained_on  # the first family trained on the second family's groups
 

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from node.lab.cells import Cell, run_cells
+from node.lab.cells import Cell, run_cells, unfinished
 from node.lab.experiment import build_parser, peer_plan
 from node.ops import config
 
@@ -56,8 +56,8 @@ def test_families_and_veterans_cells_and_parts():
     assert [c.dest for c in vets] == [Path(f"data/newcomer-veterans/4-0/seed{j}") for j in range(4)]
     args, (counts, _, _) = parsed(vets[0])
     assert counts == {"4/0": 1} and args.rounds == 100 and args.keep_run_checkpoints
-    # the newcomer's default veterans are these runs' peers
-    assert pays.veteran_dirs(Path("runs/x")) == [c.run_dir / "peer0" for c in vets]
+    # the newcomer's default veterans: these runs' round-99 checkpoints, by name (never an earlier round)
+    assert pays.veteran_dirs(Path("runs/x")) == [c.run_dir / "peer0/checkpoints/round-000099" for c in vets]
 
 
 def test_validation_cells_run_the_recipe_at_both_configurations_on_every_seed(monkeypatch):
@@ -75,9 +75,10 @@ def test_validation_cells_run_the_recipe_at_both_configurations_on_every_seed(mo
 def fake_cell(tmp_path, name, code="") -> Cell:
     """A command that writes what a finished sapo-experiment cell leaves (and counts its runs)."""
     run_dir = tmp_path / "runs" / name
-    script = (f"import pathlib, json; d = pathlib.Path({str(run_dir)!r}); (d / 'peer0').mkdir(parents=True, "
-              f"exist_ok=True); (d / 'run.json').write_text('{{}}'); (d / 'peer0' / 'metrics.jsonl').write_text("
-              f"'{{\"round\": 0}}'); (d / 'peer0' / 'big.pt').write_text('x'); "
+    meta = json.dumps({"status": "complete", "peers": 1, "rounds": 1, "eval_every": 0})
+    script = (f"import pathlib; d = pathlib.Path({str(run_dir)!r}); (d / 'peer0').mkdir(parents=True, "
+              f"exist_ok=True); (d / 'run.json').write_text({meta!r}); (d / 'peer0' / 'metrics.jsonl')"
+              f".write_text('{{\"round\": 0}}'); (d / 'peer0' / 'big.pt').write_text('x'); "
               f"c = d / 'count'; c.write_text(str(int(c.read_text()) + 1 if c.exists() else 1)); {code}")
     return Cell(name, [sys.executable, "-c", script], run_dir, tmp_path / "data" / name)
 
@@ -86,9 +87,29 @@ def test_run_cells_copies_finished_cells_skips_committed_ones_and_stops_at_a_fai
     ok, failing, after = fake_cell(tmp_path, "a"), fake_cell(tmp_path, "b", "raise SystemExit(3)"), \
         fake_cell(tmp_path, "c")
     assert run_cells([ok, failing, after], tmp_path, "test") == 3
-    assert json.loads((ok.dest / "run.json").read_text()) == {}
+    assert json.loads((ok.dest / "run.json").read_text())["status"] == "complete"
     assert sorted(p.name for p in ok.dest.rglob("*")) == ["metrics.jsonl", "peer0", "run.json"]  # no weights
     assert not failing.dest.exists() and not after.run_dir.exists()
     assert run_cells([ok], tmp_path, "test") == 0
     assert (ok.run_dir / "count").read_text() == "1"  # committed: not run again
     assert "a: committed already" in capsys.readouterr().out
+
+
+def test_a_cell_is_copied_only_when_its_run_is_a_result(tmp_path):
+    """complete, every round of every peer, and the evaluation after the last round where the cell evaluates."""
+    (tmp_path / "peer0").mkdir()
+    meta = {"status": "complete", "peers": 2, "rounds": 3, "eval_every": 10}
+    (tmp_path / "run.json").write_text(json.dumps(meta))
+    lines = [{"round": 0, "eval_accuracy": 0.1}, {"round": 1}, {"round": 2}, {"round": 2, "eval_accuracy": 0.3}]
+    (tmp_path / "peer0" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert unfinished(tmp_path) == ["peer1: no readable metrics.jsonl ([Errno 2] No such file or directory: "
+                                    f"'{tmp_path / 'peer1' / 'metrics.jsonl'}')"]
+    (tmp_path / "peer1").mkdir()
+    (tmp_path / "peer1" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines[:3]))
+    assert unfinished(tmp_path) == ["peer1: no held-out evaluation after its last round"]
+    (tmp_path / "peer1" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines[1:]))
+    assert unfinished(tmp_path) == ["peer1: 1 of 3 rounds missing (from round 0)"]
+    (tmp_path / "peer1" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert unfinished(tmp_path) == []
+    (tmp_path / "run.json").write_text(json.dumps({**meta, "status": "interrupted"}))
+    assert unfinished(tmp_path) == ["run.json says 'interrupted'"]

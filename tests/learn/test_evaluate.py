@@ -2,6 +2,7 @@
 
 import copy
 
+import orjson
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ from node.learn.policy import SamplingConfig, load_model, sample_groups
 from node.learn.tasks import (DATASET_SIZE, EVAL_INDEX_START, PRESETS, TaskSampler, TaskSpec, eval_tasks,
                               is_eval_index)
 from node.ops.config import load_config
+from node.ops.metrics import MetricsWriter
 from node.swarm.exchange import Silo
 
 from conftest import tiny_gemma3
@@ -160,6 +162,52 @@ async def test_a_run_with_eval_has_the_same_training_records_as_without(tmp_path
     assert all("eval_accuracy" not in r for r in records[0])
     assert all(0.0 <= r["eval_accuracy"] <= 1.0 and r["eval_size"] == 4 and r["eval_s"] > 0 for r in records[1])
     assert all("eval" in r["phase_s"] for r in records[1])
+
+
+def two_round_node(tiny, run_dir, *extra):
+    cfg = load_config(["--model", "tiny-random", "--tasks", "smoke", "--num-local", "2", "--generations", "3",
+                       "--max-new-tokens", "6", "--seed", "4", "--rounds", "2", "--eval-every", "1",
+                       "--eval-size", "4", "--run-dir", str(run_dir), *extra], env={})
+    return build_node(cfg, PRESETS["smoke"], copy.deepcopy(tiny[0]), tiny[1], Silo(), torch.device("cpu"))
+
+
+async def test_an_evaluation_skipped_by_a_stop_runs_on_resume_with_the_same_result(tmp_path, tiny):
+    """A stop after round 1's update keeps the round without its due evaluation; the resumed node evaluates
+    round 1's checkpoint first, into round 1's record, and gets what an unstopped run got."""
+    def node_at(run_dir, *extra):
+        return two_round_node(tiny, run_dir, *extra)
+
+    await node_at(tmp_path / "whole").run()
+    stopped = node_at(tmp_path / "stopped")
+    train = stopped.train
+
+    def train_then_stop(groups):
+        stats = train(groups)
+        if stopped.next_round == 1:
+            stopped.stop.set("test")
+        return stats
+
+    stopped.train = train_then_stop
+    assert await stopped.run() == 2
+    metrics = MetricsWriter(tmp_path / "stopped")
+    assert metrics.last()["round"] == 1 and "eval_accuracy" not in metrics.last()
+    assert await node_at(tmp_path / "stopped", "--resume").run() == 0  # nothing left to train, one evaluation
+    whole = [orjson.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_bytes().splitlines()]
+    resumed = [orjson.loads(x) for x in metrics.path.read_bytes().splitlines()]
+    assert [r["round"] for r in resumed] == [0, 1] and resumed[1]["eval_on_resume"]
+    keys = ("eval_accuracy", "eval_distinct_answers", "reward_mean", "loss")
+    assert [{k: r[k] for k in keys} for r in resumed] == [{k: r[k] for k in keys} for r in whole]
+
+
+def test_a_resume_without_a_checkpoint_sets_the_earlier_rounds_aside(tmp_path, tiny):
+    """Rounds of a start killed before its first checkpoint run again from round 0: their old lines move
+    to metrics.orphaned.jsonl (kept) instead of standing twice in metrics.jsonl."""
+    (tmp_path / "metrics.jsonl").write_text('{"round": 0, "reward_mean": 0.5}\n')
+    node = two_round_node(tiny, tmp_path, "--resume")
+    assert node.persistence.resume() is None
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    assert (tmp_path / "metrics.orphaned.jsonl").read_text() == '{"round": 0, "reward_mean": 0.5}\n'
+    node.worker.shutdown()
 
 
 def test_greedy_texts_come_back_in_prompt_order(tiny, caplog):
