@@ -51,7 +51,8 @@ Definitions (also written into the report):
   unseen set, questions whose content training never draws.
 * per model family (when a run's peers ran different models: the ``model`` of their metrics lines, else
   run.json's ``models``): the held-out measures over each family's peers only, each configuration paired
-  by seed with the baseline's same family; the permutation p-values are Holm-corrected across families.
+  by seed with the baseline's same family; the permutation p-values are Holm-corrected across families;
+  and the external groups each family trained on, by the family whose peer sampled them (``publisher``).
 * focus peer (``--focus-peer P``: agent ``peer<P>``, e.g. a newcomer among veterans): the held-out measures
   of that agent alone (area: trapezoids over its own evaluations / their span), paired by seed with the
   same agent of the baseline; the other agents of its runs are the veterans, drawn as their mean curve.

@@ -43,6 +43,8 @@ class PeerSeries:
     unseen_acc: np.ndarray = field(default_factory=lambda: np.array([]))  # the unseen set's (mixes split by content)
     unseen_baseline: float = float("nan")
     model: str | None = None  # last "model" logged (peers of a mixed swarm run different ones)
+    publisher: str | None = None  # its own key prefix, as the other peers' external_sources name it
+    external_sources: dict[str, int] = field(default_factory=dict)  # publisher -> groups trained on, all rounds
     final_eval: EvalSummary | None = None  # its last held-out evaluation, as the collapse guard reads it
 
 
@@ -179,6 +181,8 @@ def _read_metrics(path: Path, peer: str) -> tuple[PeerSeries | None, int, int]:
             round_s=col("round_s"),
             ij_policy=last_text("ij_policy"),
             model=last_text("model"),
+            publisher=last_text("publisher"),
+            external_sources=_sum_sources(recs),
             eval_acc=col("eval_accuracy"),
             eval_baseline=largest("eval_baseline"),
             unseen_acc=col("eval_unseen_accuracy"),
@@ -191,6 +195,16 @@ def _read_metrics(path: Path, peer: str) -> tuple[PeerSeries | None, int, int]:
         bad,
         dup,
     )
+
+
+def _sum_sources(recs: list[dict]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for rec in recs:
+        sources = rec.get("external_sources")
+        for key, n in (sources.items() if isinstance(sources, dict) else ()):
+            if isinstance(key, str) and isinstance(n, int):
+                total[key] = total.get(key, 0) + n
+    return total
 
 
 def _read_run_json(path: Path) -> dict:

@@ -235,6 +235,14 @@ def families_section(summary: dict) -> list[str]:
     if holm_rows:
         L.append("Permutation p of each family's paired difference, and Holm-corrected across the families:\n")
         L += md_table(["config", "family", "final: p", "final: Holm p", "area: p", "area: Holm p"], holm_rows)
+    sources = fam.get("sources") or {}
+    if sources:
+        columns = fam["families"] + (["unknown"] if any("unknown" in d for c in sources.values() for d in c.values())
+                                     else [])
+        L.append("External groups each family trained on, by the family whose peer sampled them (all seeds):\n")
+        L += md_table(["config", "family", *(f"from {c}" for c in columns)],
+                      [[c, f, *(str(d.get(src, 0)) for src in columns)] for c, per in sources.items()
+                       for f, d in per.items()])
     L.append(f"![held-out accuracy per family]({FIGURES['families']})\n")
     return L
 

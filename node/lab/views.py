@@ -86,7 +86,21 @@ def family_summary(runs: Sequence[Run], summary: dict) -> dict:
             for f, p in holm({f: t["p_perm"] for f, t in tests.items()}).items():
                 tests[f]["p_holm"] = p
     peers = {f: sorted({sum(peer_model(r, p) == f for p in r.peers) for r in runs}) for f in families}
-    return {"families": families, "peers": peers, "per_family": per}
+    return {"families": families, "peers": peers, "per_family": per, "sources": family_sources(runs)}
+
+
+def family_sources(runs: Sequence[Run]) -> dict[str, dict[str, dict[str, int]]]:
+    """Per configuration and family: the external groups its peers trained on, by the family of the peer that
+    sampled them (a run's peers name themselves in their records, `publisher`; a source that is none of them
+    counts as "unknown"). Whether a family learns from the other one's groups or only from its own."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for r in runs:
+        family_of = {p.publisher: peer_model(r, p) for p in r.peers if p.publisher}
+        for p in r.peers:
+            counts = out.setdefault(r.config, {}).setdefault(peer_model(r, p), {})
+            for source, n in p.external_sources.items():
+                counts[family_of.get(source, "unknown")] = counts.get(family_of.get(source, "unknown"), 0) + n
+    return {c: d for c, d in out.items() if any(d.values())}
 
 
 def focus_name(value: str) -> str:

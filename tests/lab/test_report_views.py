@@ -15,7 +15,8 @@ EVAL_ROUNDS = (0, 5, 10, 15, 20, 25, 29)
 
 def write_run(root, cfg, seed, peers, model_in_metrics=False, unseen=False):
     """peers: {peer index: (model, accuracy(t))}; held-out evaluations at EVAL_ROUNDS of 30 rounds (with
-    `unseen`, the unseen set's accuracy too: 0.05 below)."""
+    `unseen`, the unseen set's accuracy too: 0.05 below). At j > 0 peer p trains each round on one group of
+    peer p + 1 (the next, cyclically) and one of an outsider."""
     i, j = map(int, cfg.split("/"))
     run = root / cfg.replace("/", "-") / f"seed{seed}"
     run.mkdir(parents=True)
@@ -27,7 +28,8 @@ def write_run(root, cfg, seed, peers, model_in_metrics=False, unseen=False):
         (run / f"peer{p}").mkdir()
         lines = []
         for t in range(30):
-            rec = {"round": t, "reward_mean": 0.1, "num_local": i, "num_external": j}
+            rec = {"round": t, "reward_mean": 0.1, "num_local": i, "num_external": j, "publisher": f"key{p}",
+                   "external_sources": {f"key{(p + 1) % len(peers)}": 1, "outsider": 1} if j else {}}
             if t in EVAL_ROUNDS:
                 rec["eval_accuracy"] = acc(t)
                 if unseen:
@@ -81,6 +83,10 @@ def test_mixed_swarm_is_judged_per_family_with_holm(tmp_path, capsys):
     assert md.index("## Per model family") < md.index("## Held-out accuracy")
     final = a["eval_final_vs_base"]
     assert f"| 2/2 | fam-a | {final['p_perm']:.3f} | {final['p_holm']:.3f} |" in md
+    # peers a0, b1, a2: a0 trains on b1, b1 on a2, a2 on a0, 30 rounds x 4 seeds, and one outsider each
+    assert fam["sources"] == {"2/2": {"fam-a": {"fam-b": 120, "fam-a": 120, "unknown": 240},
+                                      "fam-b": {"fam-a": 120, "unknown": 120}}}
+    assert "| 2/2 | fam-b | 120 | 0 | 120 |" in md
     assert (out / "heldout_per_family.png").stat().st_size > 0
     console = capsys.readouterr().out
     assert "fam-a 2/2 − 4/0, held-out final: +0.0500" in console and "Holm p = 0.250" in console
