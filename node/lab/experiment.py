@@ -42,6 +42,7 @@ from node import __version__
 from node.cli import REPEAT_WINDOW_S
 from node.ops.quick_exit import exit_without_teardown
 from node.ops.runlock import RunDirBusy, RunDirLock
+from node.lab.runs import read_run_json
 from node.lab.runspec import PRESETS, RunSpec, parse_peer_args, slug
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.ops.config import default_lr
@@ -92,14 +93,6 @@ def prune_checkpoints(root: Path) -> int:
         freed += sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
         shutil.rmtree(ckpt, ignore_errors=True)
     return freed
-
-
-def read_run_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def is_complete(path: Path) -> bool:

@@ -207,7 +207,7 @@ def _sum_sources(recs: list[dict]) -> dict[str, int]:
     return total
 
 
-def _read_run_json(path: Path) -> dict:
+def read_run_json(path: Path) -> dict:
     try:
         d = json.loads(path.read_text())
         return d if isinstance(d, dict) else {}
@@ -244,7 +244,7 @@ def _identify(metrics: Path, root: Path) -> tuple[str, str, str, str, dict]:
 
     meta: dict = {}
     if run_json_dir is not None:
-        meta = _read_run_json(run_json_dir / "run.json")
+        meta = read_run_json(run_json_dir / "run.json")
         run_dir = run_json_dir
     else:
         run_dir = fb_run_dir

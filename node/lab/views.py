@@ -99,7 +99,8 @@ def family_sources(runs: Sequence[Run]) -> dict[str, dict[str, dict[str, int]]]:
         for p in r.peers:
             counts = out.setdefault(r.config, {}).setdefault(peer_model(r, p), {})
             for source, n in p.external_sources.items():
-                counts[family_of.get(source, "unknown")] = counts.get(family_of.get(source, "unknown"), 0) + n
+                family = family_of.get(source, "unknown")
+                counts[family] = counts.get(family, 0) + n
     return {c: d for c, d in out.items() if any(d.values())}
 
 
