@@ -1,7 +1,6 @@
 """The node learns: on the embedded default model (SmolLM2-135M, GGUF), a silo `sapo-node` process and a
-two-peer swarm that trains on each other's groups both turn a reward they mostly miss at first into one
-they mostly earn, and answer the held-out set far above round 0 and above the constant-answer baseline,
-within five rounds.
+two-peer swarm that trains on each other's groups both answer the held-out set far above round 0 and above
+the constant-answer baseline within five rounds, and their training reward rises.
 
 The task mix is `test-learn` (node/learn/tasks.py): the model can repeat a one-digit number, but the
 system prompt's example teaches it an answer format the reward scores 1/15. That is a reward the model
@@ -10,6 +9,12 @@ pushes the wrong way (advantages negated where groups become training sequences)
 baseline and fails both tests. Measured for the silo (lr 5e-4, seeds 0-2): held-out accuracy 0.05-0.31
 after round 0 and 1.0 after round 4; training reward 0.03-0.06 in round 0, 0.58-1.0 in round 4 (the two
 peers: their test's docstring).
+
+What "learned" means: the held-out accuracy, greedy and after the last update, is the measure. The
+training reward is a noisy witness: 16 completions sampled at temperature by a policy one update behind
+(a round samples before it trains), and in a swarm of two the groups a peer gets depend on timing. So it
+must only rise clearly; requiring it above the baseline too failed a correct run (CI, seed 0: held-out
+0.047 -> 0.944 while round 4's reward was 0.376).
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ LEARN = ["--model", "default", "--tasks", "test-learn", "--lora-rank", "8", "--l
          "--rounds", str(ROUNDS), "--eval-every", str(ROUNDS - 1), "--eval-size", "16"]
 NODE_ONLY = ["--mixed-precision", "off", "--rollout-engine", "torch", "--no-tensorboard", "--checkpoint-every", "100"]
 MARGIN = 0.3  # what "learned" means: far above both yardsticks, ~5 of the 16 held-out tasks, not a lucky one
+REWARD_RISE = 0.15  # the training reward's rise from round 0 to the last round (measured: +0.26 or more)
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def assert_learned(records: list[dict], who: str) -> None:
     """Held-out accuracy after the last round far above round 0's and above the constant-answer baseline;
-    the training reward of the last round far above round 0's and above that baseline."""
+    the training reward of the last round clearly above round 0's (the module's docstring says why no more)."""
     assert [r["round"] for r in records] == list(range(ROUNDS)), who
     check_records(records)
     evals = [r for r in records if "eval_accuracy" in r]
@@ -43,7 +49,7 @@ def assert_learned(records: list[dict], who: str) -> None:
     print(summary)
     assert 0.1 < baseline < 0.3, summary
     assert last >= first + MARGIN and last >= baseline + MARGIN, summary
-    assert curve[-1] >= curve[0] + MARGIN and curve[-1] >= baseline + MARGIN, summary
+    assert curve[-1] >= curve[0] + REWARD_RISE, summary
 
 
 @pytest.mark.slow
@@ -64,8 +70,9 @@ def test_two_peers_learn_from_each_others_groups(tmp_path):
     """Two peers (2 local + 2 external groups a round, the silo's 4 groups per update) on the in-process
     board of `sapo-experiment --mode memory`: one base model, an adapter each, signed batches verified and
     re-scored; each trains on the other's groups in most rounds and both learn. At lr 1e-3 (measured, seeds
-    0 and 1): reward 0.006-0.049 in round 0, 0.75-1.0 in round 4; held-out 0.04-0.53 -> 1.0. (At 5e-4, 2 + 2
-    groups had only begun to rise by round 4; 4 + 4 learned but cost twice the time.)"""
+    0-3, 8 peers): reward 0.006-0.049 in round 0, 0.30-0.95 in round 4 (a rise of +0.26 or more); held-out
+    0.05-0.50 -> 0.94-1.0. (At 5e-4, 2 + 2 groups had only begun to rise by round 4; 4 + 4 learned but cost
+    twice the time.)"""
     exp = tmp_path / "exp"
     done = run_python(["-m", "node.lab.experiment", "2/2", "--peers", "2", "--mode", "memory", "--seeds", "0",
                        "--threads", "1", "--out", str(exp), *LEARN, "--lr", "1e-3",
