@@ -156,6 +156,9 @@ class Persistence:
                         f" ({moved} metrics lines moved to metrics.orphaned.jsonl)" if moved else "")
             return None
         self.check_identity(ckpt.meta, f"checkpoint {ckpt.path}")
+        if ckpt.optimizer is None:
+            raise CheckpointError(f"checkpoint {ckpt.path} holds weights only (an export for --lora-init): a run "
+                                  "resumes from its own checkpoints")
         self._load_weights(ckpt.model)
         self.trainer.optimizer.load_state_dict(ckpt.optimizer)
         next_round = self.rewind(ckpt.state)

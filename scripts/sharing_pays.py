@@ -16,7 +16,8 @@ veterans (8a) and two model families in one swarm (8b).
 Every cell is one `sapo-experiment` command: one arm (configuration), one seed k, in memory mode on one
 thread. Peer p of seed k runs node seed 1000k + p, so the newcomer (peer 0) has the same seed in the silo arm
 (`--peers 1`) as in the swarm arms, where peers 1-4 are the veterans started with `--lora-init` from the 4
-veterans' adapters (`--veterans`, default: the veterans experiment's run dirs, whose checkpoints it keeps).
+veterans' adapters (`--veterans`, default: the round-99 weights the veterans experiment commits beside their
+metrics, docs/data/newcomer-veterans/4-0/seed<j>/adapter; a veteran counts as done only once they are there).
 
 The recipe is read, not written here: learning rate, LoRA rank and tasks from node/ops/config.py
 RECIPES["cpu"], the KL weight from it too (the node's default where the recipe names none), and every peer
@@ -35,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from node.lab.cells import Cell, part_of, run_cells  # noqa: E402
+from node.lab.cells import ADAPTER, Cell, part_of, run_cells  # noqa: E402
 from node.lab.runspec import slug  # noqa: E402
 from node.ops.checkpoint import PREFIX  # noqa: E402
 from node.ops.config import RECIPES, NodeConfig  # noqa: E402
@@ -68,11 +69,16 @@ def recipe_flags(engine: str) -> list[str]:
             f"--node-arg=--beta={beta}", f"--node-arg=--rollout-engine={engine}"]
 
 
-def veteran_dirs(runs: Path) -> list[Path]:
-    """The 4 trained adapters that `run --experiment veterans` leaves: each run's round-99 checkpoint by its
-    exact name, so a newcomer cell can never start from a veteran that had not finished its 100 rounds."""
-    return [runs / "veterans" / "4-0" / f"seed{j}" / "peer0" / "checkpoints" / f"{PREFIX}{VETERAN_ROUNDS - 1:06d}"
-            for j in VETERAN_SEEDS]
+def veteran_checkpoint(run_dir: Path) -> Path:
+    """A veteran's run's round-99 checkpoint by its exact name, so that no newcomer can start from a veteran
+    that had not finished its 100 rounds."""
+    return run_dir / "peer0" / "checkpoints" / f"{PREFIX}{VETERAN_ROUNDS - 1:06d}"
+
+
+def veteran_dirs(data: Path) -> list[Path]:
+    """The 4 trained adapters that `run --experiment veterans` commits (their round-99 weights, without the
+    optimizer: ~10 MB each), so that newcomer cells can run on any machine with a checkout."""
+    return [data / DATA_DIRS["veterans"] / "4-0" / f"seed{j}" / ADAPTER for j in VETERAN_SEEDS]
 
 
 def has_adapter(path: Path) -> bool:
@@ -107,9 +113,10 @@ def cells(args: argparse.Namespace) -> list[Cell]:
     for seed in part_of(seeds, args.part):  # a process takes whole seeds, all arms: each pair completes in one
         for arm in args.arms or DEFAULT_ARMS[args.experiment]:
             config = ARMS[args.experiment][arm][0]
+            run_dir = Path(args.runs) / args.experiment / slug(config) / f"seed{seed}"
+            adapter = veteran_checkpoint(run_dir) if args.experiment == "veterans" else None
             out.append(Cell(f"{args.experiment} {arm} seed {seed}", cell_command(args.experiment, arm, seed, args),
-                            Path(args.runs) / args.experiment / slug(config) / f"seed{seed}",
-                            data / slug(config) / f"seed{seed}"))
+                            run_dir, data / slug(config) / f"seed{seed}", adapter))
     return out
 
 
@@ -126,11 +133,12 @@ def main() -> int:
                        "relative paths: to the repository root)")
         p.add_argument("--data", default="docs/data", help="cells are committed to DATA/<experiment>/")
         p.add_argument("--veterans", nargs=4, default=None, metavar="DIR",
-                       help="the 4 veterans' adapters (run or round dirs; default: the veterans experiment's)")
+                       help="the 4 veterans' adapters (run or round dirs; default: the ones the veterans "
+                       "experiment commits, DATA/newcomer-veterans/4-0/seed<j>/adapter)")
         p.add_argument("--engine", default="auto", help="--rollout-engine of every peer")
     args = parser.parse_args()
     os.chdir(REPO)  # relative paths (--runs, --data, --veterans) are the repository's, as in the commands
-    args.veterans = args.veterans or [str(v) for v in veteran_dirs(Path(args.runs))]
+    args.veterans = args.veterans or [str(v) for v in veteran_dirs(Path(args.data))]
     unknown = [a for a in args.arms or [] if a not in ARMS[args.experiment]]
     if unknown:
         parser.error(f"arms of {args.experiment}: {', '.join(ARMS[args.experiment])} (got {', '.join(unknown)})")

@@ -5,6 +5,8 @@ A cell is one `sapo-experiment` command (one configuration, one seed). A cell wh
 is done and skipped; any other runs (sapo-experiment resumes it from its checkpoints), and when it finishes
 its run.json and each peer's metrics.jsonl are copied to the data dir, where `sapo-report` reads them and
 git keeps them. So the work goes on across days and machines, and `--part i/n` shares it among n processes.
+A cell that later cells start from (a veteran, whose adapter newcomers load) commits that checkpoint's weights
+too (DEST/adapter), and counts as done only once they are there.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence, TypeVar
 
+from node.ops.checkpoint import export_weights
+
 T = TypeVar("T")
 
 
@@ -26,6 +30,16 @@ class Cell:
     command: list[str]
     run_dir: Path  # where sapo-experiment writes the run (EXP/<config>/seed<k>)
     dest: Path  # where its run.json and peer*/metrics.jsonl are committed
+    adapter: Path | None = None  # a checkpoint of the run whose weights are committed too (DEST/adapter)
+
+    @property
+    def committed(self) -> bool:
+        """Its run.json is in the data dir, and so are its weights where it commits them."""
+        return (self.dest / "run.json").exists() and (self.adapter is None
+                                                      or (self.dest / ADAPTER / "MANIFEST.json").is_file())
+
+
+ADAPTER = "adapter"  # under a cell's data dir: the weights later cells start from
 
 
 def unfinished(run_dir: Path) -> list[str]:
@@ -54,10 +68,13 @@ def unfinished(run_dir: Path) -> list[str]:
     return problems
 
 
-def copy_cell(run_dir: Path, dest: Path) -> int:
-    """Each peer's metrics.jsonl of a finished cell, then its run.json (whose presence marks the cell
-    committed, so it comes last); returns the number of peers copied."""
+def copy_cell(run_dir: Path, dest: Path, adapter: Path | None = None) -> int:
+    """Each peer's metrics.jsonl of a finished cell, the weights of `adapter` where given (without the
+    optimizer), then its run.json (whose presence marks the cell committed, so it comes last); returns the
+    number of peers copied."""
     dest.mkdir(parents=True, exist_ok=True)
+    if adapter is not None:
+        export_weights(adapter, dest / ADAPTER)
     peers = sorted(p for p in run_dir.glob("peer*") if (p / "metrics.jsonl").exists())
     for peer in peers:
         (dest / peer.name).mkdir(exist_ok=True)
@@ -95,9 +112,12 @@ def run_cells(cells: Sequence[Cell], cwd: Path, tag: str) -> int:
     """Run the cells not committed yet, in order, copying each as it finishes; stops at the first failure
     (returns its exit code; an interrupted cell resumes with the same command)."""
     for cell in cells:
-        if (cell.dest / "run.json").exists():
+        if cell.committed:
             print(f"[{tag}] {cell.label}: committed already", flush=True)
             continue
+        if (cell.dest / "run.json").exists():
+            print(f"[{tag}] {cell.label}: its metrics are committed but not its weights ({cell.dest / ADAPTER}), "
+                  "which later cells start from: running it again (its metrics will be replaced)", flush=True)
         print(f"[{tag}] {cell.label}: running", flush=True)
         rc = run_forwarding_stops(cell.command, cwd)
         if rc != 0:
@@ -107,6 +127,10 @@ def run_cells(cells: Sequence[Cell], cwd: Path, tag: str) -> int:
         if problems:
             print(f"[{tag}] {cell.label}: not copied, the run is not a result: {'; '.join(problems)}", flush=True)
             return 1
-        peers = copy_cell(cell.run_dir, cell.dest)
+        try:
+            peers = copy_cell(cell.run_dir, cell.dest, cell.adapter)
+        except (OSError, RuntimeError) as exc:  # CheckpointError: the checkpoint to commit is missing or corrupt
+            print(f"[{tag}] {cell.label}: not copied: {exc}", flush=True)
+            return 1
         print(f"[{tag}] {cell.label}: finished, {peers} peers copied to {cell.dest}", flush=True)
     return 0

@@ -34,7 +34,7 @@ class Checkpoint:
     round: int  # last completed round; resume starts at round + 1
     path: Path
     model: dict[str, Any]
-    optimizer: dict[str, Any]
+    optimizer: dict[str, Any] | None  # None in a weights-only export (export_weights): it cannot resume a run
     state: dict[str, Any]  # rng states, sampler, ij policy, counters: JSON-safe
     meta: dict[str, Any] | None = None  # from the manifest; None in checkpoints written before it existed
 
@@ -130,7 +130,8 @@ class CheckpointStore:
         manifest = CheckpointStore.verify(path)
         state = json.loads((path / "state.json").read_text())
         model = torch.load(path / "model.pt", map_location=map_location, weights_only=True)
-        optimizer = torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True)
+        optimizer = (torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True)
+                     if "optimizer.pt" in manifest["files"] else None)
         return Checkpoint(round=int(state["round"]), path=path, model=model, optimizer=optimizer, state=state,
                           meta=manifest.get("meta"))
 
@@ -147,6 +148,27 @@ class CheckpointStore:
         if candidates:
             raise CheckpointError("no loadable checkpoint in " + str(self.dir) + ": " + "; ".join(errors))
         return None
+
+
+def export_weights(src: Path, dest: Path) -> Path:
+    """A checkpoint's weights without its optimizer (a third of the size with Adam), in the same layout, for
+    another run's --lora-init: what an experiment commits so that later cells on other machines can start
+    from it. `src` is verified first; `dest` appears whole or not at all (temp dir, then rename)."""
+    src, dest = Path(src), Path(dest)
+    manifest = CheckpointStore.verify(src)
+    tmp = dest.with_name(f".tmp-{dest.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    files = {}
+    for name in ("model.pt", "state.json"):
+        shutil.copy2(src / name, tmp / name)
+        _fsync_file(tmp / name)
+        files[name] = manifest["files"][name]
+    (tmp / "MANIFEST.json").write_text(json.dumps({**manifest, "files": files, "exported_from": str(src)}))
+    _fsync_file(tmp / "MANIFEST.json")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
 
 
 def load_from(path: Path, map_location: str | torch.device = "cpu") -> Checkpoint:

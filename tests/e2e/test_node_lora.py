@@ -12,7 +12,7 @@ from node.build import build_node
 from node.learn.lora import attach, base_fingerprint
 from node.learn.policy import load_model
 from node.learn.tasks import resolve_mix
-from node.ops.checkpoint import CheckpointError, CheckpointStore
+from node.ops.checkpoint import CheckpointError, CheckpointStore, export_weights
 from node.ops.config import load_config
 from node.swarm.exchange import Silo
 from test_node_solo import read_rounds
@@ -80,12 +80,15 @@ def test_identity_check_names_what_differs(tmp_path, lora, model, refused):
 
 @pytest.mark.slow
 def test_a_new_run_starts_from_another_runs_adapter(tmp_path, tiny_args):
-    """The target runs with another seed than the source, so its own fresh adapter differs from the
-    source's in every A matrix (checked): ending equal to the source's can only come from --lora-init."""
+    """The target starts from the source's weights exported without the optimizer (what experiment cells commit
+    for other machines; such an export never resumes a run). It runs with another seed than the source, so its
+    own fresh adapter differs from the source's in every A matrix (checked): ending equal to the source's can
+    only come from --lora-init."""
     source, target = tmp_path / "source", tmp_path / "target"
     assert run_node(*tiny_args, *LORA, "--lr", "1e-2", "--rounds", "2", "--run-dir", str(source)).returncode == 0
+    exported = export_weights(CheckpointStore(source).load_latest().path, tmp_path / "adapter")  # as cells commit
     started = run_node(*tiny_args, *LORA, "--rounds", "1", "--lr", "1e-12", "--seed", "4", "--run-dir", str(target),
-                       "--lora-init", str(source))
+                       "--lora-init", str(exported))
     assert started.returncode == 0, started.stderr[-2000:]
     assert "adapter initialised from" in started.stderr
     theirs, ours = CheckpointStore(source).load_latest().model, CheckpointStore(target).load_latest().model
@@ -97,3 +100,6 @@ def test_a_new_run_starts_from_another_runs_adapter(tmp_path, tiny_args):
     wrong = run_node(*tiny_args, "--lora-rank", "2", "--rounds", "1", "--run-dir", str(tmp_path / "wrong"),
                      "--lora-init", str(source / "checkpoints" / "round-000001"))
     assert wrong.returncode == 1 and "--lora-init" in wrong.stderr
+    export_weights(exported, tmp_path / "resumer" / "checkpoints" / "round-000001")  # weights without optimizer
+    resumed = run_node(*tiny_args, *LORA, "--rounds", "2", "--run-dir", str(tmp_path / "resumer"), "--resume")
+    assert resumed.returncode == 1 and "holds weights only (an export for --lora-init)" in resumed.stderr

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from node.lab.cells import Cell, run_cells, unfinished
 from node.lab.experiment import build_parser, peer_plan
+from node.ops.checkpoint import load_from
 from node.ops import config
 
 spec = importlib.util.spec_from_file_location("sharing_pays", Path(__file__).parents[2] / "scripts/sharing_pays.py")
@@ -56,8 +57,11 @@ def test_families_and_veterans_cells_and_parts():
     assert [c.dest for c in vets] == [Path(f"data/newcomer-veterans/4-0/seed{j}") for j in range(4)]
     args, (counts, _, _) = parsed(vets[0])
     assert counts == {"4/0": 1} and args.rounds == 100 and args.keep_run_checkpoints
-    # the newcomer's default veterans: these runs' round-99 checkpoints, by name (never an earlier round)
-    assert pays.veteran_dirs(Path("runs/x")) == [c.run_dir / "peer0/checkpoints/round-000099" for c in vets]
+    # each veteran commits its run's round-99 weights (by name: never an earlier round) beside its metrics, and
+    # those committed copies are the newcomer's default veterans: newcomer cells run on any machine
+    assert [c.adapter for c in vets] == [c.run_dir / "peer0/checkpoints/round-000099" for c in vets]
+    assert pays.veteran_dirs(Path("data")) == [c.dest / "adapter" for c in vets]
+    assert all(c.adapter is None for c in fam)
 
 
 def test_validation_cells_run_the_recipe_at_both_configurations_on_every_seed(monkeypatch):
@@ -72,15 +76,19 @@ def test_validation_cells_run_the_recipe_at_both_configurations_on_every_seed(mo
         assert cell.dest == Path(f"data/recipe-validation/{config_name.replace('/', '-')}/seed0")
 
 
-def fake_cell(tmp_path, name, code="") -> Cell:
+def fake_cell(tmp_path, name, code="", adapter=False) -> Cell:
     """A command that writes what a finished sapo-experiment cell leaves (and counts its runs)."""
     run_dir = tmp_path / "runs" / name
     meta = json.dumps({"status": "complete", "peers": 1, "rounds": 1, "eval_every": 0})
     script = (f"import pathlib; d = pathlib.Path({str(run_dir)!r}); (d / 'peer0').mkdir(parents=True, "
               f"exist_ok=True); (d / 'run.json').write_text({meta!r}); (d / 'peer0' / 'metrics.jsonl')"
               f".write_text('{{\"round\": 0}}'); (d / 'peer0' / 'big.pt').write_text('x'); "
-              f"c = d / 'count'; c.write_text(str(int(c.read_text()) + 1 if c.exists() else 1)); {code}")
-    return Cell(name, [sys.executable, "-c", script], run_dir, tmp_path / "data" / name)
+              f"c = d / 'count'; c.write_text(str(int(c.read_text()) + 1 if c.exists() else 1))\n{code}\n")
+    if adapter:  # the run leaves a real checkpoint (weights and optimizer) whose weights the cell commits
+        script += ("from node.ops.checkpoint import CheckpointStore; import torch; CheckpointStore(d / 'peer0')"
+                   ".save(9, {'w': torch.ones(3)}, {'state': {}}, {}, {'model': 'm'})")
+    return Cell(name, [sys.executable, "-c", script], run_dir, tmp_path / "data" / name,
+                run_dir / "peer0" / "checkpoints" / "round-000009" if adapter else None)
 
 
 def test_run_cells_copies_finished_cells_skips_committed_ones_and_stops_at_a_failure(tmp_path, capsys):
@@ -113,3 +121,26 @@ def test_a_cell_is_copied_only_when_its_run_is_a_result(tmp_path):
     assert unfinished(tmp_path) == []
     (tmp_path / "run.json").write_text(json.dumps({**meta, "status": "interrupted"}))
     assert unfinished(tmp_path) == ["run.json says 'interrupted'"]
+
+
+def test_a_cell_that_later_cells_start_from_is_done_only_with_its_weights_committed(tmp_path, capsys):
+    """A veteran whose metrics are committed but whose weights are not (they lived in one machine's run dir)
+    runs again and commits them, without the optimizer; after that it is skipped. Weights it cannot find
+    leave the cell uncommitted, said in one line."""
+    vet = fake_cell(tmp_path, "vet", adapter=True)
+    vet.dest.mkdir(parents=True)
+    (vet.dest / "run.json").write_text("{}")  # committed before the weights were
+    assert not vet.committed
+    assert run_cells([vet], tmp_path, "test") == 0
+    assert "its metrics are committed but not its weights" in capsys.readouterr().out
+    assert vet.committed and sorted(p.name for p in (vet.dest / "adapter").iterdir()) == [
+        "MANIFEST.json", "model.pt", "state.json"]
+    ckpt = load_from(vet.dest / "adapter")  # what --lora-init reads
+    assert ckpt.optimizer is None and ckpt.round == 9 and ckpt.meta == {"model": "m"} and ckpt.model["w"].sum() == 3
+    assert run_cells([vet], tmp_path, "test") == 0 and (vet.run_dir / "count").read_text() == "1"
+
+    lost = fake_cell(tmp_path, "lost")
+    lost = Cell(lost.label, lost.command, lost.run_dir, lost.dest, lost.run_dir / "peer0/checkpoints/round-000099")
+    assert run_cells([lost], tmp_path, "test") == 1
+    assert "lost: not copied:" in capsys.readouterr().out and not lost.committed
+    assert not (lost.dest / "run.json").exists()
