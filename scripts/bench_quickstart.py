@@ -18,18 +18,22 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from node.ops.metrics import read_records  # noqa: E402
 
 
 def records(path: Path) -> list[dict]:
     try:
-        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    except (OSError, ValueError):
-        return []  # not written yet, or a line being written
+        return read_records(path, partial_ok=True)  # a live file: its last line may be half written
+    except OSError:
+        return []  # not written yet
 
 
 def main() -> int:

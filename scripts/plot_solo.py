@@ -9,7 +9,6 @@ signal and token entropy per round, one line per metrics file (docs/RESULTS.md s
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node.lab.stats import moving_average  # noqa: E402
+from node.ops.metrics import read_records  # noqa: E402
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     baseline = None
     for path in args.metrics:
-        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        rows = read_records(path)
         label = Path(path).name.split(".")[0]
         evals = [(r["round"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
         baseline = baseline or next((r["eval_baseline"] for r in rows if "eval_baseline" in r), None)

@@ -22,13 +22,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import orjson
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from node.lab.cells import Cell, part_of, run_cells  # noqa: E402
 from node.lab.runs import last_evaluation  # noqa: E402
+from node.ops.metrics import read_records  # noqa: E402
 from node.learn.guard import EvalSummary, collapsed  # noqa: E402
 
 
@@ -65,7 +65,7 @@ def cells(args: argparse.Namespace) -> list[Cell]:
 
 
 def final_eval(metrics: Path) -> tuple[EvalSummary, dict] | None:
-    return last_evaluation([orjson.loads(line) for line in metrics.read_bytes().splitlines()])
+    return last_evaluation(read_records(metrics))
 
 
 def finals_row(finals: list[tuple[EvalSummary, dict]]) -> dict:

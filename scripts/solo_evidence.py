@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node.lab.evidence import heldout_evidence  # noqa: E402
+from node.ops.metrics import read_records  # noqa: E402
 
 BAR = 0.10
 ISSUE29_IN_DISTRIBUTION_BAR = 0.30  # issue 29: a 100-round solo run of the default recipe
@@ -39,8 +40,8 @@ def main() -> int:
     if not path.is_file():
         print(f"solo_evidence: no {path}", file=sys.stderr)
         return 2
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     try:
+        rows = read_records(path)
         ev = heldout_evidence(rows, n_boot=args.boot)
     except ValueError as exc:
         print(f"solo_evidence: {path}: {exc}", file=sys.stderr)

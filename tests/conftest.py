@@ -10,13 +10,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import orjson
 import pytest
 import torch
 
 from node.learn.groups import Prompter, local_group, score_responses
 from node.learn.policy import SamplingConfig, load_model, sample_groups
 from node.learn.tasks import PRESETS, TaskSampler
+from node.ops.metrics import read_records
 from p2p.identity import KEY_FILENAME, Identity
 from p2p.transport import SwarmTransport, TransportConfig
 from p2p.wire import TaskSpecWire, WireGroup
@@ -73,15 +73,7 @@ def node_env(**extra: str) -> dict:
 def live_metrics(run_dir: Path) -> list[dict]:
     """Round records of a run that may still be writing: no file yet -> [], a half-written line skipped."""
     path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_bytes().splitlines():
-        try:
-            out.append(orjson.loads(line))
-        except orjson.JSONDecodeError:
-            pass  # a line being written right now
-    return out
+    return read_records(path, partial_ok=True) if path.exists() else []
 
 
 def free_port() -> int:

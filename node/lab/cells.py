@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Sequence, TypeVar
 
 from node.ops.checkpoint import export_weights
+from node.ops.metrics import read_records
 
 T = TypeVar("T")
 
@@ -55,7 +56,7 @@ def unfinished(run_dir: Path) -> list[str]:
     for p in range(peers):
         path = run_dir / f"peer{p}" / "metrics.jsonl"
         try:
-            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            records = read_records(path)
         except (OSError, ValueError) as exc:
             problems.append(f"peer{p}: no readable metrics.jsonl ({exc})")
             continue

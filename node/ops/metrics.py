@@ -15,6 +15,28 @@ METRICS_FILE = "metrics.jsonl"
 LOG_FILE = "node.log"
 
 
+def read_records(path: str | Path, partial_ok: bool = False) -> list[dict[str, Any]]:
+    """A metrics.jsonl's records in file order, blank lines skipped: the one reader of the node's JSONL files
+    that scripts and tests share. A line that is not a JSON object raises ValueError naming the file and the
+    line; with `partial_ok` (a live file, which a node appends to while this reads) a last line cut short is
+    left out instead."""
+    lines = Path(path).read_bytes().splitlines()
+    out = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = orjson.loads(line)
+        except orjson.JSONDecodeError as exc:
+            if partial_ok and number == len(lines):
+                break
+            raise ValueError(f"{path}: line {number} is not JSON ({exc})") from exc
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}: line {number} is not a JSON object")
+        out.append(rec)
+    return out
+
+
 class ConsoleHandler(logging.StreamHandler):
     """stderr logging that survives its reader: when the pipe or terminal is gone (EPIPE, EIO, closed
     file), it stops writing there, points fds 1 and 2 at /dev/null (so no later print or the exit-time

@@ -3,11 +3,11 @@ onto one string; the guard notices at the next evaluation, puts back the best ev
 the rate, and the node answers like itself again. Switched off, the collapse stays (checked by hand; see the
 closing note of issue 29), so this test fails without the guard."""
 
-import orjson
 import pytest
 
 from conftest import run_node
 from node.learn.guard import EvalSummary, collapsed
+from node.ops.metrics import read_records
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -22,7 +22,7 @@ def test_guard_catches_a_forced_collapse_and_recovers(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_node(*ARGS, "--run-dir", str(run_dir), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
+    records = read_records(run_dir / "metrics.jsonl")
     evals = {r["round"]: EvalSummary.from_record(r["round"], r) for r in records}
     restores = [r for r in records if r.get("guard_action") == "restore"]
     assert restores, [(r["round"], r.get("guard_action"), r["eval_distinct_answers"]) for r in records]

@@ -6,12 +6,12 @@ import subprocess
 import sys
 import time
 
-import orjson
 import pytest
 
 from conftest import REPO, run_node
 from helpers_learning import check_records
 from node.ops.checkpoint import CheckpointStore
+from node.ops.metrics import read_records
 
 REQUIRED_FIELDS = {
     "round", "t_start", "t_end", "round_s", "phase_s", "swarm_io_s", "reward_mean", "reward_max",
@@ -21,7 +21,7 @@ REQUIRED_FIELDS = {
 
 
 def read_rounds(run_dir):
-    return [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
+    return read_records(run_dir / "metrics.jsonl")
 
 
 @pytest.mark.slow

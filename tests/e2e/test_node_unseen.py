@@ -1,12 +1,12 @@
 """End to end: a `sapo-node` run of a mix split by content records its unseen evaluation everywhere a
 newcomer looks (metrics.jsonl, the log, TensorBoard, the progress view)."""
 
-import orjson
 import pytest
 
 from conftest import run_node
 from node.learn.tasks import PRESETS, eval_tasks
 from node.ops.progress import main as progress_main
+from node.ops.metrics import read_records
 from tbread import read_scalars
 
 
@@ -17,7 +17,7 @@ def test_a_cpu_learn_run_records_its_unseen_evaluation(tmp_path, capsys):
                     "--max-new-tokens", "4", "--seed", "3", "--rounds", "2", "--eval-every", "1", "--eval-size", "4",
                     "--eval-unseen-size", "6", "--run-dir", str(run_dir))
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
+    rows = read_records(run_dir / "metrics.jsonl")
     assert [r["round"] for r in rows] == [0, 1]
     unseen = eval_tasks(PRESETS["cpu-learn"], 6, unseen=True)
     for r in rows:

@@ -4,11 +4,11 @@ checkpoint leaves each round's step exactly once (the redone round's new values,
 import shutil
 
 import numpy as np
-import orjson
 import pytest
 
 from conftest import run_node
 from node.ops.tensorboard import scalars
+from node.ops.metrics import read_records
 from tbread import read_scalars, read_scalars_with_tensorboard
 
 
@@ -25,7 +25,7 @@ def test_event_files_match_metrics_across_a_resume(tmp_path, tiny_args):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert (run_dir / "metrics.orphaned.jsonl").exists()
 
-    records = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
+    records = read_records(run_dir / "metrics.jsonl")
     assert [r["round"] for r in records] == [0, 1, 2, 3, 4]
     got = read_scalars(run_dir / "tb")
     assert [s for s, _ in got["reward/mean"]] == [0, 1, 2, 3, 4]
