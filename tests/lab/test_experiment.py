@@ -11,6 +11,8 @@ from conftest import NO_EVAL, REPO, live_metrics, node_env, run_python
 from helpers_learning import check_records
 from tbread import read_scalars
 
+from node.lab.experiment import SIMD_FLAGS
+
 TINY = ["--model", "tiny-random", "--tasks", "smoke", "--generations", "4", "--max-new-tokens", "8",
         "--seeds", "0", "--peers", "2", "--threads", "1"]
 
@@ -86,7 +88,11 @@ def test_memory_mode_comparison_then_report(tmp_path):
     silo = [rounds_of(exp / "4-0" / "seed0" / f"peer{p}") for p in range(2)]
     assert silo == [[0, 1, 2], [0, 1, 2]]
     assert external_used([exp / "2-2" / "seed0" / f"peer{p}" for p in range(2)]) > 0
-    assert json.loads((exp / "2-2" / "seed0" / "run.json").read_text())["mode"] == "memory"
+    meta = json.loads((exp / "2-2" / "seed0" / "run.json").read_text())
+    assert meta["mode"] == "memory"
+    # what tells runs of one seed on two machines apart: the CPU (llama.cpp's kernels) and the engines' versions
+    assert set(meta["cpu"]) == {"name", "simd"} and set(meta["cpu"]["simd"]) <= set(SIMD_FLAGS)
+    assert {"ik-llama-cpp-python", "llama-cpp-python", "torch"} <= set(meta["versions"])
     # `tensorboard --logdir EXP` finds every peer of every configuration, each round once
     logdirs = sorted({str(f.parent.relative_to(exp)) for f in exp.rglob("events.out.tfevents.*")})
     assert logdirs == [f"{c}/seed0/peer{p}/tb" for c in ("2-2", "4-0") for p in range(2)]
