@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from node.lab.cells import Cell, part_of, run_cells  # noqa: E402
+from node.lab.cells import Cell, add_deadline_args, deadline_of, part_of, run_cells  # noqa: E402
 from node.lab.runs import last_evaluation  # noqa: E402
 from node.ops.metrics import read_records  # noqa: E402
 from node.learn.guard import EvalSummary, collapsed  # noqa: E402
@@ -128,11 +128,12 @@ def main() -> int:
     r.add_argument("--runs", default="runs/recipe-sweep-v3", help="where the run dirs live (not committed)")
     r.add_argument("--data", default=str(REPO / "docs/data/recipe-sweep-v3"))
     r.add_argument("--engine", default="auto", help="--rollout-engine of every peer")
+    add_deadline_args(r)
     s = sub.add_parser("summarize")
     s.add_argument("--data", default=str(REPO / "docs/data/recipe-sweep-v3"))
     s.add_argument("--json", default=None)
     args = parser.parse_args()
-    return run_cells(cells(args), REPO, "sweep") if args.cmd == "run" else summarize(args)
+    return run_cells(cells(args), REPO, "sweep", deadline_of(args)) if args.cmd == "run" else summarize(args)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ veterans (8a) and two model families in one swarm (8b).
                                                # --part i/n: every n-th seed, all its arms
     python scripts/sharing_pays.py run --experiment families [--part 1/2]
     python scripts/sharing_pays.py commands --experiment newcomer       # print the cells' commands
+    ... run ... --finish-by 22:15 [--cell-minutes 40]   # start no cell that would not finish by then
     sapo-report docs/data/newcomer --focus-peer 0 --out docs/data/newcomer/report
     sapo-report docs/data/families --out docs/data/families/report
 
@@ -36,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from node.lab.cells import ADAPTER, Cell, part_of, run_cells  # noqa: E402
+from node.lab.cells import ADAPTER, Cell, add_deadline_args, deadline_of, part_of, run_cells  # noqa: E402
 from node.lab.runspec import slug  # noqa: E402
 from node.ops.checkpoint import PREFIX  # noqa: E402
 from node.ops.config import RECIPES, NodeConfig  # noqa: E402
@@ -136,6 +137,8 @@ def main() -> int:
                        help="the 4 veterans' adapters (run or round dirs; default: the ones the veterans "
                        "experiment commits, DATA/newcomer-veterans/4-0/seed<j>/adapter)")
         p.add_argument("--engine", default="auto", help="--rollout-engine of every peer")
+        if name == "run":
+            add_deadline_args(p)
     args = parser.parse_args()
     os.chdir(REPO)  # relative paths (--runs, --data, --veterans) are the repository's, as in the commands
     args.veterans = args.veterans or [str(v) for v in veteran_dirs(Path(args.data))]
@@ -152,7 +155,7 @@ def main() -> int:
         print(f"sharing_pays: no trained adapter in {', '.join(missing)}: run --experiment veterans first, or name "
               "them with --veterans", file=sys.stderr)
         return 2
-    return run_cells(todo, REPO, args.experiment)
+    return run_cells(todo, REPO, args.experiment, deadline_of(args))
 
 
 if __name__ == "__main__":

@@ -11,11 +11,15 @@ too (DEST/adapter), and counts as done only once they are there.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import signal
+import statistics
 import subprocess
+import time
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Sequence, TypeVar
 
@@ -109,13 +113,111 @@ def run_forwarding_stops(command: list[str], cwd: Path) -> int:
             signal.signal(sig, handler)
 
 
-def run_cells(cells: Sequence[Cell], cwd: Path, tag: str) -> int:
+def clock_time(text: str, now: datetime | None = None) -> float:
+    """`HH:MM` (local time; tomorrow when today's has passed) or an ISO date-time -> epoch seconds."""
+    now = now or datetime.now()
+    try:
+        hours, minutes = (int(x) for x in text.split(":"))
+        at = now.replace(hour=hours, minute=minutes, second=0, microsecond=0)
+        return (at if at > now else at + timedelta(days=1)).timestamp()
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise ValueError(f"{text!r}: expected HH:MM or an ISO date-time, e.g. 22:15 or 2026-11-27T09:30") from None
+
+
+def wall_seconds(data_dir: Path) -> float | None:
+    """How long a committed cell ran, first round's start to last round's end over its peers (None if unknown)."""
+    starts, ends = [], []
+    for path in data_dir.glob("peer*/metrics.jsonl"):
+        try:
+            records = read_records(path)
+        except (OSError, ValueError):
+            continue
+        starts += [r["t_start"] for r in records if isinstance(r.get("t_start"), (int, float))]
+        ends += [r["t_end"] for r in records if isinstance(r.get("t_end"), (int, float))]
+    return max(ends) - min(starts) if starts and ends else None
+
+
+def done_fraction(run_dir: Path) -> float:
+    """The share of a cell's rounds its slowest peer has finished in its run dir (0 when it has not started)."""
+    try:
+        meta = json.loads((run_dir / "run.json").read_text())
+        rounds, peers = int(meta["rounds"]), int(meta["peers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+    done = []
+    for p in range(peers):
+        try:
+            done.append(len({r.get("round") for r in read_records(run_dir / f"peer{p}" / "metrics.jsonl",
+                                                                    partial_ok=True)}))
+        except (OSError, ValueError):
+            done.append(0)
+    return min(done, default=0) / rounds if rounds > 0 else 0.0
+
+
+@dataclass
+class Deadline:
+    """No cell starts that would not finish by `at` (epoch seconds): a machine whose run dirs do not outlive the
+    session loses a cell it cut off. A cell's length: `cell_s` where given, else the longest this runner has
+    measured for a cell of the same configuration (the same data dir parent), else the median of the committed
+    ones' (measured on whichever machine ran them), else unknown (it starts)."""
+    at: float
+    cell_s: float | None = None
+    measured: dict[Path, float] | None = None
+
+    def estimate(self, cell: Cell) -> tuple[float | None, str]:
+        if self.cell_s is not None:
+            return self.cell_s, "as given"
+        if self.measured and cell.dest.parent in self.measured:
+            return self.measured[cell.dest.parent], "measured here"
+        walls = [w for d in cell.dest.parent.glob("seed*") if (d / "run.json").exists()
+                 for w in [wall_seconds(d)] if w is not None]
+        return (statistics.median(walls), f"median of {len(walls)} committed") if walls else (None, "unknown")
+
+    def measure(self, cell: Cell, seconds: float) -> None:
+        self.measured = self.measured or {}
+        self.measured[cell.dest.parent] = max(seconds, self.measured.get(cell.dest.parent, 0.0))
+
+
+def add_deadline_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--finish-by", default=None, metavar="HH:MM",
+                        help="start no cell that would not finish by then (local time, or an ISO date-time): "
+                        "on a machine whose run dirs end with the session, a cell cut off is lost")
+    parser.add_argument("--cell-minutes", type=float, default=None,
+                        help="how long one cell takes, for --finish-by (default: measured by this runner, else "
+                        "the median of the committed cells of its configuration)")
+
+
+def deadline_of(args: argparse.Namespace) -> Deadline | None:
+    if args.finish_by is None:
+        return None
+    try:
+        at = clock_time(args.finish_by)
+    except ValueError as exc:
+        raise SystemExit(f"--finish-by {exc}") from None
+    return Deadline(at, None if args.cell_minutes is None else 60.0 * args.cell_minutes)
+
+
+def run_cells(cells: Sequence[Cell], cwd: Path, tag: str, deadline: Deadline | None = None) -> int:
     """Run the cells not committed yet, in order, copying each as it finishes; stops at the first failure
-    (returns its exit code; an interrupted cell resumes with the same command)."""
+    (returns its exit code; an interrupted cell resumes with the same command); a cell that would not finish by
+    the deadline is left for later, and a shorter one after it may still run."""
     for cell in cells:
         if cell.committed:
             print(f"[{tag}] {cell.label}: committed already", flush=True)
             continue
+        if deadline is not None:
+            length, how = deadline.estimate(cell)
+            left = 1.0 - done_fraction(cell.run_dir)  # a cell resumed from its checkpoints has less to do
+            if length is not None and time.time() + left * length > deadline.at:
+                by = datetime.fromtimestamp(deadline.at).strftime("%H:%M")
+                print(f"[{tag}] {cell.label}: not started, it would not finish by {by} (about "
+                      f"{left * length / 60:.0f} min left of a cell that takes {length / 60:.0f}, {how})", flush=True)
+                continue
+        started = time.monotonic()
         if (cell.dest / "run.json").exists():
             print(f"[{tag}] {cell.label}: its metrics are committed but not its weights ({cell.dest / ADAPTER}), "
                   "which later cells start from: running it again (its metrics will be replaced)", flush=True)
@@ -133,5 +235,7 @@ def run_cells(cells: Sequence[Cell], cwd: Path, tag: str) -> int:
         except (OSError, RuntimeError) as exc:  # CheckpointError: the checkpoint to commit is missing or corrupt
             print(f"[{tag}] {cell.label}: not copied: {exc}", flush=True)
             return 1
+        if deadline is not None:
+            deadline.measure(cell, time.monotonic() - started)
         print(f"[{tag}] {cell.label}: finished, {peers} peers copied to {cell.dest}", flush=True)
     return 0

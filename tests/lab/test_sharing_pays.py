@@ -5,9 +5,13 @@ import argparse
 import importlib.util
 import json
 import sys
+import time
+from datetime import datetime
 from pathlib import Path
 
-from node.lab.cells import Cell, run_cells, unfinished
+import pytest
+
+from node.lab.cells import Cell, Deadline, clock_time, done_fraction, run_cells, unfinished
 from node.lab.experiment import build_parser, peer_plan
 from node.ops.checkpoint import load_from
 from node.ops import config
@@ -144,3 +148,37 @@ def test_a_cell_that_later_cells_start_from_is_done_only_with_its_weights_commit
     assert run_cells([lost], tmp_path, "test") == 1
     assert "lost: not copied:" in capsys.readouterr().out and not lost.committed
     assert not (lost.dest / "run.json").exists()
+
+
+def test_clock_times_for_finish_by():
+    now = datetime(2026, 11, 26, 21, 0)
+    assert clock_time("22:15", now) == datetime(2026, 11, 26, 22, 15).timestamp()
+    assert clock_time("20:30", now) == datetime(2026, 11, 27, 20, 30).timestamp()  # passed today: tomorrow's
+    assert clock_time("2026-11-28T09:30", now) == datetime(2026, 11, 28, 9, 30).timestamp()
+    with pytest.raises(ValueError, match="expected HH:MM or an ISO date-time"):
+        clock_time("soon", now)
+
+
+def test_no_cell_starts_that_would_not_finish_by_the_deadline(tmp_path, capsys):
+    """A cell's length comes from the committed cells of its configuration (here one of an hour), from what the
+    runner measured itself, or as given; a cell half done in its run dir needs half of it."""
+    sibling = tmp_path / "data" / "seed9" / "peer0"
+    sibling.mkdir(parents=True)
+    (sibling / "metrics.jsonl").write_text('{"round": 0, "t_start": 100.0, "t_end": 1900.0}\n'
+                                           '{"round": 1, "t_start": 1900.0, "t_end": 3700.0}\n')
+    (sibling.parent / "run.json").write_text("{}")
+    late = fake_cell(tmp_path, "late")
+    soon = Deadline(time.time() + 1800)
+    assert soon.estimate(late) == (3600.0, "median of 1 committed")
+    assert run_cells([late], tmp_path, "test", soon) == 0
+    assert "late: not started, it would not finish by" in capsys.readouterr().out and not late.run_dir.exists()
+
+    half = fake_cell(tmp_path, "half")  # its run dir: 1 of 2 rounds done, so 30 minutes left: fits
+    (half.run_dir / "peer0").mkdir(parents=True)
+    (half.run_dir / "run.json").write_text(json.dumps({"rounds": 2, "peers": 1}))
+    (half.run_dir / "peer0" / "metrics.jsonl").write_text('{"round": 0}\n{"round": 1, "t_st')  # cut: 1 round
+    assert done_fraction(half.run_dir) == 0.5
+    roomy = Deadline(time.time() + 2400)
+    assert run_cells([half], tmp_path, "test", roomy) == 0 and half.committed
+    assert roomy.estimate(late)[1] == "measured here" and roomy.estimate(late)[0] < 60
+    assert run_cells([late], tmp_path, "test", Deadline(time.time() + 60, cell_s=5.0)) == 0 and late.committed
