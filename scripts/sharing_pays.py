@@ -10,6 +10,7 @@ veterans (8a) and two model families in one swarm (8b).
                                                # --part i/n: every n-th seed, all its arms
     python scripts/sharing_pays.py run --experiment families [--part 1/2]
     python scripts/sharing_pays.py commands --experiment newcomer       # print the cells' commands
+    python scripts/sharing_pays.py status --experiment validation       # which cells are committed, which remain
     ... run ... --finish-by 22:15 [--cell-minutes 40]   # start no cell that would not finish by then
     sapo-report docs/data/newcomer --focus-peer 0 --out docs/data/newcomer/report
     sapo-report docs/data/families --out docs/data/families/report
@@ -37,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from node.lab.cells import ADAPTER, Cell, add_deadline_args, deadline_of, part_of, run_cells  # noqa: E402
+from node.lab.cells import ADAPTER, Cell, add_deadline_args, cell_status, deadline_of, part_of, run_cells  # noqa: E402
 from node.lab.runspec import slug  # noqa: E402
 from node.ops.checkpoint import PREFIX  # noqa: E402
 from node.ops.config import RECIPES, NodeConfig  # noqa: E402
@@ -124,7 +125,7 @@ def cells(args: argparse.Namespace) -> list[Cell]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("run", "commands"):
+    for name in ("run", "commands", "status"):
         p = sub.add_parser(name)
         p.add_argument("--experiment", required=True, choices=list(ARMS))
         p.add_argument("--arms", nargs="*", default=None, help="arms to run (default: all but adaptive)")
@@ -146,6 +147,9 @@ def main() -> int:
     if unknown:
         parser.error(f"arms of {args.experiment}: {', '.join(ARMS[args.experiment])} (got {', '.join(unknown)})")
     todo = cells(args)
+    if args.cmd == "status":
+        print(cell_status(todo))
+        return 0
     if args.cmd == "commands":
         for cell in todo:
             print(shlex.join(["sapo-experiment", *cell.command[3:]]))

@@ -182,6 +182,23 @@ class Deadline:
         self.measured[cell.dest.parent] = max(seconds, self.measured.get(cell.dest.parent, 0.0))
 
 
+def cell_status(cells: Sequence[Cell]) -> str:
+    """One line per cell (committed, part done in its run dir here, or to do) and a total: where an experiment
+    that runs across days and machines stands."""
+    lines, committed = [], 0
+    for cell in cells:
+        if cell.committed:
+            committed += 1
+            state = "committed"
+        elif (done := done_fraction(cell.run_dir)) > 0:
+            state = f"{done:.0%} of its rounds done in {cell.run_dir} (running, or resumes here)"
+        else:
+            state = "to do" + (" (its weights are not committed: runs again)" if (cell.dest / "run.json").exists()
+                               else "")
+        lines.append(f"{cell.label}: {state}")
+    return "\n".join(lines + [f"{committed} of {len(cells)} cells committed"])
+
+
 def add_deadline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--finish-by", default=None, metavar="HH:MM",
                         help="start no cell that would not finish by then (local time, or an ISO date-time): "

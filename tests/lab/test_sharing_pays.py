@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from node.lab.cells import Cell, Deadline, clock_time, done_fraction, run_cells, unfinished
+from node.lab.cells import Cell, Deadline, cell_status, clock_time, done_fraction, run_cells, unfinished
 from node.lab.experiment import build_parser, peer_plan
 from node.ops.checkpoint import load_from
 from node.ops import config
@@ -182,3 +182,13 @@ def test_no_cell_starts_that_would_not_finish_by_the_deadline(tmp_path, capsys):
     assert run_cells([half], tmp_path, "test", roomy) == 0 and half.committed
     assert roomy.estimate(late)[1] == "measured here" and roomy.estimate(late)[0] < 60
     assert run_cells([late], tmp_path, "test", Deadline(time.time() + 60, cell_s=5.0)) == 0 and late.committed
+
+    todo, vet = fake_cell(tmp_path, "todo"), fake_cell(tmp_path, "vet", adapter=True)
+    vet.dest.mkdir(parents=True)
+    (vet.dest / "run.json").write_text("{}")
+    (todo.run_dir / "peer0").mkdir(parents=True)
+    (todo.run_dir / "run.json").write_text(json.dumps({"rounds": 4, "peers": 1}))
+    (todo.run_dir / "peer0" / "metrics.jsonl").write_text('{"round": 0}\n')
+    assert cell_status([late, todo, vet]).splitlines() == [
+        "late: committed", f"todo: 25% of its rounds done in {todo.run_dir} (running, or resumes here)",
+        "vet: to do (its weights are not committed: runs again)", "1 of 3 cells committed"]
