@@ -226,9 +226,9 @@ def run_cells(cells: Sequence[Cell], cwd: Path, tag: str, deadline: Deadline | N
         if cell.committed:
             print(f"[{tag}] {cell.label}: committed already", flush=True)
             continue
+        left = 1.0 - done_fraction(cell.run_dir)  # a cell resumed from its checkpoints has less to do
         if deadline is not None:
             length, how = deadline.estimate(cell)
-            left = 1.0 - done_fraction(cell.run_dir)  # a cell resumed from its checkpoints has less to do
             if length is not None and time.time() + left * length > deadline.at:
                 by = datetime.fromtimestamp(deadline.at).strftime("%H:%M")
                 print(f"[{tag}] {cell.label}: not started, it would not finish by {by} (about "
@@ -253,6 +253,6 @@ def run_cells(cells: Sequence[Cell], cwd: Path, tag: str, deadline: Deadline | N
             print(f"[{tag}] {cell.label}: not copied: {exc}", flush=True)
             return 1
         if deadline is not None:
-            deadline.measure(cell, time.monotonic() - started)
+            deadline.measure(cell, (time.monotonic() - started) / max(left, 0.05))  # a whole cell's length
         print(f"[{tag}] {cell.label}: finished, {peers} peers copied to {cell.dest}", flush=True)
     return 0
