@@ -18,7 +18,7 @@ veterans (8a) and two model families in one swarm (8b).
 Every cell is one `sapo-experiment` command: one arm (configuration), one seed k, in memory mode on one
 thread. Peer p of seed k runs node seed 1000k + p, so the newcomer (peer 0) has the same seed in the silo arm
 (`--peers 1`) as in the swarm arms, where peers 1-4 are the veterans started with `--lora-init` from the 4
-veterans' adapters (`--veterans`, default: the round-99 weights the veterans experiment commits beside their
+veterans' adapters (`--veterans`, default: the round-99 weights the veterans experiment keeps beside their
 metrics, docs/data/newcomer-veterans/4-0/seed<j>/adapter; a veteran counts as done only once they are there).
 
 The recipe is read, not written here: learning rate, LoRA rank and tasks from node/ops/config.py
@@ -79,8 +79,8 @@ def veteran_checkpoint(run_dir: Path) -> Path:
 
 
 def veteran_dirs(data: Path) -> list[Path]:
-    """The 4 trained adapters that `run --experiment veterans` commits (their round-99 weights, without the
-    optimizer: ~10 MB each), so that newcomer cells can run on any machine with a checkout."""
+    """The 4 trained adapters that `run --experiment veterans` keeps beside their committed metrics (their round-99
+    weights, without the optimizer: ~10 MB each; git ignores them, so a fresh machine reruns the veterans)."""
     return [data / DATA_DIRS["veterans"] / "4-0" / f"seed{j}" / ADAPTER for j in VETERAN_SEEDS]
 
 

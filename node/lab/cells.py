@@ -5,8 +5,9 @@ A cell is one `sapo-experiment` command (one configuration, one seed). A cell wh
 is done and skipped; any other runs (sapo-experiment resumes it from its checkpoints), and when it finishes
 its run.json and each peer's metrics.jsonl are copied to the data dir, where `sapo-report` reads them and
 git keeps them. So the work goes on across days and machines, and `--part i/n` shares it among n processes.
-A cell that later cells start from (a veteran, whose adapter newcomers load) commits that checkpoint's weights
-too (DEST/adapter), and counts as done only once they are there.
+A cell that later cells start from (a veteran, whose adapter newcomers load) also keeps that checkpoint's weights
+beside its metrics (DEST/adapter, which git ignores: weights stay out of the repository), and counts as done only
+where they are there: on a machine without them it runs again.
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ class Cell:
     command: list[str]
     run_dir: Path  # where sapo-experiment writes the run (EXP/<config>/seed<k>)
     dest: Path  # where its run.json and peer*/metrics.jsonl are committed
-    adapter: Path | None = None  # a checkpoint of the run whose weights are committed too (DEST/adapter)
+    adapter: Path | None = None  # a checkpoint of the run whose weights are kept too (DEST/adapter)
 
     @property
     def committed(self) -> bool:
-        """Its run.json is in the data dir, and so are its weights where it commits them."""
+        """Its run.json is in the data dir, and so are its weights where it keeps them (on this machine)."""
         return (self.dest / "run.json").exists() and (self.adapter is None
                                                       or (self.dest / ADAPTER / "MANIFEST.json").is_file())
 

@@ -62,7 +62,7 @@ def test_families_and_veterans_cells_and_parts():
     args, (counts, _, _) = parsed(vets[0])
     assert counts == {"4/0": 1} and args.rounds == 100 and args.keep_run_checkpoints
     # each veteran commits its run's round-99 weights (by name: never an earlier round) beside its metrics, and
-    # those committed copies are the newcomer's default veterans: newcomer cells run on any machine
+    # those copies (beside the metrics, ignored by git) are the newcomer's default veterans
     assert [c.adapter for c in vets] == [c.run_dir / "peer0/checkpoints/round-000099" for c in vets]
     assert pays.veteran_dirs(Path("data")) == [c.dest / "adapter" for c in vets]
     assert all(c.adapter is None for c in fam)
