@@ -19,7 +19,7 @@ import signal
 import statistics
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Sequence, TypeVar
@@ -167,19 +167,18 @@ class Deadline:
     ones' (measured on whichever machine ran them), else unknown (it starts)."""
     at: float
     cell_s: float | None = None
-    measured: dict[Path, float] | None = None
+    measured: dict[Path, float] = field(default_factory=dict)
 
     def estimate(self, cell: Cell) -> tuple[float | None, str]:
         if self.cell_s is not None:
             return self.cell_s, "as given"
-        if self.measured and cell.dest.parent in self.measured:
+        if cell.dest.parent in self.measured:
             return self.measured[cell.dest.parent], "measured here"
         walls = [w for d in cell.dest.parent.glob("seed*") if (d / "run.json").exists()
                  for w in [wall_seconds(d)] if w is not None]
         return (statistics.median(walls), f"median of {len(walls)} committed") if walls else (None, "unknown")
 
     def measure(self, cell: Cell, seconds: float) -> None:
-        self.measured = self.measured or {}
         self.measured[cell.dest.parent] = max(seconds, self.measured.get(cell.dest.parent, 0.0))
 
 
@@ -194,7 +193,7 @@ def cell_status(cells: Sequence[Cell]) -> str:
         elif (done := done_fraction(cell.run_dir)) > 0:
             state = f"{done:.0%} of its rounds done in {cell.run_dir} (running, or resumes here)"
         else:
-            state = "to do" + (" (its weights are not committed: runs again)" if (cell.dest / "run.json").exists()
+            state = "to do" + (" (its weights are not on this machine: runs again)" if (cell.dest / "run.json").exists()
                                else "")
         lines.append(f"{cell.label}: {state}")
     return "\n".join(lines + [f"{committed} of {len(cells)} cells committed"])
@@ -237,8 +236,9 @@ def run_cells(cells: Sequence[Cell], cwd: Path, tag: str, deadline: Deadline | N
                 continue
         started = time.monotonic()
         if (cell.dest / "run.json").exists():
-            print(f"[{tag}] {cell.label}: its metrics are committed but not its weights ({cell.dest / ADAPTER}), "
-                  "which later cells start from: running it again (its metrics will be replaced)", flush=True)
+            print(f"[{tag}] {cell.label}: its metrics are committed but its weights are not here "
+                  f"({cell.dest / ADAPTER}), which later cells start from: running it again (its metrics will be "
+                  "replaced)", flush=True)
         print(f"[{tag}] {cell.label}: running", flush=True)
         rc = run_forwarding_stops(cell.command, cwd)
         if rc != 0:

@@ -136,7 +136,7 @@ def test_a_cell_that_later_cells_start_from_is_done_only_with_its_weights_commit
     (vet.dest / "run.json").write_text("{}")  # committed before the weights were
     assert not vet.committed
     assert run_cells([vet], tmp_path, "test") == 0
-    assert "its metrics are committed but not its weights" in capsys.readouterr().out
+    assert "its metrics are committed but its weights are not here" in capsys.readouterr().out
     assert vet.committed and sorted(p.name for p in (vet.dest / "adapter").iterdir()) == [
         "MANIFEST.json", "model.pt", "state.json"]
     ckpt = load_from(vet.dest / "adapter")  # what --lora-init reads
@@ -191,7 +191,7 @@ def test_no_cell_starts_that_would_not_finish_by_the_deadline(tmp_path, capsys):
     (todo.run_dir / "peer0" / "metrics.jsonl").write_text('{"round": 0}\n')
     assert cell_status([late, todo, vet]).splitlines() == [
         "late: committed", f"todo: 25% of its rounds done in {todo.run_dir} (running, or resumes here)",
-        "vet: to do (its weights are not committed: runs again)", "1 of 3 cells committed"]
+        "vet: to do (its weights are not on this machine: runs again)", "1 of 3 cells committed"]
 
 
 def test_families_stop_before_any_cell_when_gemma_is_not_installed(tmp_path, monkeypatch, capsys):
