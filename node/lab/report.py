@@ -45,7 +45,9 @@ Definitions (also written into the report):
 * acceptance rate: sum(external_accepted) / (sum(external_accepted) + sum(external_rejected)).
 * held-out accuracy (when the lines carry ``eval_accuracy``): the swarm mean over agents at each
   evaluated round; per seed the final value and the area under that curve divided by its round span
-  (trapezoids); compared with the baseline like the cumulative reward (bootstrap CI, sign test).
+  (trapezoids); compared with the baseline like the cumulative reward (bootstrap CI, sign test). A node
+  evaluates round t's weights after round t's update: round 0 is the starting weights only where round 0
+  made no optimizer step (no group with signal).
   When present it is the report's first comparison; training reward stays as the second view.
   Lines that carry ``eval_unseen_accuracy`` (a task mix split by content) get the same for the
   unseen set, questions whose content training never draws.

@@ -153,3 +153,38 @@ def test_adapter_weights_load_strictly(tiny):
         c.load_state_dict(a.state_dict())
     with pytest.raises(ValueError, match="missing"):
         b.load_state_dict({})
+
+
+def test_a_peer_on_a_shared_base_answers_as_its_weights_alone_do(tiny):
+    """Evaluation is a function of a peer's weights: the same adapter, on a base shared with other peers (memory
+    mode) or alone on its own, in bf16 as a node on a bf16 CPU runs it, gives the same log-probs bit for bit
+    and the same greedy answers. (A veteran's first evaluation in a swarm differs from its last one alone only
+    because a round's evaluation follows that round's update.)"""
+    from node.learn import precision
+    from node.learn.evaluate import greedy_texts
+
+    model, tok, prompter, groups = tiny
+    seqs = to_sequences(groups, tok, prompter, scale_std=True)
+    prompts = [prompter(g.task) for g in groups]
+    shared = LoraBase(copy.deepcopy(model), LoraSettings(rank=2, alpha=4))
+    peers = [shared.adapter(f"peer{p}", seed=p) for p in range(3)]
+    shared.store_frozen_weights_as(torch.bfloat16)
+    cpu = torch.device("cpu")
+    for peer in peers[1:]:  # two trained peers, different from the base and from each other
+        peer.activate()
+        with precision.autocast("bf16", cpu):
+            Trainer(peer.model, tok.pad_token_id, TrainConfig(lr=5e-2), adapter=peer).step(copy.deepcopy(seqs))
+
+    def answers(adapter):
+        adapter.activate()
+        with precision.autocast("bf16", cpu), torch.no_grad():
+            logp = token_logprobs(adapter.model, seqs, tok.pad_token_id, 1.0)[0]
+            return logp, greedy_texts(adapter.model, tok, prompts, max_new_tokens=6, batch_size=2)
+
+    alone = LoraBase(copy.deepcopy(model), LoraSettings(rank=2, alpha=4)).adapter("peer0", seed=9)
+    alone.base.store_frozen_weights_as(torch.bfloat16)
+    alone.load_state_dict(peers[1].state_dict())
+    in_swarm, by_itself = answers(peers[1]), answers(alone)
+    assert torch.equal(in_swarm[0], by_itself[0]) and in_swarm[1] == by_itself[1]
+    assert not torch.equal(answers(peers[2])[0], in_swarm[0])  # the other trained peer does answer differently
+    assert torch.equal(answers(peers[1])[0], in_swarm[0])  # and evaluating it changed nothing for peer 1

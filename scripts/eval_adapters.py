@@ -1,0 +1,84 @@
+#!/usr/bin/env python
+"""Is a node's held-out evaluation a pure function of its weights? Evaluates exported LoRA weights (a
+checkpoint or an `export_weights` copy) as a node does, in a fresh process, and compares the greedy answers,
+one by one, with what the run that wrote them recorded at that round. `--shared` puts every adapter on one
+base, as memory mode does; `--precision off` evaluates in fp32 instead of the node's mode on this CPU.
+
+    nice python scripts/eval_adapters.py docs/data/newcomer-veterans/4-0/seed{0,1,2,3} --shared
+
+Each DIR holds `adapter/` and `peer0/metrics.jsonl` (a veterans cell); the record compared is that of the
+checkpoint's round. RESULTS 8 (the round-0 question) quotes its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from node.learn import precision  # noqa: E402
+from node.learn.evaluate import HeldOutEval  # noqa: E402
+from node.learn.groups import Prompter  # noqa: E402
+from node.learn.lora import LoraBase, LoraSettings  # noqa: E402
+from node.learn.policy import load_model  # noqa: E402
+from node.learn.tasks import resolve_mix  # noqa: E402
+from node.ops.checkpoint import load_from  # noqa: E402
+from node.ops.metrics import read_records  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cells", nargs="+", type=Path, help="cell dirs, each with adapter/ and peer0/metrics.jsonl")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--tasks", default="cpu-learn")
+    ap.add_argument("--eval-size", type=int, default=128)
+    ap.add_argument("--shared", action="store_true", help="all adapters on one base (memory mode)")
+    ap.add_argument("--precision", default="auto", choices=["auto", "bf16", "off"])
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cpu = torch.device("cpu")
+    mode = precision.resolve(args.precision, cpu)
+    mix = resolve_mix(args.tasks)
+    checkpoints = [load_from(cell / "adapter") for cell in args.cells]
+    lora = checkpoints[0].meta["lora"]
+
+    def base() -> tuple[LoraBase, object]:
+        model, tokenizer = load_model(args.model, cpu)
+        return LoraBase(model, LoraSettings(lora["rank"], lora["alpha"])), tokenizer
+
+    shared = base() if args.shared else None
+    adapters = []
+    for i, ckpt in enumerate(checkpoints):
+        lora_base, tokenizer = shared or base()
+        adapter = lora_base.adapter(f"peer{i}")
+        adapter.load_state_dict(ckpt.model)
+        adapters.append((adapter, tokenizer))
+    for lora_base in {id(a.base): a.base for a, _ in adapters}.values():
+        if mode == "bf16":
+            lora_base.store_frozen_weights_as(torch.bfloat16)  # as build_node does
+    mismatches = 0
+    for cell, ckpt, (adapter, tokenizer) in zip(args.cells, checkpoints, adapters):
+        adapter.activate()
+        with precision.autocast(mode, cpu):
+            result = HeldOutEval(mix, args.eval_size, 1, 1).run(adapter.model, tokenizer, Prompter(tokenizer, mix),
+                                                                 mix.max_new_tokens)
+        (record,) = [r for r in read_records(cell / "peer0" / "metrics.jsonl") if r.get("round") == ckpt.round]
+        line = [f"{cell}: round {ckpt.round} ({mode}{', shared base' if args.shared else ''})"]
+        for key, res in (("eval", result), ("eval_unseen", result.unseen)):
+            if res is None:
+                continue
+            same = sum(a == b for a, b in zip(res.answers, record[f"{key}_answers"]))
+            mismatches += len(res.answers) - same
+            line.append(f"{key} {res.accuracy:.4f} (recorded {record[f'{key}_accuracy']:.4f}; "
+                        f"{same}/{len(res.answers)} answers the same)")
+        print(" | ".join(line), flush=True)
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
