@@ -367,6 +367,8 @@ def summarize(
                     f"{cfg}: agents {d['peers']} / rounds {d['rounds']} differ from baseline {base_name} "
                     f"({b['peers']} / {b['rounds']}): cumulative sums are not directly comparable; "
                     "see reward per agent-round"
+                    + ("; the swarm means (held-out too) average different agents: compare one agent (--focus-peer)"
+                       if d["peers"] != b["peers"] else "")
                 )
 
     skipped_by_file: dict[str, int] = {}
