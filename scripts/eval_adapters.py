@@ -45,7 +45,9 @@ def main() -> int:
     mode = precision.resolve(args.precision, cpu)
     mix = resolve_mix(args.tasks)
     checkpoints = [load_from(cell / "adapter") for cell in args.cells]
-    lora = checkpoints[0].meta["lora"]
+    lora = (checkpoints[0].meta or {}).get("lora")
+    if not lora or any((c.meta or {}).get("lora") != lora for c in checkpoints):
+        ap.error("every cell's adapter/ must hold LoRA weights of the same rank and alpha")
 
     def base() -> tuple[LoraBase, object]:
         model, tokenizer = load_model(args.model, cpu)
