@@ -58,18 +58,20 @@ def main() -> int:
     for i, ckpt in enumerate(checkpoints):
         lora_base, tokenizer = shared or base()
         adapter = lora_base.adapter(f"peer{i}")
+        if mode == "bf16":  # per adapter, as build_node does (a no-op on a base cast already)
+            lora_base.store_frozen_weights_as(torch.bfloat16)
         adapter.load_state_dict(ckpt.model)
         adapters.append((adapter, tokenizer))
-    for lora_base in {id(a.base): a.base for a, _ in adapters}.values():
-        if mode == "bf16":
-            lora_base.store_frozen_weights_as(torch.bfloat16)  # as build_node does
     mismatches = 0
     for cell, ckpt, (adapter, tokenizer) in zip(args.cells, checkpoints, adapters):
         adapter.activate()
         with precision.autocast(mode, cpu):
             result = HeldOutEval(mix, args.eval_size, 1, 1).run(adapter.model, tokenizer, Prompter(tokenizer, mix),
                                                                  mix.max_new_tokens)
-        (record,) = [r for r in read_records(cell / "peer0" / "metrics.jsonl") if r.get("round") == ckpt.round]
+        records = [r for r in read_records(cell / "peer0" / "metrics.jsonl") if r.get("round") == ckpt.round]
+        if not records or "eval_answers" not in records[-1]:
+            ap.error(f"{cell}/peer0/metrics.jsonl has no evaluation of round {ckpt.round}, the adapter's round")
+        record = records[-1]  # a resumed run's last line of a round is the one that counts
         line = [f"{cell}: round {ckpt.round} ({mode}{', shared base' if args.shared else ''})"]
         for key, res in (("eval", result), ("eval_unseen", result.unseen)):
             if res is None:
