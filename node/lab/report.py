@@ -49,6 +49,9 @@ Definitions (also written into the report):
   evaluates round t's weights after round t's update: round 0 is the starting weights only where round 0
   made no optimizer step (no group with signal).
   When present it is the report's first comparison; training reward stays as the second view.
+  A configuration whose runs have another number of agents than the baseline's (a newcomer's swarm of 5
+  against its silo of 1) gets its means shown, marked "other agents", and not tested against the
+  baseline's: a mean over other agents is no paired measure (``--focus-peer`` pairs one agent).
   Lines that carry ``eval_unseen_accuracy`` (a task mix split by content) get the same for the
   unseen set, questions whose content training never draws.
 * per model family (when a run's peers ran different models: the ``model`` of their metrics lines, else
@@ -199,6 +202,8 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
             continue
         if c == base:
             vs, ci, ahead = "baseline", "—", "—"
+        elif d.get("agents_differ"):
+            vs, ci, ahead = "other agents", "—", "—"
         else:
             ahead = ("n/a" if not d["paired_seeds"] else
                      f"{d['paired_wins']}/{d['paired_seeds']} (p = {num(d['sign_test_p'], '.3f')})")

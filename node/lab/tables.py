@@ -40,10 +40,11 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 
 def vs_cells(d: dict, key: str) -> tuple[str, str, str]:
-    """(% vs baseline, CI, seeds ahead with p) of one held-out measure, or dashes for the baseline."""
+    """(% vs baseline, CI, seeds ahead with p) of one held-out measure, or dashes for the baseline and for a
+    configuration of other agents (no paired test of means over different agents)."""
     v = d.get(f"{key}_vs_base")
     if not v:
-        return "baseline", "—", "—"
+        return ("other agents", "—", "—") if d.get("agents_differ") else ("baseline", "—", "—")
     lo, hi = v["ci"]
     ci = "n/a" if not (math.isfinite(lo) and math.isfinite(hi)) else f"[{lo:+.2f}%, {hi:+.2f}%]"
     ahead = "n/a" if not v["seeds"] else f"{v['wins']}/{v['seeds']} (p = {num(v['p'], '.3f')})"
@@ -127,7 +128,7 @@ def heldout_comparison(summary: dict, prefix: str = "eval", figure: bool = True)
             v = per[c].get(f"{key}_vs_base") or {}
             ci = f"[{num(v.get('ci_low', math.nan), '+.4f')}, {num(v.get('ci_high', math.nan), '+.4f')}]" if v else ""
             cells += [num(v.get("mean_diff", math.nan), '+.4f'), ci, num(v.get("d_z", math.nan), '+.2f'),
-                      num(v.get("p_perm", math.nan), '.3f')] if v else ["baseline", "—", "—", "—"]
+                      num(v.get("p_perm", math.nan), '.3f')] if v else [vs_cells(per[c], key)[0], "—", "—", "—"]
         L.append(f"| {c} | " + " | ".join(cells) + " |")
     L.append("")
     if prefix == "eval" and figure:
@@ -139,7 +140,7 @@ def console_table(summary: dict) -> str:
     """Held-out (when logged) and cumulative reward per configuration; % vs baseline only when there is one."""
     base, rows = summary["baseline"], []
     head = f"{'config':<16}{'seeds':>6}{'agents':>8}"
-    vs_head = f"{'vs base':>11}  95% CI" if base is not None else ""
+    vs_head = f"{'vs base':>13}  95% CI" if base is not None else ""
     agents = {c: ",".join(map(str, d["peers"])) for c, d in summary["per_config"].items()}
     for prefix, title in (("eval", "held-out final"), ("unseen", "unseen final")):
         if not summary.get(f"has_{prefix}"):
@@ -147,7 +148,7 @@ def console_table(summary: dict) -> str:
         rows.append(f"{head}{title:>18}{'collapsed' if prefix == 'eval' else '':>11}{vs_head}")
         for c, d in summary["per_config"].items():
             vs, ci, _ = vs_cells(d, f"{prefix}_final")
-            tail = "" if base is None else f"{vs:>11}  {'' if vs == 'baseline' else ci}"
+            tail = "" if base is None else f"{vs:>13}  {'' if ci == '—' else ci}"
             fallen = collapsed_cell(d) if prefix == "eval" else ""
             rows.append(f"{c:<16}{d['n_seeds']:>6}{agents[c]:>8}{num(d[f'{prefix}_final_mean'], '.3f'):>18}"
                         f"{fallen:>11}{tail}")
@@ -156,9 +157,10 @@ def console_table(summary: dict) -> str:
     for c, d in summary["per_config"].items():
         cum = f"{num(d['cumulative_mean'])} ± {num(d['cumulative_std'])}"
         lo, hi = d["improvement_ci"]
-        ci = "" if c == base else ("n/a" if not math.isfinite(lo) else f"[{lo:+.1f}%, {hi:+.1f}%]")
-        vs = "baseline" if c == base else pct(d["improvement_pct"])
-        rows.append(f"{c:<16}{d['n_seeds']:>6}{agents[c]:>8}{cum:>22}" + ("" if base is None else f"{vs:>11}  {ci}"))
+        ci = "" if c == base or d.get("agents_differ") else (
+            "n/a" if not math.isfinite(lo) else f"[{lo:+.1f}%, {hi:+.1f}%]")
+        vs = "baseline" if c == base else "other agents" if d.get("agents_differ") else pct(d["improvement_pct"])
+        rows.append(f"{c:<16}{d['n_seeds']:>6}{agents[c]:>8}{cum:>22}" + ("" if base is None else f"{vs:>13}  {ci}"))
     return "\n".join(rows + view_lines(summary))
 
 

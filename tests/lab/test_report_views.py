@@ -136,6 +136,11 @@ def test_focus_peer_newcomer_against_its_silo_and_the_veterans(tmp_path, capsys)
     assert "| 4/0 | s0: 20, s1: 20, s2: 20, s3: 30 | baseline | — |" in md
     assert "veterans (per configuration: 4/0: 0, 2/2: 4)" in md
     assert "Unseen set:" in md.split("## Focus peer")[1].split("## Held-out accuracy")[0]
+    # the swarm means average 5 agents against 1: shown, never tested against each other
+    whole = summary["per_config"]["2/2"]
+    assert whole["agents_differ"] and "eval_final_vs_base" not in whole and "unseen_area_vs_base" not in whole
+    heldout = md.split("## Held-out accuracy")[1].split("## Unseen")[0]
+    assert "| 2/2 | other agents | — | — | — |" in heldout and "other agents" in md.split("## Cumulative")[1]
     assert (out / "focus_peer.png").stat().st_size > 0
     assert "peer0 2/2 − 4/0, held-out area: +0.0875" in capsys.readouterr().out
 
