@@ -357,24 +357,20 @@ def summarize(
             if cfg == base_name:
                 d["improvement_pct"], d["improvement_ci"], d["improvement_note"] = 0.0, [0.0, 0.0], "baseline"
                 continue
-            if d["peers"] != b["peers"]:  # a sum or mean over other agents: no paired test of it, per agent below
-                d["agents_differ"] = True
-                d["improvement_note"] = "other agents: not paired"
+            other_agents = d["peers"] != b["peers"]  # means over other agents: shown, not paired
+            if other_agents:
+                d["agents_differ"], d["improvement_note"] = True, "other agents: not paired"
             else:
-                pt, lo, hi, note = bootstrap_improvement(list(d["cumulative_by_seed"].values()), bvals, n_boot,
-                                                         boot_seed)
+                cum = d["cumulative_by_seed"]
+                pt, lo, hi, note = bootstrap_improvement(list(cum.values()), bvals, n_boot, boot_seed)
                 d["improvement_pct"], d["improvement_ci"], d["improvement_note"] = pt, [lo, hi], note
-                d["paired_wins"], d["paired_seeds"], d["sign_test_p"] = paired_sign_test(
-                    d["cumulative_by_seed"], b["cumulative_by_seed"])
+                d["paired_wins"], d["paired_seeds"], d["sign_test_p"] = paired_sign_test(cum, b["cumulative_by_seed"])
                 compare_heldout(d, b, n_boot, boot_seed)
-            if d["peers"] != b["peers"] or d["rounds"] != b["rounds"]:
-                warnings.append(
-                    f"{cfg}: agents {d['peers']} / rounds {d['rounds']} differ from baseline {base_name} "
-                    f"({b['peers']} / {b['rounds']}): cumulative sums are not directly comparable; "
-                    "see reward per agent-round"
-                    + ("; the swarm means (held-out too) average different agents, so they are shown but not "
-                       "tested against it: compare one agent (--focus-peer)" if d["peers"] != b["peers"] else "")
-                )
+            if other_agents or d["rounds"] != b["rounds"]:
+                warnings.append(f"{cfg}: agents {d['peers']} / rounds {d['rounds']} differ from baseline {base_name} "
+                                f"({b['peers']} / {b['rounds']}): cumulative sums are not directly comparable; see "
+                                "reward per agent-round" + ("; the swarm means (held-out too) average other agents: "
+                                "shown, not tested; compare one agent with --focus-peer" if other_agents else ""))
 
     skipped_by_file: dict[str, int] = {}
     for r in runs:
