@@ -141,7 +141,8 @@ def memory_cmd(args) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = {"model": args.model, "tasks": args.tasks, "rounds": args.rounds, "lora_rank": args.lora_rank,
               "threads": args.threads, "preset": args.preset, "node_args": args.node_arg}
-    kinds = [("lora", ["--lora-rank", str(args.lora_rank)])] + ([("full", [])] if args.full_too else [])
+    kinds = [("lora", ["--lora-rank", str(args.lora_rank)])]
+    kinds += [("full", ["--lora-rank", "0"])] if args.full_too else []  # said: on a CPU the recipe would pick LoRA
     with tempfile.TemporaryDirectory() as tmp:
         for kind, extra in kinds:
             for peers in (1, args.peers):

@@ -23,7 +23,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from node import __version__
-from node.ops.config import CHOICES, NodeConfig, build_parser, load_config
+from node.ops.config import CHOICES, RECIPES, NodeConfig, build_parser, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
@@ -84,6 +84,7 @@ def config_table() -> list[tuple[list[str], list[str]]]:
     out = []
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split(" | ")]
+        cells[1] = RECIPE_NOTE.sub("", cells[1])  # the CPU recipe's values: their own test below
         flags = re.findall(r"`(--[a-z0-9-]+)`", cells[0])
         sep = " / " if " / " in cells[1] and " / " in cells[0] else ", "
         defaults = [d.strip() for d in cells[1].split(sep)] if len(flags) > 1 else [cells[1].strip()]
@@ -100,6 +101,30 @@ def stated(text: str) -> tuple:
         return (float(plain),)
     except ValueError:
         return (plain,)
+
+
+RECIPE_NOTE = re.compile(r" ?\(CPU recipe: ([^)]*)\)")
+
+
+def test_readme_table_states_the_cpu_recipe_where_it_sets_a_flag():
+    """Where the CPU recipe (the default on a CPU) sets a flag of the table, the row's default says so, with the
+    recipe's value."""
+    section = README.split("### Configuration", 1)[1].split("\n### ", 1)[0]
+    recipe, seen = RECIPES["cpu"], set()
+    for row in (line for line in section.splitlines() if line.startswith("| `--")):
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        names = [f[2:].replace("-", "_") for f in re.findall(r"`(--[a-z0-9-]+)`", cells[0])]
+        note = RECIPE_NOTE.search(cells[1])
+        set_here = [n for n in names if n in recipe and n != "recipe"]
+        assert bool(note) == bool(set_here), f"{cells[0]}: the recipe sets {set_here}; the row says {cells[1]!r}"
+        if note:
+            numbers = [float(x) for x in re.findall(r"\d+(?:\.\d+)?(?:e-?\d+)?", note.group(1))]
+            for name in set_here:
+                value = recipe[name]
+                assert (value in note.group(1)) if isinstance(value, str) else (value in numbers), \
+                    f"{cells[0]}: the recipe's {name} is {value!r}; the row says {note.group(0)!r}"
+            seen.update(set_here)
+    assert seen == set(recipe), f"the table states no recipe value for {set(recipe) - seen}"
 
 
 def test_readme_table_is_parsed():

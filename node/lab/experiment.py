@@ -43,9 +43,8 @@ from node.cli import REPEAT_WINDOW_S
 from node.ops.quick_exit import exit_without_teardown
 from node.ops.runlock import RunDirBusy, RunDirLock
 from node.lab.runs import read_run_json
-from node.lab.runspec import PRESETS, RunSpec, parse_peer_args, slug
+from node.lab.runspec import PRESETS, RunSpec, node_learning_settings, peer_plan, slug
 from node.learn.stop import RoundAbandoned, StopRequest
-from node.ops.config import default_lr
 
 log = logging.getLogger("sapo.experiment")
 
@@ -273,12 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="default")
     ap.add_argument("--models", default="", help="one model per peer, comma-separated (a mixed swarm): overrides "
                     "--model and sets the peer count to the list's length")
-    ap.add_argument("--tasks", default="cpu-easy")
+    ap.add_argument("--tasks", default=None, help="task mix (default: sapo-node's for the model, from its recipe: "
+                    "cpu-learn on a CPU)")
     ap.add_argument("--max-new-tokens", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=None,
-                    help="learning rate (default: the node's, 1e-6, or 1e-5 with --lora-rank)")
-    ap.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (0 = full fine-tuning); "
-                    "in memory mode all peers share one base model")
+    ap.add_argument("--lr", type=float, default=None, help="learning rate (default: sapo-node's: the recipe's 2e-4 "
+                    "with LoRA on a CPU; else 1e-6, or 1e-5 with --lora-rank)")
+    ap.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank (0 = full fine-tuning; "
+                    "default: sapo-node's, 8 on a CPU); in memory mode all peers share one base model")
     ap.add_argument("--lora-alpha", type=float, default=32.0)
     ap.add_argument("--mode", choices=("dht", "memory"), default="dht")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads per peer (0 = cores / peers)")
@@ -293,18 +293,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def peer_plan(args: argparse.Namespace) -> tuple[dict[str, int], list[str], dict[str, dict[int, list[str]]]]:
-    """(peers per configuration, per-peer models, per-peer flags per configuration) from the CLI; ValueError
-    with the message to print. Checked for every configuration before any run starts."""
-    models = [m.strip() for m in args.models.split(",")] if args.models else []
-    if any(not m for m in models):
-        raise ValueError(f"--models {args.models!r}: an empty model name")
-    if models and args.peers and args.peers != len(models):
-        raise ValueError(f"--models names {len(models)} models but --peers is {args.peers}; give one model per peer")
-    peers = {name: len(models) or args.peers or PRESETS[name].peers for name in args.configs}
-    return peers, models, {name: parse_peer_args(args.peer_arg, n) for name, n in peers.items()}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     unknown = [c for c in args.configs if c not in PRESETS]
@@ -312,11 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sapo-experiment: error: unknown configuration(s) {unknown}; presets: {', '.join(PRESETS)}",
               file=sys.stderr)
         return 2
-    if args.rounds < 1 or not args.seeds or args.lora_rank < 0:
+    if args.rounds < 1 or not args.seeds or (args.lora_rank or 0) < 0:
         print("sapo-experiment: error: --rounds must be >= 1, --seeds non-empty and --lora-rank >= 0", file=sys.stderr)
         return 2
     try:
         peer_counts, models, peer_args = peer_plan(args)
+        tasks, lora_rank, lr = node_learning_settings(args, models[0] if models else args.model)
     except ValueError as exc:
         print(f"sapo-experiment: error: {exc}", file=sys.stderr)
         return 2
@@ -347,10 +336,9 @@ def main(argv: list[str] | None = None) -> int:
                            num_external=preset.num_external, generations=args.generations or preset.generations,
                            ij_policy=preset.ij_policy, rounds=args.rounds,
                            model=args.model if not models else models[0] if len(set(models)) == 1 else "mixed",
-                           tasks=args.tasks,
-                           max_new_tokens=args.max_new_tokens, lr=args.lr or default_lr(args.lora_rank),
+                           tasks=tasks, max_new_tokens=args.max_new_tokens, lr=lr,
                            mode=args.mode, threads=threads, extra_args=list(args.node_arg),
-                           eval_every=args.eval_every, eval_size=args.eval_size, lora_rank=args.lora_rank,
+                           eval_every=args.eval_every, eval_size=args.eval_size, lora_rank=lora_rank,
                            lora_alpha=args.lora_alpha, models=models, peer_args=peer_args[name])
             root = run_dir_of(exp, spec)
             root.mkdir(parents=True, exist_ok=True)

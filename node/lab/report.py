@@ -49,6 +49,10 @@ Definitions (also written into the report):
   evaluates round t's weights after round t's update: round 0 is the starting weights only where round 0
   made no optimizer step (no group with signal).
   When present it is the report's first comparison; training reward stays as the second view.
+  Its paired difference (also of the focus peer and of each family): the mean of the per-seed differences
+  with the baseline, its 95% bootstrap CI (10 000 resamples of the differences, default_rng(0), whatever
+  ``--bootstrap`` says), Cohen's d_z and the two-sided permutation p over every sign flip of the
+  differences (exact up to 16 seeds, 65 536 random flips above).
   A configuration whose runs have another number of agents than the baseline's (a newcomer's swarm of 5
   against its silo of 1) gets its means shown, marked "other agents", and not tested against the
   baseline's: a mean over other agents is no paired measure (``--focus-peer`` pairs one agent).

@@ -1,11 +1,17 @@
 """What one `sapo-experiment` run is: the I/J presets, a run's exact settings (`RunSpec`, written to run.json)
-and the sapo-node flags of each of its peers, per-peer models and flags included."""
+and the sapo-node flags of each of its peers, per-peer models and flags included, planned from the command line
+(`peer_plan`, `node_learning_settings`) before any run starts."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from node.ops.config import ConfigError, load_config
+from node.ops.config import build_parser as node_parser
 
 
 @dataclass
@@ -89,3 +95,36 @@ def parse_peer_args(values: list[str], peers: int) -> dict[int, list[str]]:
 
 def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name.replace("/", "-"))
+
+
+def peer_plan(args: argparse.Namespace) -> tuple[dict[str, int], list[str], dict[str, dict[int, list[str]]]]:
+    """(peers per configuration, per-peer models, per-peer flags per configuration) from the CLI; ValueError
+    with the message to print. Checked for every configuration before any run starts."""
+    models = [m.strip() for m in args.models.split(",")] if args.models else []
+    if any(not m for m in models):
+        raise ValueError(f"--models {args.models!r}: an empty model name")
+    if models and args.peers and args.peers != len(models):
+        raise ValueError(f"--models names {len(models)} models but --peers is {args.peers}; give one model per peer")
+    peers = {name: len(models) or args.peers or PRESETS[name].peers for name in args.configs}
+    return peers, models, {name: parse_peer_args(args.peer_arg, n) for name, n in peers.items()}
+
+
+def node_learning_settings(args: argparse.Namespace, model: str) -> tuple[str, int, float]:
+    """(tasks, LoRA rank, learning rate) as `sapo-node` resolves them for this model from what this command
+    gives (its flags, then --node-arg, as a peer reads them; the recipe from `--node-arg=--recipe=...` or
+    SAPO_RECIPE, else auto), so that an experiment's peers train as a node alone would: on a CPU, the CPU
+    recipe. ValueError with the message to print."""
+    argv = ["--model", model]
+    for flag, value in (("--tasks", args.tasks), ("--lora-rank", args.lora_rank), ("--lr", args.lr)):
+        argv += [flag, str(value)] if value is not None else []
+    _, unknown = node_parser().parse_known_args(argv + list(args.node_arg))
+    if unknown:
+        raise ValueError(f"--node-arg: {' '.join(unknown)} is no sapo-node flag (see sapo-node --help)")
+    recipe_env = {k: v for k, v in os.environ.items() if k == "SAPO_RECIPE"}
+    try:
+        cfg = load_config(argv + list(args.node_arg), env=recipe_env)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    except SystemExit:  # argparse refused a value, and said which
+        raise ValueError("--node-arg: a value sapo-node refuses (above)") from None
+    return cfg.tasks, cfg.lora_rank, cfg.lr

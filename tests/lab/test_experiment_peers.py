@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import live_metrics, run_python
-from node.lab.experiment import main
-from node.lab.runspec import RunSpec, parse_peer_args
+from node.lab.experiment import build_parser, main
+from node.lab.runspec import RunSpec, node_learning_settings, parse_peer_args
 from node.ops.checkpoint import CheckpointStore
 from p2p.identity import KEY_FILENAME, Identity
 
@@ -48,7 +48,27 @@ def test_each_peer_gets_its_model_and_its_own_flags_last():
     assert flag(spec().node_args(0, Path("/r")), "--lora-rank") == ["0"]  # said, so no node recipe picks one
 
 
+@pytest.mark.parametrize("recipe_env, argv, expected", [
+    (None, [], ("cpu-learn", 8, 2e-4)),  # a CPU: the CPU recipe, as sapo-node alone (conftest says none)
+    (None, ["--lora-rank", "0"], ("cpu-learn", 0, 1e-6)),  # full fine-tuning asked for: its own rate
+    (None, ["--tasks", "smoke", "--lr", "1e-4"], ("smoke", 8, 1e-4)),
+    (None, ["--node-arg=--recipe=none"], ("paper", 0, 1e-6)),
+    ("none", [], ("paper", 0, 1e-6)),
+])
+def test_unset_learning_settings_are_the_nodes_own(monkeypatch, recipe_env, argv, expected):
+    """What no flag of the experiment sets, its peers get as `sapo-node` would choose it: on a CPU its recipe, not
+    a mix and a rate that leave a small model nothing to learn."""
+    monkeypatch.delenv("SAPO_RECIPE", raising=False)
+    if recipe_env:
+        monkeypatch.setenv("SAPO_RECIPE", recipe_env)
+    monkeypatch.setenv("SAPO_TASKS", "smoke")  # the node's other environment is not the experiment's
+    args = build_parser().parse_args(["2/2", *argv])
+    assert node_learning_settings(args, "default") == expected
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--node-arg=--no-such-flag"], "--no-such-flag is no sapo-node flag"),
+    (["--node-arg=--recipe=fast"], "--recipe must be one of"),
     (["--peer-arg", "5:--beta=0.1"], "peer 5 does not exist (peers 0..4)"),
     (["--peer-arg", "x:--beta=0.1"], "expected PEER:FLAG"),
     (["--peer-arg", "1:beta"], "expected PEER:FLAG"),

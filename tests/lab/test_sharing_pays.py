@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from node.lab.cells import Cell, Deadline, cell_status, clock_time, done_fraction, run_cells, unfinished
-from node.lab.experiment import build_parser, peer_plan
+from node.lab.experiment import build_parser
+from node.lab.runspec import peer_plan
 from node.ops.checkpoint import load_from
 from node.ops import config
 
