@@ -32,12 +32,13 @@ class NodeConfig:
     # model and tasks
     model: str = opt("default", "HF model id, local dir, .gguf file, 'default' (embedded SmolLM2-135M-Instruct) "
                                 "or 'tiny-random' / 'tiny-random-smol'")
-    tasks: str = opt("paper", "task mix: a preset (paper, cpu-learn, cpu-easy, smoke) "
+    tasks: str = opt("paper", "task mix: a preset (paper, cpu-learn, cpu-easy, smoke, test-learn) "
                               "or comma-separated reasoning-gym datasets")
     device: str = opt("auto", "auto, cpu, cuda, cuda:N")
     recipe: str = opt("auto", "defaults for what no flag, variable or file sets: cpu (the CPU recipe: cpu-learn, "
-                              "LoRA rank 8, its learning rate, 2/2), none (the paper's setup), auto (cpu on a CPU "
-                              "and for the packaged models, none on a GPU for other models); see README 'Defaults'")
+                              "LoRA rank 8, its learning rate, beta 0.04, 2/2), none (the paper's setup), auto "
+                              "(cpu on a CPU and for the packaged models, none on a GPU for other models); see "
+                              "README 'Defaults'")
     threads: int = opt(0, "torch CPU threads for this process (0 = all cores)")
     # SAPO round
     num_local: int = opt(4, "I: local groups (tasks sampled and trained on) per round")
@@ -72,7 +73,8 @@ class NodeConfig:
                                    "tokens as that many of the longest sequences")
     max_grad_norm: float = opt(1.0, "gradient clipping norm")
     mixed_precision: str = opt("auto", "matmuls in bf16 under torch.autocast, weights, optimizer and loss in fp32: "
-                                       "auto (on a CPU with native bf16: AVX512-BF16/AMX), bf16, off")
+                                       "auto (on a CPU with native bf16: AVX512-BF16/AMX, and on a GPU with bf16), "
+                                       "bf16, off")
     prefix_sharing: str = opt("auto", "train each group's prompt once under its G completions: auto (when the "
                                       "model's KV cache allows it), on, off")
     lora_rank: int = opt(0, "LoRA rank on every linear layer of the decoder (0 = off: full fine-tuning); "
