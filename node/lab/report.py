@@ -24,10 +24,12 @@ Definitions (also written into the report):
 
 * swarm-mean reward of a run at round t: mean over the run's agents that logged round t.
 * moving average (MA): trailing mean over the last ``window`` logged rounds (positions, not round
-  numbers); undefined for the first ``window - 1`` rounds (or ``window`` = number of rounds when a
-  run is shorter than the window).
+  numbers), over the rounds in it that have a reward (a round without one is left out, not counted as 0);
+  undefined for the first ``window - 1`` rounds (or ``window`` = number of rounds when a run is shorter
+  than the window).
 * cumulative reward of a run: sum over agents and rounds of ``reward_mean`` (NaN rounds count 0).
-  Per config: mean ± sample std (ddof = 1) over seeds.
+  Per config: mean ± sample std (ddof = 1) over seeds. Reward per agent-round: the cumulative reward / (agents
+  x rounds) of a run, meaned over seeds (comparable across runs of different sizes).
 * improvement over the baseline: 100 * (mean_cum(config) / mean_cum(baseline) - 1).  95% CI: seeds
   of the config and of the baseline are resampled independently with replacement (``--bootstrap``
   resamples, ``numpy.random.default_rng(--boot-seed)``), 2.5/97.5 percentiles.  With one seed on
@@ -60,14 +62,17 @@ Definitions (also written into the report):
   unseen set, questions whose content training never draws.
 * per model family (when a run's peers ran different models: the ``model`` of their metrics lines, else
   run.json's ``models``): the held-out measures over each family's peers only, each configuration paired
-  by seed with the baseline's same family; the permutation p-values are Holm-corrected across families;
+  by seed with the baseline's same family; the permutation p-values of the held-out final and area (not
+  the unseen set's) are Holm-corrected across families;
   and the external groups each family trained on, by the family whose peer sampled them (``publisher``).
 * focus peer (``--focus-peer P``: agent ``peer<P>``, e.g. a newcomer among veterans): the held-out measures
   of that agent alone (area: trapezoids over its own evaluations / their span), paired by seed with the
   same agent of the baseline; the other agents of its runs are the veterans, drawn as their mean curve.
   Also the first evaluated round at which it reaches half of the veterans' mean accuracy at their first
   evaluation (same seed; the run's round count when never).
-* collapse signs: ``signal_frac`` (share of groups with differing rewards; older runs:
+* collapse signs: the agents collapsed at their last held-out evaluation (accuracy within 0.05 of the
+  constant-answer baseline, or distinct greedy answers under half of the gold answers' share: RESULTS 7),
+  ``signal_frac`` (share of groups with differing rewards; older runs:
   ``local_signal_frac``) and ``entropy_mean`` (token entropy of the samples), all rounds and the
   last quarter of each agent's rounds.
 """
