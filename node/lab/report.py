@@ -28,8 +28,8 @@ Definitions (also written into the report):
   undefined for the first ``window - 1`` rounds (or ``window`` = number of rounds when a run is shorter
   than the window).
 * cumulative reward of a run: sum over agents and rounds of ``reward_mean`` (NaN rounds count 0).
-  Per config: mean ± sample std (ddof = 1) over seeds. Reward per agent-round: the cumulative reward / (agents
-  x rounds) of a run, meaned over seeds (comparable across runs of different sizes).
+  Per config: mean ± sample std (ddof = 1) over seeds. Reward per agent-round: the cumulative reward / the
+  agent-rounds with a reward of a run, meaned over seeds (comparable across runs of different sizes).
 * improvement over the baseline: 100 * (mean_cum(config) / mean_cum(baseline) - 1).  95% CI: seeds
   of the config and of the baseline are resampled independently with replacement (``--bootstrap``
   resamples, ``numpy.random.default_rng(--boot-seed)``), 2.5/97.5 percentiles.  With one seed on
