@@ -117,12 +117,11 @@ def test_readme_table_states_the_cpu_recipe_where_it_sets_a_flag():
         note = RECIPE_NOTE.search(cells[1])
         set_here = [n for n in names if n in recipe and n != "recipe"]
         assert bool(note) == bool(set_here), f"{cells[0]}: the recipe sets {set_here}; the row says {cells[1]!r}"
-        if note:
+        if note:  # the recipe's numbers in the row's flag order, its words anywhere in the note
             numbers = [float(x) for x in re.findall(r"\d+(?:\.\d+)?(?:e-?\d+)?", note.group(1))]
-            for name in set_here:
-                value = recipe[name]
-                assert (value in note.group(1)) if isinstance(value, str) else (value in numbers), \
-                    f"{cells[0]}: the recipe's {name} is {value!r}; the row says {note.group(0)!r}"
+            assert numbers == [recipe[n] for n in set_here if not isinstance(recipe[n], str)], \
+                f"{cells[0]}: the recipe sets {[(n, recipe[n]) for n in set_here]}; the row says {note.group(0)!r}"
+            assert all(recipe[n] in note.group(1) for n in set_here if isinstance(recipe[n], str)), note.group(0)
             seen.update(set_here)
     assert seen == set(recipe), f"the table states no recipe value for {set(recipe) - seen}"
 

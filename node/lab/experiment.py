@@ -11,8 +11,9 @@ bootstrap peer; `memory` runs the peers in this process over an in-memory board,
 interleaving, so every configuration sees the same task streams, and a re-run repeats round 0 exactly.
 Later rounds agree only up to the floating-point non-determinism of multi-threaded CPU kernels (a
 flipped sampled token lets runs drift apart). Sampling, signing, verification and training code are
-the same in both modes. With `--lora-rank`, memory-mode peers share one frozen base model in memory,
-each training its own named adapter on it (node/learn/lora.py): the base is held once, not once per peer.
+the same in both modes. With LoRA (the CPU recipe's, or `--lora-rank`), memory-mode peers share one frozen
+base model in memory, each training its own named adapter on it (node/learn/lora.py): the base is held once,
+not once per peer.
 
 Peers need not be alike: `--models m0,m1,...` gives each peer its own model (a mixed swarm; memory mode
 loads each distinct model once, one shared base per model), and `--peer-arg P:FLAG` gives peer P a flag of
@@ -43,7 +44,7 @@ from node.cli import REPEAT_WINDOW_S
 from node.ops.quick_exit import exit_without_teardown
 from node.ops.runlock import RunDirBusy, RunDirLock
 from node.lab.runs import read_run_json
-from node.lab.runspec import PRESETS, RunSpec, node_learning_settings, peer_plan, slug
+from node.lab.runspec import PRESETS, RunSpec, node_learning_settings, peer_plan, recipe_env, slug
 from node.learn.stop import RoundAbandoned, StopRequest
 
 log = logging.getLogger("sapo.experiment")
@@ -169,7 +170,7 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
         peer_dir = root / f"peer{p}"
         resume = (peer_dir / "checkpoints").exists()
         cfg = load_config(spec.node_args(p, peer_dir) + ["--swarm", f"exp-{slug(spec.config_name)}"]
-                          + (["--resume"] if resume else []), env={})
+                          + (["--resume"] if resume else []), env=recipe_env())
         identity = Identity.load_or_create(peer_dir / KEY_FILENAME, create=True, pow_difficulty=cfg.pow_difficulty)
         base_model, tokenizer, shared = loaded[spec.model_of(p)]
         exchange = MemoryExchange(board, identity, mix, verify_config(cfg), spec.model_of(p))
@@ -273,12 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--models", default="", help="one model per peer, comma-separated (a mixed swarm): overrides "
                     "--model and sets the peer count to the list's length")
     ap.add_argument("--tasks", default=None, help="task mix (default: sapo-node's for the model, from its recipe: "
-                    "cpu-learn on a CPU)")
+                    "cpu-learn on a CPU, and for the packaged models on a GPU)")
     ap.add_argument("--max-new-tokens", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=None, help="learning rate (default: sapo-node's: the recipe's 2e-4 "
-                    "with LoRA on a CPU; else 1e-6, or 1e-5 with --lora-rank)")
+    ap.add_argument("--lr", type=float, default=None, help="learning rate (default: sapo-node's: the CPU recipe's "
+                    "2e-4 with LoRA; else 1e-6, or 1e-5 with --lora-rank)")
     ap.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank (0 = full fine-tuning; "
-                    "default: sapo-node's, 8 on a CPU); in memory mode all peers share one base model")
+                    "default: sapo-node's, the CPU recipe's 8); in memory mode all peers share one base model")
     ap.add_argument("--lora-alpha", type=float, default=32.0)
     ap.add_argument("--mode", choices=("dht", "memory"), default="dht")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads per peer (0 = cores / peers)")
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         peer_counts, models, peer_args = peer_plan(args)
-        tasks, lora_rank, lr = node_learning_settings(args, models[0] if models else args.model)
+        tasks, lora_rank, lr = node_learning_settings(args, models or [args.model])
     except ValueError as exc:
         print(f"sapo-experiment: error: {exc}", file=sys.stderr)
         return 2
@@ -353,8 +354,9 @@ def main(argv: list[str] | None = None) -> int:
             changed = settings_changed(root / "run.json", spec)
             if changed:
                 log.error("%s seed %d: %s was started with other settings (%s); resuming would mix them in one "
-                          "run: use another --out, or remove that dir to start it again", name, seed, root,
-                          "; ".join(changed))
+                          "run: give the ones it started with (unset --tasks, --lora-rank and --lr are sapo-node's "
+                          "own since 7cf666e: on a CPU the CPU recipe), use another --out, or remove that dir to "
+                          "start it again", name, seed, root, "; ".join(changed))
                 return 2
             log.info("%s seed %d: %d peers x %d rounds (%s mode) in %s", name, seed, peers, args.rounds,
                      args.mode, root)

@@ -97,6 +97,23 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name.replace("/", "-"))
 
 
+def recipe_env() -> dict[str, str]:
+    """The environment an experiment's peers resolve their recipe with, in either mode: SAPO_RECIPE alone (every
+    other setting reaches them as a flag)."""
+    return {k: v for k, v in os.environ.items() if k == "SAPO_RECIPE"}
+
+
+def check_node_flags(flags: list[str], where: str) -> None:
+    """ValueError naming what sapo-node would refuse in `flags` (an unknown flag, or a value argparse refuses),
+    so that a typo stops the command before any run starts rather than when a peer starts."""
+    try:
+        _, unknown = node_parser().parse_known_args(flags)
+    except SystemExit:  # argparse has printed which value it refused
+        raise ValueError(f"{where}: a value sapo-node refuses (above)") from None
+    if unknown:
+        raise ValueError(f"{where}: {' '.join(unknown)} is no sapo-node flag (see sapo-node --help)")
+
+
 def peer_plan(args: argparse.Namespace) -> tuple[dict[str, int], list[str], dict[str, dict[int, list[str]]]]:
     """(peers per configuration, per-peer models, per-peer flags per configuration) from the CLI; ValueError
     with the message to print. Checked for every configuration before any run starts."""
@@ -106,25 +123,31 @@ def peer_plan(args: argparse.Namespace) -> tuple[dict[str, int], list[str], dict
     if models and args.peers and args.peers != len(models):
         raise ValueError(f"--models names {len(models)} models but --peers is {args.peers}; give one model per peer")
     peers = {name: len(models) or args.peers or PRESETS[name].peers for name in args.configs}
-    return peers, models, {name: parse_peer_args(args.peer_arg, n) for name, n in peers.items()}
+    plan = {name: parse_peer_args(args.peer_arg, n) for name, n in peers.items()}
+    for flags in plan.values():
+        for p, own in flags.items():
+            check_node_flags(own, f"--peer-arg {p}")
+    return peers, models, plan
 
 
-def node_learning_settings(args: argparse.Namespace, model: str) -> tuple[str, int, float]:
-    """(tasks, LoRA rank, learning rate) as `sapo-node` resolves them for this model from what this command
-    gives (its flags, then --node-arg, as a peer reads them; the recipe from `--node-arg=--recipe=...` or
-    SAPO_RECIPE, else auto), so that an experiment's peers train as a node alone would: on a CPU, the CPU
-    recipe. ValueError with the message to print."""
-    argv = ["--model", model]
+def node_learning_settings(args: argparse.Namespace, models: list[str]) -> tuple[str, int, float]:
+    """(tasks, LoRA rank, learning rate) as `sapo-node` resolves them from what this command gives (its flags,
+    then --node-arg, as a peer reads them; the recipe from `--node-arg=--recipe=...` or SAPO_RECIPE, else auto,
+    which depends on the model on a GPU), so that an experiment's peers train as a node alone would: on a CPU,
+    the CPU recipe. Models whose recipes differ (a packaged and another model on a GPU) need one named: every
+    peer of a run has one recipe. ValueError with the message to print."""
+    given = []
     for flag, value in (("--tasks", args.tasks), ("--lora-rank", args.lora_rank), ("--lr", args.lr)):
-        argv += [flag, str(value)] if value is not None else []
-    _, unknown = node_parser().parse_known_args(argv + list(args.node_arg))
-    if unknown:
-        raise ValueError(f"--node-arg: {' '.join(unknown)} is no sapo-node flag (see sapo-node --help)")
-    recipe_env = {k: v for k, v in os.environ.items() if k == "SAPO_RECIPE"}
-    try:
-        cfg = load_config(argv + list(args.node_arg), env=recipe_env)
-    except ConfigError as exc:
-        raise ValueError(str(exc)) from None
-    except SystemExit:  # argparse refused a value, and said which
-        raise ValueError("--node-arg: a value sapo-node refuses (above)") from None
-    return cfg.tasks, cfg.lora_rank, cfg.lr
+        given += [flag, str(value)] if value is not None else []
+    check_node_flags(given + list(args.node_arg), "--node-arg")
+    resolved = {}
+    for model in dict.fromkeys(models):
+        try:
+            cfg = load_config(["--model", model, *given, *args.node_arg], env=recipe_env())
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        resolved[model] = (cfg.recipe, cfg.tasks, cfg.lora_rank, cfg.lr)
+    if len({r[0] for r in resolved.values()}) > 1:
+        raise ValueError("--models: their recipes differ here (" + ", ".join(f"{m}: {r[0]}" for m, r in
+                         resolved.items()) + "); name one for every peer, e.g. --node-arg=--recipe=cpu")
+    return next(iter(resolved.values()))[1:]

@@ -354,12 +354,11 @@ def summarize(
         b = per[base_name]
         bvals = list(b["cumulative_by_seed"].values())
         for cfg, d in per.items():
+            other_agents = d["agents_differ"] = d["peers"] != b["peers"]  # means over other agents: not paired
             if cfg == base_name:
                 d["improvement_pct"], d["improvement_ci"], d["improvement_note"] = 0.0, [0.0, 0.0], "baseline"
-                continue
-            other_agents = d["peers"] != b["peers"]  # means over other agents: shown, not paired
-            if other_agents:
-                d["agents_differ"], d["improvement_note"] = True, "other agents: not paired"
+            elif other_agents:
+                d["improvement_note"] = "other agents: not paired"
             else:
                 cum = d["cumulative_by_seed"]
                 pt, lo, hi, note = bootstrap_improvement(list(cum.values()), bvals, n_boot, boot_seed)

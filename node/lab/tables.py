@@ -39,12 +39,13 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
             *("| " + " | ".join(row) + " |" for row in rows), ""]
 
 
-def vs_cells(d: dict, key: str) -> tuple[str, str, str]:
+def vs_cells(d: dict, key: str, is_base: bool) -> tuple[str, str, str]:
     """(% vs baseline, CI, seeds ahead with p) of one held-out measure, or dashes for the baseline and for a
-    configuration of other agents (no paired test of means over different agents)."""
+    configuration of other agents (no paired test of means over different agents); "n/a" where the baseline has
+    no such measure."""
     v = d.get(f"{key}_vs_base")
     if not v:
-        return ("other agents", "—", "—") if d.get("agents_differ") else ("baseline", "—", "—")
+        return ("baseline" if is_base else "other agents" if d.get("agents_differ") else "n/a"), "—", "—"
     lo, hi = v["ci"]
     ci = "n/a" if not (math.isfinite(lo) and math.isfinite(hi)) else f"[{lo:+.2f}%, {hi:+.2f}%]"
     ahead = "n/a" if not v["seeds"] else f"{v['wins']}/{v['seeds']} (p = {num(v['p'], '.3f')})"
@@ -107,15 +108,16 @@ def heldout_table(summary: dict, prefix: str, figure: bool = True) -> list[str]:
 
 def heldout_comparison(summary: dict, prefix: str = "eval", figure: bool = True) -> list[str]:
     """Held-out accuracy of each configuration against the baseline: %, CI, sign test, paired effect."""
-    per, L = summary["per_config"], []
+    per, base, L = summary["per_config"], summary["baseline"], []
     L.append("| config | final (mean ± std) | vs baseline | 95% CI | seeds ahead (p) | area (mean ± std) "
              "| vs baseline | 95% CI | seeds ahead (p) |")
     L.append("|---|---|---|---|---|---|---|---|---|")
     for c in summary["configs"]:
         d = per[c]
         L.append(f"| {c} | {num(d[f'{prefix}_final_mean'], '.4f')} ± {num(d[f'{prefix}_final_std'], '.4f')} | "
-                 + " | ".join(vs_cells(d, f"{prefix}_final")) + f" | {num(d[f'{prefix}_area_mean'], '.4f')} ± "
-                 f"{num(d[f'{prefix}_area_std'], '.4f')} | " + " | ".join(vs_cells(d, f"{prefix}_area")) + " |")
+                 + " | ".join(vs_cells(d, f"{prefix}_final", c == base)) + f" | {num(d[f'{prefix}_area_mean'], '.4f')}"
+                 f" ± {num(d[f'{prefix}_area_std'], '.4f')} | " + " | ".join(vs_cells(d, f"{prefix}_area", c == base))
+                 + " |")
     L.append("")
     L.append("Paired effect over seeds (config − baseline, same seeds): mean difference in accuracy points "
              "with its 95% bootstrap CI over seeds, Cohen's d_z (mean / sd of the differences) and the "
@@ -128,7 +130,7 @@ def heldout_comparison(summary: dict, prefix: str = "eval", figure: bool = True)
             v = per[c].get(f"{key}_vs_base") or {}
             ci = f"[{num(v.get('ci_low', math.nan), '+.4f')}, {num(v.get('ci_high', math.nan), '+.4f')}]" if v else ""
             cells += [num(v.get("mean_diff", math.nan), '+.4f'), ci, num(v.get("d_z", math.nan), '+.2f'),
-                      num(v.get("p_perm", math.nan), '.3f')] if v else [vs_cells(per[c], key)[0], "—", "—", "—"]
+                      num(v.get("p_perm", math.nan), '.3f')] if v else [vs_cells(per[c], key, c == base)[0]] + ["—"] * 3
         L.append(f"| {c} | " + " | ".join(cells) + " |")
     L.append("")
     if prefix == "eval" and figure:
@@ -147,7 +149,7 @@ def console_table(summary: dict) -> str:
             continue
         rows.append(f"{head}{title:>18}{'collapsed' if prefix == 'eval' else '':>11}{vs_head}")
         for c, d in summary["per_config"].items():
-            vs, ci, _ = vs_cells(d, f"{prefix}_final")
+            vs, ci, _ = vs_cells(d, f"{prefix}_final", c == base)
             tail = "" if base is None else f"{vs:>13}  {'' if ci == '—' else ci}"
             fallen = collapsed_cell(d) if prefix == "eval" else ""
             rows.append(f"{c:<16}{d['n_seeds']:>6}{agents[c]:>8}{num(d[f'{prefix}_final_mean'], '.3f'):>18}"

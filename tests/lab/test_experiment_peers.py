@@ -11,7 +11,8 @@ import torch
 
 from conftest import live_metrics, run_python
 from node.lab.experiment import build_parser, main
-from node.lab.runspec import RunSpec, node_learning_settings, parse_peer_args
+from node.lab.runspec import RunSpec, node_learning_settings, parse_peer_args, recipe_env
+from node.ops.config import load_config
 from node.ops.checkpoint import CheckpointStore
 from p2p.identity import KEY_FILENAME, Identity
 
@@ -48,27 +49,52 @@ def test_each_peer_gets_its_model_and_its_own_flags_last():
     assert flag(spec().node_args(0, Path("/r")), "--lora-rank") == ["0"]  # said, so no node recipe picks one
 
 
-@pytest.mark.parametrize("recipe_env, argv, expected", [
+@pytest.mark.parametrize("recipe, argv, expected", [
     (None, [], ("cpu-learn", 8, 2e-4)),  # a CPU: the CPU recipe, as sapo-node alone (conftest says none)
     (None, ["--lora-rank", "0"], ("cpu-learn", 0, 1e-6)),  # full fine-tuning asked for: its own rate
     (None, ["--tasks", "smoke", "--lr", "1e-4"], ("smoke", 8, 1e-4)),
     (None, ["--node-arg=--recipe=none"], ("paper", 0, 1e-6)),
     ("none", [], ("paper", 0, 1e-6)),
 ])
-def test_unset_learning_settings_are_the_nodes_own(monkeypatch, recipe_env, argv, expected):
+def test_unset_learning_settings_are_the_nodes_own(monkeypatch, recipe, argv, expected):
     """What no flag of the experiment sets, its peers get as `sapo-node` would choose it: on a CPU its recipe, not
     a mix and a rate that leave a small model nothing to learn."""
     monkeypatch.delenv("SAPO_RECIPE", raising=False)
-    if recipe_env:
-        monkeypatch.setenv("SAPO_RECIPE", recipe_env)
+    if recipe:
+        monkeypatch.setenv("SAPO_RECIPE", recipe)
     monkeypatch.setenv("SAPO_TASKS", "smoke")  # the node's other environment is not the experiment's
     args = build_parser().parse_args(["2/2", *argv])
-    assert node_learning_settings(args, "default") == expected
+    assert node_learning_settings(args, ["default"]) == expected
+
+
+def test_a_peer_resolves_the_recipe_the_experiment_planned_with(monkeypatch):
+    """SAPO_RECIPE=none with LoRA: the plan has the paper's mix; a memory-mode peer, reading its flags with the
+    experiment's recipe environment, has that recipe and its beta 0, not the CPU recipe's 0.04."""
+    monkeypatch.setenv("SAPO_RECIPE", "none")
+    args = build_parser().parse_args(["2/2", "--lora-rank", "8"])
+    tasks, rank, lr = node_learning_settings(args, ["default"])
+    flags = spec(tasks=tasks, lora_rank=rank, lr=lr).node_args(0, Path("/r/peer0"))
+    cfg = load_config(flags, env=recipe_env())
+    assert (cfg.recipe, cfg.tasks, cfg.beta) == ("none", "paper", 0.0)
+    assert load_config(flags, env={}).beta == 0.04  # what an empty environment would have given it
+
+
+def test_models_whose_recipes_differ_need_one_named(monkeypatch):
+    """On a GPU the packaged model takes the CPU recipe and another model the paper's: one run, one recipe."""
+    monkeypatch.delenv("SAPO_RECIPE", raising=False)
+    mixed = ["default", "Qwen/Qwen2.5-0.5B-Instruct"]
+    args = build_parser().parse_args(["2/2", "--node-arg=--device=cuda"])
+    with pytest.raises(ValueError, match="recipes differ here .default: cpu, Qwen/Qwen2.5-0.5B-Instruct: none"):
+        node_learning_settings(args, mixed)
+    args = build_parser().parse_args(["2/2", "--node-arg=--device=cuda", "--node-arg=--recipe=cpu"])
+    assert node_learning_settings(args, mixed) == ("cpu-learn", 8, 2e-4)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--node-arg=--no-such-flag"], "--no-such-flag is no sapo-node flag"),
     (["--node-arg=--recipe=fast"], "--recipe must be one of"),
+    (["--node-arg=--beta=abc"], "--node-arg: a value sapo-node refuses"),
+    (["--peer-arg", "1:--no-such-flag"], "--peer-arg 1: --no-such-flag is no sapo-node flag"),
     (["--peer-arg", "5:--beta=0.1"], "peer 5 does not exist (peers 0..4)"),
     (["--peer-arg", "x:--beta=0.1"], "expected PEER:FLAG"),
     (["--peer-arg", "1:beta"], "expected PEER:FLAG"),

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from node.lab.report import main
+from node.lab.tables import vs_cells
 from node.lab.views import holm
 
 SEEDS = (0, 1, 2, 3)
@@ -139,6 +140,9 @@ def test_focus_peer_newcomer_against_its_silo_and_the_veterans(tmp_path, capsys)
     # the swarm means average 5 agents against 1: shown, never tested against each other
     whole = summary["per_config"]["2/2"]
     assert whole["agents_differ"] and "eval_final_vs_base" not in whole and "unseen_area_vs_base" not in whole
+    assert summary["per_config"]["4/0"]["agents_differ"] is False
+    assert vs_cells(whole, "eval_final", False)[0] == "other agents" and vs_cells({}, "eval_final", True)[0] == \
+        "baseline" and vs_cells({}, "unseen_final", False)[0] == "n/a"  # a set the baseline lacks: no comparison
     heldout = md.split("## Held-out accuracy")[1].split("## Unseen")[0]
     assert "| 2/2 | other agents | — | — | — |" in heldout and "other agents" in md.split("## Cumulative")[1]
     assert (out / "focus_peer.png").stat().st_size > 0
