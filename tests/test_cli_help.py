@@ -77,17 +77,25 @@ WORDS = {"off": (False, 0, ""), "on": (True,), "–": ([], ""), "all cores": (0,
          "`--net-timeout`/3": (0.0,)}
 
 
+def config_rows() -> list[tuple[str, str]]:
+    """(flags cell, default cell) of each row of the table under '### Configuration'."""
+    section = README.split("### Configuration", 1)[1].split("\n### ", 1)[0]
+    rows = [[c.strip() for c in line.strip("|").split(" | ")] for line in section.splitlines()
+            if line.startswith("| `--")]
+    return [(cells[0], cells[1]) for cells in rows]
+
+
+def flags_of(cell: str) -> list[str]:
+    return re.findall(r"`(--[a-z0-9-]+)`", cell)
+
+
 def config_table() -> list[tuple[list[str], list[str]]]:
     """(flags, defaults) of each row of the table under '### Configuration'."""
-    section = README.split("### Configuration", 1)[1].split("\n### ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("| `--")]
     out = []
-    for row in rows:
-        cells = [c.strip() for c in row.strip("|").split(" | ")]
-        cells[1] = RECIPE_NOTE.sub("", cells[1])  # the CPU recipe's values: their own test below
-        flags = re.findall(r"`(--[a-z0-9-]+)`", cells[0])
-        sep = " / " if " / " in cells[1] and " / " in cells[0] else ", "
-        defaults = [d.strip() for d in cells[1].split(sep)] if len(flags) > 1 else [cells[1].strip()]
+    for flag_cell, default in config_rows():
+        flags, default = flags_of(flag_cell), RECIPE_NOTE.sub("", default)  # the recipe's values: own test below
+        sep = " / " if " / " in default and " / " in flag_cell else ", "
+        defaults = [d.strip() for d in default.split(sep)] if len(flags) > 1 else [default.strip()]
         out.append((flags, defaults))
     return out
 
@@ -109,18 +117,16 @@ RECIPE_NOTE = re.compile(r" ?\(CPU recipe: ([^)]*)\)")
 def test_readme_table_states_the_cpu_recipe_where_it_sets_a_flag():
     """Where the CPU recipe (the default on a CPU) sets a flag of the table, the row's default says so, with the
     recipe's value."""
-    section = README.split("### Configuration", 1)[1].split("\n### ", 1)[0]
     recipe, seen = RECIPES["cpu"], set()
-    for row in (line for line in section.splitlines() if line.startswith("| `--")):
-        cells = [c.strip() for c in row.strip("|").split(" | ")]
-        names = [f[2:].replace("-", "_") for f in re.findall(r"`(--[a-z0-9-]+)`", cells[0])]
-        note = RECIPE_NOTE.search(cells[1])
-        set_here = [n for n in names if n in recipe and n != "recipe"]
-        assert bool(note) == bool(set_here), f"{cells[0]}: the recipe sets {set_here}; the row says {cells[1]!r}"
+    for flag_cell, default in config_rows():
+        flags = flags_of(flag_cell)
+        set_here = [n for n in (f[2:].replace("-", "_") for f in flags) if n in recipe and n != "recipe"]
+        note = RECIPE_NOTE.search(default)
+        assert bool(note) == bool(set_here), f"{flags}: the recipe sets {set_here}; the row says {default!r}"
         if note:  # the recipe's numbers in the row's flag order, its words anywhere in the note
             numbers = [float(x) for x in re.findall(r"\d+(?:\.\d+)?(?:e-?\d+)?", note.group(1))]
             assert numbers == [recipe[n] for n in set_here if not isinstance(recipe[n], str)], \
-                f"{cells[0]}: the recipe sets {[(n, recipe[n]) for n in set_here]}; the row says {note.group(0)!r}"
+                f"{flags}: the recipe sets {[(n, recipe[n]) for n in set_here]}; the row says {note.group(0)!r}"
             assert all(recipe[n] in note.group(1) for n in set_here if isinstance(recipe[n], str)), note.group(0)
             seen.update(set_here)
     assert seen == set(recipe), f"the table states no recipe value for {set(recipe) - seen}"

@@ -301,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sapo-experiment: error: unknown configuration(s) {unknown}; presets: {', '.join(PRESETS)}",
               file=sys.stderr)
         return 2
-    if args.rounds < 1 or not args.seeds or (args.lora_rank or 0) < 0:
-        print("sapo-experiment: error: --rounds must be >= 1, --seeds non-empty and --lora-rank >= 0", file=sys.stderr)
+    if args.rounds < 1 or not args.seeds:  # --lora-rank and the other node settings: node_learning_settings
+        print("sapo-experiment: error: --rounds must be >= 1 and --seeds non-empty", file=sys.stderr)
         return 2
     try:
         peer_counts, models, peer_args = peer_plan(args)

@@ -10,6 +10,7 @@ import numpy as np
 
 from node.lab.runs import Run
 from node.lab.stats import align_series, eval_curve, moving_average, nanmean_rows
+from node.lab.tables import unpaired
 from node.lab.views import peer_model, restrict
 
 
@@ -123,10 +124,8 @@ def fig_cumulative(summary: dict, path: Path) -> None:
         imp = per[c]["improvement_pct"]
         if summary["baseline"] is None:
             tag = ""  # nothing to compare with
-        elif c == summary["baseline"]:
-            tag = "\nbaseline"
-        elif per[c].get("agents_differ"):
-            tag = "\nother agents"
+        elif why := unpaired(per[c], c == summary["baseline"]):
+            tag = f"\n{why}"
         else:
             tag = f"\n{imp:+.1f}%" if math.isfinite(imp) else "\nn/a"
         ax.text(xi, (m if math.isfinite(m) else 0) + s + 0.02 * top, f"{m:.1f}{tag}",

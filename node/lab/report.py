@@ -110,6 +110,7 @@ from node.lab.tables import (
     heldout_section,
     num,
     pct,
+    unpaired,
 )
 from node.lab.views import family_summary, focus_name, focus_summary
 
@@ -209,10 +210,8 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
             L.append(f"| {c} | {num(d['cumulative_mean'])} ± {num(d['cumulative_std'])} | {seeds} | "
                      f"{num(d['reward_per_agent_round'], '.4f')} |")
             continue
-        if c == base:
-            vs, ci, ahead = "baseline", "—", "—"
-        elif d.get("agents_differ"):
-            vs, ci, ahead = "other agents", "—", "—"
+        if why := unpaired(d, c == base):
+            vs, ci, ahead = why, "—", "—"
         else:
             ahead = ("n/a" if not d["paired_seeds"] else
                      f"{d['paired_wins']}/{d['paired_seeds']} (p = {num(d['sign_test_p'], '.3f')})")

@@ -39,13 +39,18 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
             *("| " + " | ".join(row) + " |" for row in rows), ""]
 
 
+def unpaired(d: dict, is_base: bool) -> str | None:
+    """Why a configuration is not compared with the baseline: it is the baseline, or its runs have other agents
+    (no paired test of means over different agents); None where it is compared."""
+    return "baseline" if is_base else "other agents" if d.get("agents_differ") else None
+
+
 def vs_cells(d: dict, key: str, is_base: bool) -> tuple[str, str, str]:
-    """(% vs baseline, CI, seeds ahead with p) of one held-out measure, or dashes for the baseline and for a
-    configuration of other agents (no paired test of means over different agents); "n/a" where the baseline has
-    no such measure."""
+    """(% vs baseline, CI, seeds ahead with p) of one held-out measure, or dashes where it is `unpaired`; "n/a"
+    where the baseline has no such measure."""
     v = d.get(f"{key}_vs_base")
     if not v:
-        return ("baseline" if is_base else "other agents" if d.get("agents_differ") else "n/a"), "—", "—"
+        return unpaired(d, is_base) or "n/a", "—", "—"
     lo, hi = v["ci"]
     ci = "n/a" if not (math.isfinite(lo) and math.isfinite(hi)) else f"[{lo:+.2f}%, {hi:+.2f}%]"
     ahead = "n/a" if not v["seeds"] else f"{v['wins']}/{v['seeds']} (p = {num(v['p'], '.3f')})"
@@ -159,9 +164,9 @@ def console_table(summary: dict) -> str:
     for c, d in summary["per_config"].items():
         cum = f"{num(d['cumulative_mean'])} ± {num(d['cumulative_std'])}"
         lo, hi = d["improvement_ci"]
-        ci = "" if c == base or d.get("agents_differ") else (
-            "n/a" if not math.isfinite(lo) else f"[{lo:+.1f}%, {hi:+.1f}%]")
-        vs = "baseline" if c == base else "other agents" if d.get("agents_differ") else pct(d["improvement_pct"])
+        why = unpaired(d, c == base)
+        ci = "" if why else ("n/a" if not math.isfinite(lo) else f"[{lo:+.1f}%, {hi:+.1f}%]")
+        vs = why or pct(d["improvement_pct"])
         rows.append(f"{c:<16}{d['n_seeds']:>6}{agents[c]:>8}{cum:>22}" + ("" if base is None else f"{vs:>13}  {ci}"))
     return "\n".join(rows + view_lines(summary))
 
