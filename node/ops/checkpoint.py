@@ -164,7 +164,8 @@ def export_weights(src: Path, dest: Path) -> Path:
         shutil.copy2(src / name, tmp / name)
         _fsync_file(tmp / name)
         files[name] = manifest["files"][name]
-    (tmp / "MANIFEST.json").write_text(json.dumps({**manifest, "files": files, "exported_from": str(src)}))
+    origin = "/".join(src.resolve().parts[-3:])  # which run and round, without this machine's directories
+    (tmp / "MANIFEST.json").write_text(json.dumps({**manifest, "files": files, "exported_from": origin}))
     _fsync_file(tmp / "MANIFEST.json")
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)

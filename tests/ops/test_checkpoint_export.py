@@ -1,6 +1,8 @@
 """Weights-only exports of a checkpoint (node/ops/checkpoint.py export_weights): what an experiment commits so
 that runs on other machines can start from it with --lora-init; they load, they verify, they never resume."""
 
+import json
+
 import pytest
 import torch
 
@@ -25,6 +27,8 @@ def test_an_export_holds_the_weights_and_identity_without_the_optimizer(tmp_path
     assert ckpt.optimizer is None and ckpt.round == 7 and ckpt.state["sampler"] == [1, 2]
     assert ckpt.meta == {"model": "m", "lora": {"rank": 4, "alpha": 8.0}}
     assert all(torch.equal(ckpt.model[k], weights[k]) for k in weights)
+    origin = json.loads((out / "MANIFEST.json").read_text())["exported_from"]
+    assert origin.endswith(path.name) and str(tmp_path) not in origin  # no local directories in what is shared
     again = export_weights(path, out)  # replacing an export: whole, not merged
     assert load_from(again).round == 7
 
