@@ -25,7 +25,7 @@ from node.learn.tasks import TaskMix, TaskSampler
 from node.learn.trainer import TrainConfig, Trainer
 from node.loop import SapoNode
 from node.ops.checkpoint import CHECKPOINTS_DIR
-from node.ops.config import NodeConfig
+from node.ops.config import ConfigError, NodeConfig
 from node.ops.metrics import METRICS_FILE
 from node.ops.metrics import MetricsWriter
 from node.ops.tensorboard import TensorBoardLog
@@ -35,6 +35,7 @@ from node.swarm.exchange import Exchange, Silo
 from node.swarm.ij_policy import make_ij_policy
 from node.swarm.settings import SwarmFiles, SwarmSettings
 from node.swarm.verify import VerifyConfig
+from p2p.wire import WireCaps
 
 
 def sampling_config(cfg: NodeConfig, mix: TaskMix) -> SamplingConfig:
@@ -71,11 +72,24 @@ def verify_config(cfg: NodeConfig, **overrides: Any) -> VerifyConfig:
     return VerifyConfig.from_settings(swarm_settings(cfg), **overrides)
 
 
+def check_fits_the_wire(cfg: NodeConfig) -> None:
+    """Refuse group shapes that every receiver refuses (p2p.wire.WireCaps): published, each batch would be an
+    offence, and the node would be banned by its whole swarm without an error of its own."""
+    caps = WireCaps()
+    if cfg.generations > caps.max_completions:
+        raise ConfigError(f"--generations must be <= {caps.max_completions} in a swarm: peers refuse larger groups "
+                          f"(got {cfg.generations})")
+    if cfg.num_local > caps.max_groups:
+        raise ConfigError(f"--num-local must be <= {caps.max_groups} in a swarm: peers refuse batches of more "
+                          f"groups (got {cfg.num_local})")
+
+
 def build_exchange(cfg: NodeConfig, mix: TaskMix) -> Exchange:
     """The swarm: a Silo without --peers or --swarm-start, else the Hivemind DHT. Call it before any CUDA
     work: hivemind's DHT forks a process."""
     if not cfg.swarm_enabled:
         return Silo()
+    check_fits_the_wire(cfg)
     from node.swarm.dht_exchange import DhtExchange
 
     return DhtExchange.create(swarm_settings(cfg), mix)

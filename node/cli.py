@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         exchange = build.build_exchange(cfg, mix)  # before any CUDA work: hivemind's DHT forks a process
+    except ConfigError as exc:  # flags that only a swarm refuses
+        return fail(str(exc))
     except Exception as exc:
         return fail(f"cannot join the swarm: {exc}", 1)
 

@@ -40,6 +40,7 @@ from node.learn.policy import SamplingConfig
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.learn.tasks import TaskMix, TaskSampler
 from node.learn.trainer import StepStats, Trainer
+from node.ops.checkpoint import CheckpointError
 from node.ops.config import NodeConfig
 from node.ops.live import LiveState, PhaseTimer
 from node.ops.metrics import MetricsWriter, peak_memory_mb
@@ -245,7 +246,15 @@ class SapoNode:
         if verdict.action == "snapshot":
             await self._in_worker(self.persistence.save_restore_point, r)
         elif verdict.action == "restore":
-            await self._in_worker(self.persistence.load_restore_point, verdict.lr_scale)
+            try:
+                await self._in_worker(self.persistence.load_restore_point, verdict.lr_scale)
+            except CheckpointError as exc:  # a node keeps training rather than die on its own bad file
+                self.guard.restore_failed()
+                await self._in_worker(self.trainer.set_lr, self.cfg.lr * verdict.lr_scale)
+                record.update(guard_action="restore_failed", guard_reason=f"{verdict.reason}; {exc}")
+                log.error("collapse guard: %s, but the restore point cannot be loaded (%s): training on from "
+                          "these weights, learning rate now %.3g", verdict.reason, exc, self.trainer.lr)
+                return
             self.engine_stale = True
             record.update(guard_reason=verdict.reason, guard_restored_to=verdict.restored_to)
             self.live.last_guard = {"round": r, "reason": verdict.reason, "restored_to": verdict.restored_to}

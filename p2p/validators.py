@@ -160,7 +160,11 @@ class SapoRecordValidator(RecordValidatorBase):
         return record.value
 
     def validate(self, record: DHTRecord) -> bool:
-        reason = self.check(record)
+        try:
+            reason = self.check(record)
+        except Exception as exc:  # a check we did not foresee failing: one bad record must hide only itself
+            logger.debug(f"DHT record check failed: {exc!r}")
+            reason = "unreadable record"
         if reason is not None:
             logger.debug(f"rejected DHT record: {reason}")
             self.rejections[reason_code(reason)] += 1

@@ -233,7 +233,10 @@ def parse_payload_json(payload: bytes) -> Any:
     except orjson.JSONDecodeError as e:
         raise WireError("schema", f"payload is not JSON: {e}") from None
     if isinstance(obj, (dict, list)):
-        json.loads(payload, object_pairs_hook=_refuse_duplicates)  # orjson silently keeps the last duplicate
+        try:
+            json.loads(payload, object_pairs_hook=_refuse_duplicates)  # orjson silently keeps the last duplicate
+        except RecursionError:  # orjson nests up to 1024 levels, the stdlib parser fewer
+            raise WireError("schema", "JSON nested too deeply") from None
     return obj
 
 
@@ -323,21 +326,28 @@ def _check_group_schema(g: Any, caps: WireCaps) -> None:
 
 
 def _group_with_caps(g: dict[str, Any], caps: WireCaps) -> WireGroup:
-    comps: list[str] = g["completions"]
+    task = g["task"]
+    group = WireGroup(
+        task=TaskSpecWire(task["dataset"], task["config"], task["seed"], task["index"]),
+        completions=g["completions"],
+        rewards=[float(r) for r in g["rewards"]],
+    )
+    check_group_caps(group, caps)
+    return group
+
+
+def check_group_caps(group: WireGroup, caps: WireCaps) -> None:
+    """WireError when a group is over a receiver's caps: the decoder refuses it, the publisher leaves it out
+    (a batch over the caps is an offence to every receiver, so an honest node must never sign one)."""
+    comps = group.completions
     if len(comps) > caps.max_completions:
         raise WireError("too_many_completions", f"{len(comps)} > {caps.max_completions}")
     longest = max((len(c) for c in comps), default=0)
     if longest > caps.max_completion_chars:
         raise WireError("completion_too_long", f"{longest} > {caps.max_completion_chars} chars")
-    task = g["task"]
-    config_size = len(canonical_json(task["config"]))
+    config_size = len(canonical_json(group.task.config))
     if config_size > caps.max_config_bytes:
         raise WireError("config_too_large", f"{config_size} > {caps.max_config_bytes} bytes")
-    return WireGroup(
-        task=TaskSpecWire(task["dataset"], task["config"], task["seed"], task["index"]),
-        completions=comps,
-        rewards=[float(r) for r in g["rewards"]],
-    )
 
 
 def decode_presence(data: bytes, max_bytes: int = MAX_PRESENCE_BYTES, pow_difficulty: int = 0) -> PresenceRecord:

@@ -106,6 +106,15 @@ class CollapseGuard:
         del s.history[:-50]
         return Verdict("restore", reason, best.round, s.lr_scale)
 
+    def restore_failed(self) -> None:
+        """The restore point could not be loaded (deleted, corrupt): no restore happened and there is no best
+        to go back to; the next evaluation that is not a collapse becomes the restore point. The lower
+        learning rate stays: it is the other half of the answer to a collapse."""
+        self.state.restores -= 1
+        self.state.best = None
+        if self.state.history:
+            self.state.history[-1]["failed"] = True
+
     def _worse_than_best(self, e: EvalSummary, best: EvalSummary) -> str:
         """Why `e` is a collapse from `best` ("" when it is not one)."""
         if not collapsed(e, self.cfg.margin):

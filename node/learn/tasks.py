@@ -160,7 +160,8 @@ class TaskMix:
         """Only datasets *and configs* of our own mix are accepted from peers, never an evaluation task:
         neither the held-out index range nor a task whose content the unseen evaluation reserves."""
         entry = self.datasets.get(spec.dataset)
-        if entry is None or _freeze(entry.get("config", {})) != spec.config or is_eval_index(spec.index):
+        # repr, not ==: 1, 1.0 and true are equal in Python but other content on the wire (digests, copies)
+        if entry is None or repr(_freeze(entry.get("config", {}))) != repr(spec.config) or is_eval_index(spec.index):
             return False
         if self.unseen_share > 0 and spec.dataset in CONTENT_KEYS:
             try:

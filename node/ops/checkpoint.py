@@ -61,6 +61,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 CHECKPOINTS_DIR = "checkpoints"  # under the run dir
+ABANDONED_DIR = "abandoned"  # checkpoints of a timeline a run went back from, set aside
 RESTORE_POINT_DIR = "restore-point"  # the collapse guard's (node/learn/guard.py), beside them
 
 
@@ -95,8 +96,23 @@ class CheckpointStore:
         else:
             tmp.rename(final)
         _fsync_dir(self.dir)
+        self._set_aside_newer_than(round_)
         self._prune()
         return final
+
+    def _set_aside_newer_than(self, round_: int) -> None:
+        """Checkpoints numbered after the one just written belong to a timeline this run has left (it resumed
+        from an older one: its newest was corrupt, or a restore point outlived a crash). Kept, they would be
+        loaded in place of the present and the present pruned; they are moved to abandoned/, never deleted."""
+        for path in self._complete_dirs():
+            if int(path.name[len(PREFIX):]) <= round_:
+                break
+            dest = self.dir / ABANDONED_DIR / path.name
+            dest.parent.mkdir(exist_ok=True)
+            shutil.rmtree(dest, ignore_errors=True)
+            path.rename(dest)
+            log.warning("%s is newer than the %s%06d just saved: moved to %s (this run went back past it)",
+                        path.name, PREFIX, round_, dest)
 
     def _complete_dirs(self) -> list[Path]:
         dirs = [p for p in self.dir.glob(f"{PREFIX}*") if p.is_dir() and p.name[len(PREFIX):].isdigit()]

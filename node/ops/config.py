@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -41,10 +43,11 @@ class NodeConfig:
                               "README 'Defaults'")
     threads: int = opt(0, "torch CPU threads for this process (0 = all cores)")
     # SAPO round
-    num_local: int = opt(4, "I: local groups (tasks sampled and trained on) per round")
+    num_local: int = opt(4, "I: local groups (tasks sampled and trained on) per round; at most 64 "
+                               "in a swarm (peers refuse larger batches)")
     num_external: int = opt(4, "J: external groups from other peers per round (upper bound for adaptive policies)")
     ij_policy: str = opt("fixed", f"how J changes each round: {', '.join(IJ_POLICIES)}")
-    generations: int = opt(8, "G: completions per task")
+    generations: int = opt(8, "G: completions per task; at most 32 in a swarm (peers refuse larger groups)")
     rounds: int = opt(100, "stop after this many rounds in total (resume counts earlier ones)")
     seed: int = opt(0, "seed for tasks, sampling and selection (peers should differ)")
     # sampling
@@ -193,6 +196,9 @@ def validate(cfg: NodeConfig) -> None:
     def bad(name: str, why: str) -> ConfigError:
         return ConfigError(f"{flag(name)} {why} (got {getattr(cfg, name)!r})")
 
+    for f in fields(cfg):
+        if f.type in ("float", float) and not math.isfinite(getattr(cfg, f.name)):
+            raise bad(f.name, "must be a finite number")
     for name in POSITIVE:
         if getattr(cfg, name) < 1:
             raise bad(name, "must be >= 1")
@@ -204,10 +210,16 @@ def validate(cfg: NodeConfig) -> None:
             raise bad(name, f"must be one of {', '.join(allowed)}")
     if cfg.generations < 2:
         raise bad("generations", "must be >= 2 (advantages are relative within a group)")
+    if cfg.seed >= 2**63:
+        raise bad("seed", "must be below 2^63 (a signed 64-bit int: peers regenerate our tasks from it)")
+    if not cfg.swarm:
+        raise bad("swarm", "must not be empty")
     if cfg.eval_every and cfg.eval_size < 1:
         raise bad("eval_size", "must be >= 1 when --eval-every is on")
     if cfg.lr <= 0:
         raise bad("lr", "must be > 0")
+    if cfg.max_grad_norm <= 0:
+        raise bad("max_grad_norm", "must be > 0")
     if not 0 < cfg.guard_lr_factor <= 1:
         raise bad("guard_lr_factor", "must be in (0, 1]")
     if cfg.lora_alpha <= 0:
@@ -234,7 +246,7 @@ def validate(cfg: NodeConfig) -> None:
         raise bad("identity_tier", "must be in [0, 3], with --pow-difficulty + 4 x tier at most 40")
     if cfg.status_port > 65535:
         raise bad("status_port", "must be a TCP port")
-    if cfg.device != "auto" and not (cfg.device == "cpu" or cfg.device.startswith("cuda")):
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
         raise bad("device", "must be auto, cpu or cuda[:N]")
     for peer in cfg.peers:
         if not str(peer).startswith("/"):
@@ -311,9 +323,11 @@ def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None
             data = tomllib.loads(Path(config_path).read_text())
         except OSError as exc:
             raise ConfigError(f"--config: cannot read {config_path}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"--config: {config_path} is not valid TOML: {exc}") from None
         data = data.get("node", data)
+        if not isinstance(data, dict):
+            raise ConfigError(f"--config: [node] in {config_path} must be a table of options")
         for key, raw in data.items():
             name = key.replace("-", "_")
             if name not in types:

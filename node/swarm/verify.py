@@ -20,7 +20,7 @@ import hashlib
 import logging
 import random
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,13 +32,14 @@ from node.swarm.reputation import PENALTIES, Reputation, ReputationConfig
 from node.swarm.settings import SwarmSettings
 from p2p.identity import Identity, peer_name_of
 from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireError, WireGroup, canonical_json, \
-    decode_signed, encode_signed, open_envelope
+    check_group_caps, decode_signed, encode_signed, open_envelope
 
 log = logging.getLogger("sapo.swarm")
 
 UNKNOWN_PEER = "unknown"
 REWARD_TOLERANCE = 1e-6
 MAX_JUDGED = 100_000
+MAX_PUBLISHERS = 8192  # publishers whose recent rounds are remembered (as the bandit's table)
 MAX_CONTENTS = 100_000  # group contents remembered (a window of rounds: ~100 rounds of 64 peers x 16 groups)
 
 
@@ -78,8 +79,8 @@ class Verifier:
         self.bandit = bandit if bandit is not None else PublisherBandit()
         self.contents: OrderedDict[str, bytes] = OrderedDict()  # group content digest -> first publisher
         self._original_useful = False
-        self.seen: set[tuple[bytes, int]] = set()  # (publisher, round) already taken
-        self.newest: dict[bytes, int] = {}  # publisher -> newest round accepted
+        # publisher -> the rounds taken from it within the window (the newest is the newest accepted), LRU
+        self.taken: OrderedDict[bytes, set[int]] = OrderedDict()
         self.judged: dict[str, None] = {}  # digests of every batch already judged (insertion-ordered)
 
     def verify(self, data: bytes, now: float | None = None, hint: bytes | None = None) -> list[Group]:
@@ -158,17 +159,20 @@ class Verifier:
         if batch.created_at - now > self.cfg.max_clock_skew_s:
             self._offence(batch.publisher, "from_future", batch=True)
             return []
-        key = (batch.publisher, batch.round)
-        if key in self.seen:  # a different batch for a round we already took from this publisher
+        taken = self.taken.get(batch.publisher, set())
+        if batch.round in taken:  # a different batch for a round we already took from this publisher
             self._offence(batch.publisher, "equivocation", batch=True)
             return []
-        newest = self.newest.get(batch.publisher, -1)
+        newest = max(taken, default=-1)
         if batch.round <= newest - self.cfg.window:
             self.stats.reject(peer, "stale_round")
             return []
-        self.seen.add(key)
-        self.newest[batch.publisher] = max(newest, batch.round)
-        self.stats.saw(peer, {"name": peer_name_of(batch.publisher), "last_round": self.newest[batch.publisher],
+        newest = max(newest, batch.round)
+        self.taken[batch.publisher] = {r for r in taken if r > newest - self.cfg.window} | {batch.round}
+        self.taken.move_to_end(batch.publisher)
+        while len(self.taken) > MAX_PUBLISHERS:
+            self.taken.popitem(last=False)
+        self.stats.saw(peer, {"name": peer_name_of(batch.publisher), "last_round": newest,
                               "last_seen": now})
         self._original_useful = False  # set by _group: a useful group of ours that a copier showed us first
         groups = [g for g in (self._group(batch.publisher, wg) for wg in batch.groups) if g is not None]
@@ -240,14 +244,36 @@ class Verifier:
         return group
 
 
-def make_batch(identity: Identity, swarm: str, round_: int, model: str, groups: list[Group]) -> bytes:
-    wire_groups = [
-        WireGroup(task=TaskSpecWire(**g.task.spec.to_wire()), completions=list(g.responses), rewards=list(g.rewards))
-        for g in groups
-    ]
-    batch = RolloutBatch(version=WIRE_VERSION, swarm=swarm, round=round_, publisher=identity.public_key_bytes,
-                         created_at=time.time(), model=model, groups=wire_groups)
-    return encode_signed(batch, identity)
+def make_batch(identity: Identity, swarm: str, round_: int, model: str, groups: list[Group],
+               caps: WireCaps = WireCaps()) -> bytes:
+    """Our signed batch of this round's groups. A group over the receivers' caps (a long completion, a large
+    G) is left out, and groups from the end until the batch fits its size cap, with a warning: every peer
+    would refuse the whole batch and penalise us for it, so an honest node never signs one."""
+    kept: list[WireGroup] = []
+    left_out: Counter[str] = Counter()
+    for g in groups:
+        wire_group = WireGroup(task=TaskSpecWire(**g.task.spec.to_wire()), completions=list(g.responses),
+                               rewards=list(g.rewards))
+        try:
+            check_group_caps(wire_group, caps)
+        except WireError as exc:
+            left_out[exc.reason] += 1
+            continue
+        kept.append(wire_group)
+    left_out["too_many_groups"] += max(0, len(kept) - caps.max_groups)
+    del kept[caps.max_groups:]
+    while True:
+        batch = RolloutBatch(version=WIRE_VERSION, swarm=swarm, round=round_, publisher=identity.public_key_bytes,
+                             created_at=time.time(), model=model, groups=kept)
+        data = encode_signed(batch, identity)
+        if len(data) <= caps.max_batch_bytes or not kept:
+            break
+        kept.pop()
+        left_out["oversize"] += 1
+    if left_out:
+        log.warning("round %d: publishing %d of %d groups; left out over the receivers' caps: %s", round_, len(kept),
+                    len(groups), ", ".join(f"{n} {reason}" for reason, n in sorted(left_out.items())))
+    return data
 
 
 class SignedExchange:

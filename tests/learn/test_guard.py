@@ -82,3 +82,41 @@ def test_summary_from_a_metrics_record():
     rec = {"eval_accuracy": 0.3, "eval_baseline": 0.12, "eval_distinct_answers": 0.3, "eval_distinct_gold": 0.35}
     assert EvalSummary.from_record(7, rec) == EvalSummary(7, 0.3, 0.12, 0.3, 0.35)
     assert EvalSummary.from_record(7, {"reward_mean": 0.2}) is None
+
+
+def test_a_failed_restore_forgets_the_best_and_keeps_the_lower_rate():
+    g = CollapseGuard()
+    g.judge(ev(0, 0.40))
+    g.judge(ev(10, 0.11, distinct=0.05))  # restore (its restore point will turn out unreadable)
+    g.restore_failed()
+    assert g.state.restores == 0 and g.state.best is None and g.state.lr_scale == 0.5
+    assert g.state.history[-1]["failed"] and g.judge(ev(20, 0.30)).action == "snapshot"  # the new restore point
+
+
+async def test_a_node_whose_restore_point_is_gone_trains_on(tmp_path):
+    """The guard calls for a restore, but the restore point was deleted: the node says so and goes on at
+    the lower rate instead of dying on its own missing file."""
+    import torch
+
+    from node.build import build_node
+    from node.learn.policy import load_model
+    from node.learn.tasks import PRESETS
+    from node.ops.config import load_config
+    from node.swarm.memory_exchange import MemoryBoard, MemoryExchange
+    from node.swarm.verify import VerifyConfig
+    from p2p.identity import Identity
+
+    cfg = load_config(["--model", "tiny-random", "--tasks", "smoke", "--generations", "2", "--lr", "1e-3",
+                       "--run-dir", str(tmp_path), "--swarm", "mem"], env={})
+    model, tok = load_model("tiny-random", torch.device("cpu"))
+    exchange = MemoryExchange(MemoryBoard(), Identity.generate(), PRESETS["smoke"], VerifyConfig(swarm="mem"), "tiny")
+    node = build_node(cfg, PRESETS["smoke"], model, tok, exchange, torch.device("cpu"))
+    try:
+        node.guard.judge(ev(0, 0.40))  # a best whose restore point was never written (or was deleted since)
+        record = {"eval_accuracy": 0.11, "eval_baseline": 0.12, "eval_distinct_answers": 0.05,
+                  "eval_distinct_gold": 0.35}
+        await node._guard(10, record)
+        assert record["guard_action"] == "restore_failed" and "no restore point" in record["guard_reason"]
+        assert node.trainer.lr == 1e-3 * 0.5 and node.guard.state.best is None
+    finally:
+        node.worker.shutdown()

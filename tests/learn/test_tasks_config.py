@@ -31,6 +31,11 @@ def test_mix_allows_only_its_own_datasets_and_configs():
     assert mix.allows(ok)
     assert not mix.allows(TaskSpec.make("count_bits", {"min_n": 1, "max_n": 10**9}, 1, 1))
     assert not mix.allows(TaskSpec.make("bf", {}, 1, 1))
+    # equal in Python, other content on the wire: 1.0 or true for 1 would dodge "trained on once"
+    config = mix.datasets["count_bits"]["config"]
+    key = next(k for k, v in config.items() if v == 1 and type(v) is int)
+    for other in (1.0, True):
+        assert not mix.allows(TaskSpec.make("count_bits", {**config, key: other}, 1, 1))
     with pytest.raises(TaskError):
         regenerate(TaskSpec.make("gcd", {}, 1, -1))
     with pytest.raises(TaskError):

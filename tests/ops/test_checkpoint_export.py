@@ -44,3 +44,14 @@ def test_a_corrupt_source_or_export_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="model.pt is missing, truncated or corrupt"):
         export_weights(path, tmp_path / "second")
     assert not (tmp_path / "second").exists()
+
+
+def test_a_checkpoint_newer_than_the_present_is_set_aside_not_preferred(tmp_path):
+    """A run that went back (its newest checkpoint was corrupt, or a restore point outlived a crash) must not
+    prune what it just saved in favour of a checkpoint from the timeline it left, nor load that one later."""
+    store = CheckpointStore(tmp_path / "run", keep=1)
+    weights = {"w": torch.ones(2)}
+    store.save(19, weights, {}, {})
+    store.save(15, weights, {}, {})
+    assert store.load_latest().round == 15
+    assert (store.dir / "abandoned" / "round-000019" / "model.pt").exists()  # kept, out of the way

@@ -51,3 +51,40 @@ def test_identity_tiers_are_the_ones_proof_of_work_knows():
         with pytest.raises(ConfigError, match="^--identity-tier "):
             load_config(args, env={})
 
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--lr", "nan"], "--lr"),
+    (["--temperature", "nan"], "--temperature"),
+    (["--net-timeout", "inf"], "--net-timeout"),  # would remove every network timeout
+    (["--max-grad-norm", "-1"], "--max-grad-norm"),  # clip_grad_norm_ would flip the gradients
+    (["--seed", str(2**63)], "--seed"),
+    (["--swarm", ""], "--swarm"),
+    (["--seed", str(2**64)], "--seed"),
+    (["--device", "cuda:abc"], "--device"),
+])
+def test_values_that_would_fail_later_or_get_us_banned_name_the_flag(args, flag):
+    with pytest.raises(ConfigError, match=f"^{flag} "):
+        load_config(args, env={})
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00binary", b"node = 5\n"])
+def test_an_unreadable_config_file_is_one_clear_error(tmp_path, content):
+    path = tmp_path / "node.toml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match="^--config: "):
+        load_config(["--config", str(path)], env={})
+
+
+def test_group_shapes_every_receiver_refuses_are_refused_in_a_swarm_only():
+    """Published, each batch would be an offence and the node banned by its swarm without an error of its own;
+    a silo publishes nothing and may sample as many as it likes."""
+    from node.build import build_exchange, check_fits_the_wire
+    from node.learn.tasks import PRESETS
+
+    for args, flag in ((["--generations", "33"], "--generations"), (["--num-local", "65"], "--num-local")):
+        cfg = load_config([*args, "--swarm-start"], env={})
+        with pytest.raises(ConfigError, match=f"^{flag} must be <= "):
+            build_exchange(cfg, PRESETS["smoke"])
+        check_fits_the_wire(load_config(["--generations", "32", "--num-local", "64"], env={}))
+        assert build_exchange(load_config(args, env={}), PRESETS["smoke"]).__class__.__name__ == "Silo"

@@ -115,6 +115,16 @@ def test_foreign_records_rejected():
     assert not v.validate(signed(v, garbage))
 
 
+def test_a_record_no_check_foresaw_is_refused_and_counted():
+    """A record whose check raises (here JSON too deep for the stdlib parser, before the fix a RecursionError
+    into hivemind, which dropped the whole answer of that peer) is one refused record."""
+    v = SapoRecordValidator(HONEST, SWARM)
+    deep = signed(v, record(round_key(SWARM, 3), HONEST, seal(b"[" * 1000 + b"]" * 1000, HONEST)))
+    assert not v.validate(deep)
+    v.check = lambda rec: 1 / 0  # whatever a future check gets wrong
+    assert not v.validate(deep) and v.rejections["dht_unreadable_record"] == 1
+
+
 def test_far_expiration_rejected():
     v = SapoRecordValidator(HONEST, SWARM, max_ttl_s=100)
     rec = signed(v, record(round_key(SWARM, 3), HONEST, batch_bytes(HONEST), exp=get_dht_time() + 1000))

@@ -216,6 +216,11 @@ def test_duplicate_member_names_are_refused(where):
         decode_presence(seal(pres, ME))
 
 
+def test_json_nested_deeper_than_the_stdlib_parser_is_schema():
+    """orjson reads 1000 levels, the duplicate-name check's stdlib parser does not: a WireError, not a crash."""
+    assert reason_of(seal(b"[" * 1000 + b"]" * 1000, ME)) == "schema"
+
+
 def test_presence_numbers_and_size_are_bounded():
     rec = PresenceRecord(WIRE_VERSION, "test", ME.public_key_bytes, 3, time.time())
     obj = payload_of(encode_presence(rec, ME))

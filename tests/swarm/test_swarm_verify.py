@@ -14,7 +14,7 @@ from node.swarm.memory_exchange import MemoryBoard, MemoryExchange
 from node.swarm.verify import Verifier, VerifyConfig, make_batch
 from node.learn.tasks import PRESETS, TaskSampler, TaskSpec, regenerate
 from p2p.identity import Identity
-from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireGroup, encode_signed
+from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireGroup, decode_signed, encode_signed
 
 MIX = PRESETS["cpu-easy"]
 
@@ -78,6 +78,21 @@ def test_hostile_batches_are_rejected_by_reason(make, reason):
     assert sum(stats.accepted.values()) == 0
 
 
+def test_a_node_never_signs_a_batch_its_peers_would_refuse(caplog):
+    """Groups over the receivers' caps are left out of our own batch (said in the log), so a node with a long
+    completion is not penalised by every peer for one offence after another."""
+    v, stats, _ = verifier()
+    peer = Identity.generate()
+    groups = honest_groups(n=3)
+    groups[1].responses[0] = "x" * (WireCaps().max_completion_chars + 1)
+    with caplog.at_level("WARNING", logger="sapo.swarm"):
+        data = make_batch(peer, "s", 3, "m", groups)
+    assert "publishing 2 of 3 groups" in caplog.text and "completion_too_long" in caplog.text
+    assert len(v.verify(data)) == 2 and not stats.rejected
+    small = WireCaps(max_batch_bytes=len(make_batch(peer, "s", 4, "m", groups[:1])) + 50)
+    assert len(decode_signed(make_batch(peer, "s", 4, "m", groups, small), small).groups) == 1  # fits its size
+
+
 def test_tampered_completion_fails_signature():
     v, stats, _ = verifier()
     peer = Identity.generate()
@@ -95,6 +110,17 @@ def test_replay_of_an_old_round_is_stale():
     assert v.verify(make_batch(peer, "s", 6, "m", honest_groups()))
     assert v.verify(old) == []
     assert stats.rejected[peer.public_key_hex]["stale_round"] == 1
+
+
+def test_a_publishers_remembered_rounds_stay_within_the_window():
+    """What the verifier keeps per publisher is bounded by the window, however long the publisher runs."""
+    v, stats, _ = verifier()
+    peer = Identity.generate()
+    for r in range(8):
+        assert v.verify(make_batch(peer, "s", r, "m", honest_groups(seed=r)))
+    assert v.taken[peer.public_key_bytes] == {6, 7}  # window 2: rounds 5 and older are stale now
+    assert v.verify(make_batch(peer, "s", 7, "m", honest_groups(seed=99))) == []  # still an equivocation
+    assert stats.rejected[peer.public_key_hex] == {"equivocation": 1}
 
 
 def test_own_batches_are_ignored():
