@@ -96,6 +96,8 @@ class SapoNode:
         self.engine_stale = False  # the weights moved since the engine last synced (an update, a resume)
         self._stop_event: asyncio.Event | None = None  # wakes network waits; made in run()
         self.publisher = ""  # this node's public key, once the exchange has started
+        self.updated_in_round = False  # the round in progress has reached its update (weights may have moved)
+        self.mid_round_weights = False  # a round failed after its update: memory is no round's state
 
     @property
     def stop_requested(self) -> bool:
@@ -148,6 +150,12 @@ class SapoNode:
         except RoundAbandoned:  # rewound after the worker has let go of the round
             self.next_round = await self._in_worker(self.persistence.rewind, at_start)
             raise
+        except Exception:  # a bug or a failing disk: checkpoint at close only a state some round ended in
+            if self.updated_in_round:
+                self.mid_round_weights = True  # the weights cannot be rewound
+            else:
+                self.next_round = await self._in_worker(self.persistence.rewind, at_start)
+            raise
         self.next_round = result.round + 1
         self.rounds_this_run += 1
         if self.next_round % self.cfg.checkpoint_every == 0 and self.pending:
@@ -158,6 +166,7 @@ class SapoNode:
         timer = PhaseTimer(self.live)
         num_local, num_external = self.ij.split()
         self.live.round = r
+        self.updated_in_round = False
 
         with timer("sample"):
             tasks = self.sampler.sample(num_local)
@@ -179,6 +188,7 @@ class SapoNode:
         with timer("select"):
             selection = select_groups(local, external, num_local, num_external, self.select_rng)
         with timer("train"):
+            self.updated_in_round = True
             stats = await self._in_worker(self.train, selection.local + selection.external)
         self.engine_stale = self.engine_stale or stats.optimizer_steps > 0
 
@@ -276,7 +286,11 @@ class SapoNode:
     async def close(self) -> None:
         """Checkpoint the last completed round unless the disk has it, then release the swarm and the worker."""
         try:
-            if self.next_round - 1 > self.persistence.saved_round:
+            if self.mid_round_weights:
+                log.error("round %d failed after its update: not checkpointing those weights (resuming them would "
+                          "apply the round twice); --resume continues from the last checkpoint, round %d",
+                          self.next_round, self.persistence.saved_round)
+            elif self.next_round - 1 > self.persistence.saved_round:
                 await self._checkpoint()
             else:
                 await self._in_worker(self.persistence.save_reputation)

@@ -322,3 +322,17 @@ def tiny_signal_groups(seed: int, max_new_tokens: int):
         g.rewards = [1.0, 0.0, 0.5, 0.0]
     return model, tok, prompter, tasks, groups
 
+
+def tiny_memory_node(run_dir: Path, *args: str):
+    """A real node on the tiny random model over an in-memory swarm of its own: the round loop in-process."""
+    from node.build import build_node
+    from node.ops.config import load_config
+    from node.swarm.memory_exchange import MemoryBoard, MemoryExchange
+    from node.swarm.verify import VerifyConfig
+
+    cfg = load_config(["--model", "tiny-random", "--tasks", "smoke", "--generations", "2", "--run-dir", str(run_dir),
+                       "--swarm", "mem", "--no-tensorboard", *args], env={})
+    model, tok = load_model("tiny-random", torch.device("cpu"))
+    exchange = MemoryExchange(MemoryBoard(), Identity.generate(), PRESETS["smoke"], VerifyConfig(swarm="mem"), "tiny")
+    return build_node(cfg, PRESETS["smoke"], model, tok, exchange, torch.device("cpu"))
+

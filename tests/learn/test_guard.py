@@ -1,5 +1,6 @@
 """The collapse guard's decisions (node/learn/guard.py) on hand-made evaluations."""
 
+from conftest import tiny_memory_node
 from node.learn.guard import CollapseGuard, EvalSummary, GuardConfig, collapsed
 
 
@@ -96,21 +97,7 @@ def test_a_failed_restore_forgets_the_best_and_keeps_the_lower_rate():
 async def test_a_node_whose_restore_point_is_gone_trains_on(tmp_path):
     """The guard calls for a restore, but the restore point was deleted: the node says so and goes on at
     the lower rate instead of dying on its own missing file."""
-    import torch
-
-    from node.build import build_node
-    from node.learn.policy import load_model
-    from node.learn.tasks import PRESETS
-    from node.ops.config import load_config
-    from node.swarm.memory_exchange import MemoryBoard, MemoryExchange
-    from node.swarm.verify import VerifyConfig
-    from p2p.identity import Identity
-
-    cfg = load_config(["--model", "tiny-random", "--tasks", "smoke", "--generations", "2", "--lr", "1e-3",
-                       "--run-dir", str(tmp_path), "--swarm", "mem"], env={})
-    model, tok = load_model("tiny-random", torch.device("cpu"))
-    exchange = MemoryExchange(MemoryBoard(), Identity.generate(), PRESETS["smoke"], VerifyConfig(swarm="mem"), "tiny")
-    node = build_node(cfg, PRESETS["smoke"], model, tok, exchange, torch.device("cpu"))
+    node = tiny_memory_node(tmp_path, "--lr", "1e-3")
     try:
         node.guard.judge(ev(0, 0.40))  # a best whose restore point was never written (or was deleted since)
         record = {"eval_accuracy": 0.11, "eval_baseline": 0.12, "eval_distinct_answers": 0.05,
