@@ -96,8 +96,8 @@ class SapoNode:
         self.engine_stale = False  # the weights moved since the engine last synced (an update, a resume)
         self._stop_event: asyncio.Event | None = None  # wakes network waits; made in run()
         self.publisher = ""  # this node's public key, once the exchange has started
-        self.updated_in_round = False  # the round in progress has reached its update (weights may have moved)
-        self.mid_round_weights = False  # a round failed after its update: memory is no round's state
+        self.restored_in_round = False  # the collapse guard loaded other weights in the round in progress
+        self.mid_round_weights = False  # a round failed after its weights moved: memory is no round's state
 
     @property
     def stop_requested(self) -> bool:
@@ -145,13 +145,14 @@ class SapoNode:
         """One round, then a checkpoint every --checkpoint-every rounds. An abandoned round leaves no trace:
         the state it changed (task sampler, RNG streams) is put back before RoundAbandoned goes on."""
         at_start = self.persistence.capture(self.next_round)
+        steps_before, self.restored_in_round = self.trainer.steps_taken, False
         try:
             result = await self.run_round(self.next_round)
         except RoundAbandoned:  # rewound after the worker has let go of the round
             self.next_round = await self._in_worker(self.persistence.rewind, at_start)
             raise
-        except Exception:  # a bug or a failing disk: checkpoint at close only a state some round ended in
-            if self.updated_in_round:
+        except Exception:  # a bug, a failing disk, out of memory: checkpoint at close only a state a round ended in
+            if self.trainer.steps_taken != steps_before or self.restored_in_round:
                 self.mid_round_weights = True  # the weights cannot be rewound
             else:
                 self.next_round = await self._in_worker(self.persistence.rewind, at_start)
@@ -166,7 +167,6 @@ class SapoNode:
         timer = PhaseTimer(self.live)
         num_local, num_external = self.ij.split()
         self.live.round = r
-        self.updated_in_round = False
 
         with timer("sample"):
             tasks = self.sampler.sample(num_local)
@@ -188,7 +188,6 @@ class SapoNode:
         with timer("select"):
             selection = select_groups(local, external, num_local, num_external, self.select_rng)
         with timer("train"):
-            self.updated_in_round = True
             stats = await self._in_worker(self.train, selection.local + selection.external)
         self.engine_stale = self.engine_stale or stats.optimizer_steps > 0
 
@@ -256,8 +255,9 @@ class SapoNode:
         if verdict.action == "snapshot":
             await self._in_worker(self.persistence.save_restore_point, r)
         elif verdict.action == "restore":
+            self.restored_in_round = True
             try:
-                await self._in_worker(self.persistence.load_restore_point, verdict.lr_scale)
+                await self._in_worker(self.persistence.load_restore_point, verdict.lr_scale, verdict.restored_to)
             except CheckpointError as exc:  # a node keeps training rather than die on its own bad file
                 self.guard.restore_failed()
                 await self._in_worker(self.trainer.set_lr, self.cfg.lr * verdict.lr_scale)
@@ -287,9 +287,11 @@ class SapoNode:
         """Checkpoint the last completed round unless the disk has it, then release the swarm and the worker."""
         try:
             if self.mid_round_weights:
-                log.error("round %d failed after its update: not checkpointing those weights (resuming them would "
-                          "apply the round twice); --resume continues from the last checkpoint, round %d",
-                          self.next_round, self.persistence.saved_round)
+                saved = self.persistence.saved_round
+                log.error("round %d failed after its weights moved: not checkpointing them (resumed, they would "
+                          "count that round twice); --resume continues from %s", self.next_round,
+                          f"the checkpoint of round {saved}" if saved >= 0 else "round 0 (no checkpoint yet)")
+                await self._in_worker(self.persistence.save_reputation)
             elif self.next_round - 1 > self.persistence.saved_round:
                 await self._checkpoint()
             else:

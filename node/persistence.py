@@ -123,12 +123,15 @@ class Persistence:
         self.restore_points.save(r, self._weights(), self.trainer.optimizer.state_dict(), {"round": r},
                                  self.identity())
 
-    def load_restore_point(self, lr_scale: float) -> int:
+    def load_restore_point(self, lr_scale: float, expected_round: int) -> int:
         """Back to the restore point's weights and optimizer, at `lr_scale` x the configured learning rate;
-        returns the round it was taken after."""
+        returns the round it was taken after. One of another round than the guard's best (left by a timeline
+        the run went back from) is refused: CheckpointError, as for none."""
         ckpt = self.restore_points.load_latest(map_location=self.device)
         if ckpt is None:
             raise CheckpointError(f"no restore point in {self.restore_points.dir}")
+        if ckpt.round != expected_round:
+            raise CheckpointError(f"the restore point is of round {ckpt.round}, not of round {expected_round}")
         self.check_identity(ckpt.meta, f"restore point {ckpt.path}")
         self._load_weights(ckpt.model)
         self.trainer.optimizer.load_state_dict(ckpt.optimizer)

@@ -140,10 +140,13 @@ def node_learning_settings(args: argparse.Namespace, models: list[str]) -> tuple
     for flag, value in (("--tasks", args.tasks), ("--lora-rank", args.lora_rank), ("--lr", args.lr)):
         given += [flag, str(value)] if value is not None else []
     check_node_flags(given + list(args.node_arg), "--node-arg")
+    from node.build import check_fits_the_wire  # the torch-heavy part: not for --help
+
     resolved = {}
     for model in dict.fromkeys(models):
         try:
             cfg = load_config(["--model", model, *given, *args.node_arg], env=recipe_env())
+            check_fits_the_wire(cfg)  # every mode's peers publish: a swarm of silent peers would be no swarm
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
         resolved[model] = (cfg.recipe, cfg.tasks, cfg.lora_rank, cfg.lr)

@@ -67,6 +67,7 @@ class GuardState:
     lr_scale: float = 1.0
     restores: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)  # the restores: round, reason, restored_to
+    lost_restore_point: bool = False  # a restore failed: the next restore point must not be a collapse
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,10 @@ class CollapseGuard:
             return Verdict("keep", lr_scale=s.lr_scale)
         reason = self._worse_than_best(e, best) if best is not None else ""
         if not reason:  # a collapse is never a restore point, however its accuracy compares
+            if s.lost_restore_point and collapsed(e, self.cfg.margin):
+                return Verdict("keep", lr_scale=s.lr_scale)  # still the weights the failed restore left
             if best is None or e.accuracy > best.accuracy:
-                s.best = asdict(e)
+                s.best, s.lost_restore_point = asdict(e), False
                 return Verdict("snapshot", lr_scale=s.lr_scale)
             return Verdict("keep", lr_scale=s.lr_scale)
         s.lr_scale = max(s.lr_scale * self.cfg.lr_factor, self.cfg.min_lr_scale)
@@ -111,7 +114,7 @@ class CollapseGuard:
         to go back to; the next evaluation that is not a collapse becomes the restore point. The lower
         learning rate stays: it is the other half of the answer to a collapse."""
         self.state.restores -= 1
-        self.state.best = None
+        self.state.best, self.state.lost_restore_point = None, True
         if self.state.history:
             self.state.history[-1]["failed"] = True
 

@@ -69,6 +69,7 @@ class Trainer:
         cfg.validate()
         self.stop = stop
         self._stepped = False  # an optimizer step was taken in the current update: no abandoning now
+        self.steps_taken = 0  # optimizer steps since this trainer was made (counted as each one starts)
         self.model = model
         self.adapter = adapter
         self.pad_id = pad_id
@@ -169,6 +170,7 @@ class Trainer:
         self._safe_point()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
         self._stepped = True
+        self.steps_taken += 1
         self.optimizer.step()
         acc["grad_norm"] = float(grad_norm)
         return acc

@@ -103,7 +103,9 @@ class CheckpointStore:
     def _set_aside_newer_than(self, round_: int) -> None:
         """Checkpoints numbered after the one just written belong to a timeline this run has left (it resumed
         from an older one: its newest was corrupt, or a restore point outlived a crash). Kept, they would be
-        loaded in place of the present and the present pruned; they are moved to abandoned/, never deleted."""
+        loaded in place of the present and the present pruned. They are moved to abandoned/ (replacing an older
+        abandoned copy of the same round), not deleted: a newest checkpoint that failed to load only for a
+        passing reason (memory, I/O) can still be recovered from there by hand."""
         for path in self._complete_dirs():
             if int(path.name[len(PREFIX):]) <= round_:
                 break
@@ -180,7 +182,7 @@ def export_weights(src: Path, dest: Path) -> Path:
         shutil.copy2(src / name, tmp / name)
         _fsync_file(tmp / name)
         files[name] = manifest["files"][name]
-    origin = "/".join(src.resolve().parts[-3:])  # which run and round, without this machine's directories
+    origin = "/".join(src.resolve().parts[-4:])  # e.g. seed3/peer0/checkpoints/round-000099: not this machine's dirs
     (tmp / "MANIFEST.json").write_text(json.dumps({**manifest, "files": files, "exported_from": origin}))
     _fsync_file(tmp / "MANIFEST.json")
     shutil.rmtree(dest, ignore_errors=True)

@@ -260,8 +260,9 @@ def make_batch(identity: Identity, swarm: str, round_: int, model: str, groups: 
             left_out[exc.reason] += 1
             continue
         kept.append(wire_group)
-    left_out["too_many_groups"] += max(0, len(kept) - caps.max_groups)
-    del kept[caps.max_groups:]
+    if len(kept) > caps.max_groups:  # an adaptive I/J policy may sample more local groups than a batch holds
+        left_out["too_many_groups"] += len(kept) - caps.max_groups
+        del kept[caps.max_groups:]
     while True:
         batch = RolloutBatch(version=WIRE_VERSION, swarm=swarm, round=round_, publisher=identity.public_key_bytes,
                              created_at=time.time(), model=model, groups=kept)

@@ -91,7 +91,9 @@ def test_a_failed_restore_forgets_the_best_and_keeps_the_lower_rate():
     g.judge(ev(10, 0.11, distinct=0.05))  # restore (its restore point will turn out unreadable)
     g.restore_failed()
     assert g.state.restores == 0 and g.state.best is None and g.state.lr_scale == 0.5
-    assert g.state.history[-1]["failed"] and g.judge(ev(20, 0.30)).action == "snapshot"  # the new restore point
+    assert g.state.history[-1]["failed"]
+    assert g.judge(ev(20, 0.11, distinct=0.05)).action == "keep"  # still collapsed: not a restore point
+    assert g.judge(ev(30, 0.30)).action == "snapshot"  # the first evaluation that is not a collapse is
 
 
 async def test_a_node_whose_restore_point_is_gone_trains_on(tmp_path):
@@ -105,5 +107,20 @@ async def test_a_node_whose_restore_point_is_gone_trains_on(tmp_path):
         await node._guard(10, record)
         assert record["guard_action"] == "restore_failed" and "no restore point" in record["guard_reason"]
         assert node.trainer.lr == 1e-3 * 0.5 and node.guard.state.best is None
+    finally:
+        node.worker.shutdown()
+
+
+async def test_a_restore_point_of_another_round_is_not_loaded(tmp_path):
+    """A restore point left by a timeline the run went back from (kill -9 after it, resume from an older
+    checkpoint) is not the guard's best: loading it would put back weights the log does not name."""
+    node = tiny_memory_node(tmp_path, "--lr", "1e-3")
+    try:
+        node.persistence.save_restore_point(30)
+        node.guard.judge(ev(20, 0.40))  # the resumed run's best: round 20
+        record = {"eval_accuracy": 0.11, "eval_baseline": 0.12, "eval_distinct_answers": 0.05,
+                  "eval_distinct_gold": 0.35}
+        await node._guard(40, record)
+        assert record["guard_action"] == "restore_failed" and "not of round 20" in record["guard_reason"]
     finally:
         node.worker.shutdown()

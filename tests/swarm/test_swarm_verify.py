@@ -84,6 +84,9 @@ def test_a_node_never_signs_a_batch_its_peers_would_refuse(caplog):
     v, stats, _ = verifier()
     peer = Identity.generate()
     groups = honest_groups(n=3)
+    with caplog.at_level("WARNING", logger="sapo.swarm"):
+        make_batch(peer, "s", 2, "m", groups)
+    assert not caplog.text  # nothing left out, nothing said
     groups[1].responses[0] = "x" * (WireCaps().max_completion_chars + 1)
     with caplog.at_level("WARNING", logger="sapo.swarm"):
         data = make_batch(peer, "s", 3, "m", groups)
