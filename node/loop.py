@@ -143,7 +143,9 @@ class SapoNode:
 
     async def step(self) -> dict:
         """One round, then a checkpoint every --checkpoint-every rounds. An abandoned round leaves no trace:
-        the state it changed (task sampler, RNG streams) is put back before RoundAbandoned goes on."""
+        the state it changed (task sampler, RNG streams) is put back before RoundAbandoned goes on. A round
+        that fails on an error is put back the same way while its weights have not moved; once they have, no
+        round's state is in memory, and close() saves none."""
         at_start = self.persistence.capture(self.next_round)
         steps_before, self.restored_in_round = self.trainer.steps_taken, False
         try:
@@ -151,7 +153,7 @@ class SapoNode:
         except RoundAbandoned:  # rewound after the worker has let go of the round
             self.next_round = await self._in_worker(self.persistence.rewind, at_start)
             raise
-        except Exception:  # a bug, a failing disk, out of memory: checkpoint at close only a state a round ended in
+        except Exception:  # a bug, a failing disk, out of memory
             if self.trainer.steps_taken != steps_before or self.restored_in_round:
                 self.mid_round_weights = True  # the weights cannot be rewound
             else:
