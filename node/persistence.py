@@ -123,10 +123,10 @@ class Persistence:
         self.restore_points.save(r, self._weights(), self.trainer.optimizer.state_dict(), {"round": r},
                                  self.identity())
 
-    def load_restore_point(self, lr_scale: float, expected_round: int) -> int:
-        """Back to the restore point's weights and optimizer, at `lr_scale` x the configured learning rate;
-        returns the round it was taken after. One of another round than the guard's best (left by a timeline
-        the run went back from) is refused: CheckpointError, as for none."""
+    def load_restore_point(self, lr_scale: float, expected_round: int) -> None:
+        """Back to the restore point of `expected_round` (the guard's best): its weights and optimizer, at
+        `lr_scale` x the configured learning rate. One of another round (left by a timeline the run went back
+        from) is refused: CheckpointError, as for none."""
         ckpt = self.restore_points.load_latest(map_location=self.device)
         if ckpt is None:
             raise CheckpointError(f"no restore point in {self.restore_points.dir}")
@@ -136,7 +136,6 @@ class Persistence:
         self._load_weights(ckpt.model)
         self.trainer.optimizer.load_state_dict(ckpt.optimizer)
         self.trainer.set_lr(self.cfg.lr * lr_scale)
-        return ckpt.round
 
     def restore(self) -> int | None:
         """At start: the newest checkpoint with --resume, else the adapter of --lora-init. Returns the next

@@ -263,10 +263,11 @@ def fig_paired_seeds(summary: dict, path: Path) -> bool:
     for i, (key, title) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), i + 1)
         seeds = sorted({s for c in configs for s in (per[c].get(key) or {})}, key=lambda s: (len(s), s))
-        unpaired = any(per[c].get("agents_differ") for c in configs)  # means over other agents: no slopes
+        other_agents = any(per[c].get("agents_differ") for c in configs)  # means over other agents: no slopes
         for seed, color in zip(seeds, _colors(len(seeds))):
             ys = [(per[c].get(key) or {}).get(seed, math.nan) for c in configs]
-            ax.plot(range(len(configs)), ys, "o" if unpaired else "o-", color=color, alpha=0.8, label=f"seed {seed}")
+            ax.plot(range(len(configs)), ys, "o" if other_agents else "o-", color=color, alpha=0.8,
+                    label=f"seed {seed}")
         means = [np.nanmean(list((per[c].get(key) or {}).values()) or [math.nan]) for c in configs]
         ax.plot(range(len(configs)), means, "s-", color="black", lw=2.5, label="mean")
         if summary.get("eval_baseline") is not None and math.isfinite(summary["eval_baseline"]):
@@ -275,7 +276,7 @@ def fig_paired_seeds(summary: dict, path: Path) -> bool:
         ax.set_xticklabels(configs)
         ax.set_xlim(-0.3, len(configs) - 0.7)
         ax.set_xlabel("configuration (I/J)")
-        ax.set_title(title + ("\n(configurations of other agents: not paired)" if unpaired else ""))
+        ax.set_title(title + ("\n(configurations of other agents: not paired)" if other_agents else ""))
         ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()

@@ -68,8 +68,8 @@ class Trainer:
                  stop: StopRequest | None = None, adapter: Adapter | None = None):
         cfg.validate()
         self.stop = stop
-        self._stepped = False  # an optimizer step was taken in the current update: no abandoning now
         self.steps_taken = 0  # optimizer steps since this trainer was made (counted as each one starts)
+        self._update_began_at = 0  # steps_taken when the current update began
         self.model = model
         self.adapter = adapter
         self.pad_id = pad_id
@@ -81,6 +81,11 @@ class Trainer:
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if full_copy else None
         self.rng = random.Random(seed)
         self._shared: bool | None = None  # decided on first use (auto probes the model once)
+
+    @property
+    def _stepped(self) -> bool:
+        """An optimizer step was taken in the current update: no abandoning now."""
+        return self.steps_taken != self._update_began_at
 
     @property
     def shared_prefix(self) -> bool:
@@ -129,7 +134,7 @@ class Trainer:
         stats = StepStats(sequences=len(seqs))
         if not seqs:
             return stats
-        self._stepped = False
+        self._update_began_at = self.steps_taken
         watch = self.stop.watch(self.model, lambda: not self._stepped) if self.stop else contextlib.nullcontext()
         try:
             with watch:
@@ -169,7 +174,6 @@ class Trainer:
             acc = self._accumulate(minibatch, refs, acc, total_tokens)
         self._safe_point()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
-        self._stepped = True
         self.steps_taken += 1
         self.optimizer.step()
         acc["grad_norm"] = float(grad_norm)
