@@ -117,6 +117,9 @@ class PresenceSampler:
         while len(self.fetched) > MAX_KNOWN:
             del self.fetched[next(iter(self.fetched))]
 
+    def unmark_fetched(self, pub: bytes, round_: int) -> None:
+        self.fetched.pop((pub, round_), None)
+
     async def sample(
         self, get_many: GetMany, deadline: float, stats: FetchStats, policy: FetchPolicy,
     ) -> dict[bytes, int]:

@@ -243,6 +243,12 @@ class SwarmTransport:
         stats.seconds = loop.time() - started
         return out
 
+    def fetch_again(self, records: list[FetchedRecord]) -> None:
+        """Offer these batches again to later fetches (while they stay in the window): the reader could not
+        judge them this round (its verification budget ran out), so they were not really received."""
+        for rec in records:
+            self.sampler.unmark_fetched(rec.publisher, rec.round)
+
     def forget_fetched(self) -> None:
         """Fetch already-fetched batches again (benchmarks measure every sample as a fresh round)."""
         self.sampler.fetched.clear()

@@ -68,7 +68,8 @@ class NodeConfig:
     loss_type: str = opt("grpo", f"loss aggregation: {', '.join(LOSS_TYPES)}")
     eps_low: float = opt(0.2, "lower clip range")
     eps_high: float = opt(0.28, "upper clip range")
-    beta: float = opt(0.0, "KL weight against the initial model (0 = no reference model)")
+    beta: float = opt(0.0, "KL weight against the reference: the initial model, with LoRA the base without the "
+                                  "adapter (0 = no reference model)")
     scale_std: bool = opt(True, "divide advantages by the group's reward std (off = Dr. GRPO)")
     epochs: int = opt(1, "passes over the round's sequences")
     minibatches: int = opt(1, "optimizer steps per epoch")
@@ -107,7 +108,7 @@ class NodeConfig:
     announce_maddrs: list = opt([], "multiaddrs to announce (public IP)")
     client_mode: bool = opt(False, "DHT client mode (behind NAT: not dialable)")
     swarm_start: bool = opt(False, "start a new swarm with no --peers (first peer) instead of running in silo")
-    window: int = opt(2, "W: rounds behind a peer's newest batch still accepted from it")
+    window: int = opt(2, "W: a publisher's W newest rounds are accepted (round > its newest - W)")
     fetch_max: int = opt(16, "K: batches fetched per round at most; most go to publishers proven useful, "
                              ">= K/4 explore")
     pow_difficulty: int = opt(20, "swarm-wide proof-of-work bits on every peer key (all peers must agree)")

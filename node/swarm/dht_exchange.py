@@ -58,6 +58,7 @@ class DhtExchange(SignedExchange):
         records, totals = await asyncio.gather(
             fetch, self.transport.validator_rejections(self.transport.config.fetch_timeout_s))
         groups = await self._verify_off_loop([(r.publisher, r.data) for r in records])  # starts a new round
+        self.transport.fetch_again([records[i] for i in self.unjudged])  # over this round's budget: not lost
         for reason, n in totals.items():
             new = n - self._dht_rejections.get(reason, 0)
             if new > 0:

@@ -46,7 +46,7 @@ MAX_CONTENTS = 100_000  # group contents remembered (a window of rounds: ~100 ro
 @dataclass
 class VerifyConfig:
     swarm: str
-    window: int = 2  # rounds of a publisher's history we still accept, behind its newest batch
+    window: int = 2  # a publisher's W newest rounds are accepted: round > its newest - W
     max_age_s: float = 600.0  # batches older than this (sender clock) are stale
     max_clock_skew_s: float = 120.0
     caps: WireCaps = WireCaps()
@@ -292,6 +292,7 @@ class SignedExchange:
         self.model_name = model_name
         self.order_rng = random.Random(verify_cfg.seed)
         self.clock = time.monotonic  # the time budget's clock (tests replace it)
+        self.unjudged: list[int] = []  # indices of the last _verify_all's records left over its budget
 
     def identity_info(self) -> dict:
         return {"peer_id": self.identity.peer_name, "public_key": self.identity.public_key_hex, "maddrs": []}
@@ -300,8 +301,8 @@ class SignedExchange:
         """Verify within this round's budgets, in a fair order; groups come back in the records' order.
 
         The budget is checked before each record, so it is overrun by at most one record (whose size the
-        wire caps bound). Records left over are not judged: they count `over_budget` and get another chance
-        next round while they stay in the fetch window.
+        wire caps bound). Records left over are not judged: they count `over_budget`, their indices are left
+        in `unjudged`, and the exchange offers them again next round while they stay in the fetch window.
         """
         cfg, stats = self.verifier.cfg, self.stats
         order = list(range(len(records)))
@@ -309,6 +310,7 @@ class SignedExchange:
         order.sort(key=lambda i: self._rank(records[i][0]))  # stable: ties stay shuffled
         start = self.clock()
         by_record: dict[int, list[Group]] = {}
+        self.unjudged = []
         for i in order:
             hint, data = records[i]
             digest = self.verifier.pending(data, hint)
@@ -316,11 +318,13 @@ class SignedExchange:
                 continue
             if self.clock() - start >= cfg.budget_s or stats.round_verify_bytes >= cfg.budget_bytes:
                 stats.reject(hint.hex() if hint else UNKNOWN_PEER, "over_budget")
+                self.unjudged.append(i)
                 continue
             stats.round_verify_bytes += len(data)
             stats.round_verified += 1
             by_record[i] = self.verifier.judge(digest, data, hint=hint)
         stats.round_verify_s = self.clock() - start
+        self.unjudged.sort()
         return [g for i in sorted(by_record) for g in by_record[i]]
 
     def _rank(self, hint: bytes | None) -> tuple[int, float]:

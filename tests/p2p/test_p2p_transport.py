@@ -87,6 +87,8 @@ async def test_three_peers_publish_and_fetch(tmp_path):
         assert seen(await a.fetch()) == {(kb, 10)}
         assert c.known_peers() == {ka.hex(): 3, kb.hex(): 10}
         assert await c.fetch() == []  # nothing new: a batch is fetched once
+        c.fetch_again([r for r in got_c if r.publisher == kb])  # unless its reader could not judge it
+        assert seen(await c.fetch()) == {(kb, 10)}
         assert await a.publish(4, batch(a.identity, 4))
         assert seen(await c.fetch()) == {(ka, 4)}
         assert c.last_fetch.batches_requested == 1

@@ -2,6 +2,7 @@
 verifier's use of it (bans skip verification, only signed offences count, per-round budgets)."""
 
 import json
+from hashlib import sha256
 import logging
 import time
 
@@ -351,6 +352,8 @@ def test_byte_budget_holds_and_the_order_among_newcomers_is_a_seeded_shuffle():
         got = ex._verify_all(records)
         assert ex.stats.round_verified == 10 and ex.stats.round_verify_bytes < 11 * size
         assert ex.stats.round_rejected["over_budget"] == 50
+        judged = ex.verifier.judged
+        assert sorted(ex.unjudged) == [i for i, r in enumerate(records) if sha256(r[1]).hexdigest() not in judged]
         verified_sets.append({g.source for g in got})
         positions = [[r[0].hex() for r in records].index(g.source) for g in got]
         assert positions == sorted(positions), "groups come back in the order they were fetched"
@@ -385,3 +388,34 @@ def test_per_peer_counters_stay_bounded_under_a_flood_of_new_keys():
     assert stats.round_accepted == 3 * MAX_PEERS  # totals stay exact
     stats.accept(key(0).hex())
     assert stats.accepted[key(0).hex()] == 2  # an early peer keeps its own row
+
+
+class ListedTransport:
+    """What DhtExchange.collect needs of a transport: the fetch returns fixed records; fetch_again is recorded."""
+
+    def __init__(self, identity: Identity, records):
+        self.identity, self.records, self.offered_again = identity, records, []
+        self.config = type("Cfg", (), {"fetch_timeout_s": 1.0})()
+
+    async def fetch(self, max_bytes=None, policy=None):
+        return list(self.records)
+
+    async def validator_rejections(self, timeout):
+        return {}
+
+    def fetch_again(self, records):
+        self.offered_again.extend(records)
+
+
+async def test_batches_over_the_verify_budget_are_offered_again_over_the_dht_not_lost():
+    from node.swarm.dht_exchange import DhtExchange
+    from p2p.transport import FetchedRecord
+
+    peers = [Identity.generate() for _ in range(6)]
+    records = [FetchedRecord(p.public_key_bytes, 1, useless_batch(p)) for p in peers]
+    transport = ListedTransport(Identity.generate(), records)
+    ex = DhtExchange(transport, MIX, VerifyConfig(swarm="s", budget_bytes=2 * len(records[0].data) - 1,
+                                                  budget_s=1e9), "m")
+    await ex.collect(1)
+    assert ex.stats.round_verified == 2 and ex.stats.round_rejected["over_budget"] == 4
+    assert transport.offered_again == [r for r in records if sha256(r.data).hexdigest() not in ex.verifier.judged]
