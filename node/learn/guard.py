@@ -45,9 +45,20 @@ class EvalSummary:
         return cls(r, *(float(rec[k]) for k in keys))
 
 
+def collapse_signs(e: EvalSummary, margin: float = MARGIN) -> list[str]:
+    """Which of the documented signs of collapse (docs/RESULTS.md) `e` shows, in words; [] for none."""
+    signs = []
+    if e.accuracy <= e.baseline + margin:
+        signs.append(f"held-out accuracy {e.accuracy:.3f} is within {margin} of the constant answer ({e.baseline:.3f})")
+    if e.distinct < 0.5 * e.distinct_gold:
+        signs.append(f"distinct greedy answers {e.distinct:.3f} are under half the gold answers' "
+                     f"{e.distinct_gold:.3f}")
+    return signs
+
+
 def collapsed(e: EvalSummary, margin: float = MARGIN) -> bool:
-    """The documented definition of a collapsed policy (docs/RESULTS.md): guessing, or not varying its answers."""
-    return e.accuracy <= e.baseline + margin or e.distinct < 0.5 * e.distinct_gold
+    """The documented definition of a collapsed policy: guessing, or not varying its answers."""
+    return bool(collapse_signs(e, margin))
 
 
 @dataclass
@@ -120,11 +131,11 @@ class CollapseGuard:
 
     def _worse_than_best(self, e: EvalSummary, best: EvalSummary) -> str:
         """Why `e` is a collapse from `best` ("" when it is not one)."""
-        if not collapsed(e, self.cfg.margin):
+        signs = collapse_signs(e, self.cfg.margin)
+        if not signs:
             return ""
         if best.accuracy - e.accuracy >= self.cfg.drop:
-            return (f"held-out accuracy {e.accuracy:.3f} is within {self.cfg.margin} of the constant answer "
-                    f"({e.baseline:.3f}) and {best.accuracy - e.accuracy:.3f} below round {best.round}'s")
+            return f"{' and '.join(signs)}; accuracy {best.accuracy - e.accuracy:.3f} below round {best.round}'s"
         if e.accuracy < e.baseline and best.accuracy - e.accuracy >= self.cfg.margin:
             return (f"held-out accuracy {e.accuracy:.3f} is below the constant answer's ({e.baseline:.3f}) and "
                     f"{best.accuracy - e.accuracy:.3f} below round {best.round}'s")

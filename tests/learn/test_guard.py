@@ -27,6 +27,19 @@ def test_best_evaluation_is_the_restore_point_and_a_collapse_from_it_restores():
     assert g.state.restores == 2 and [h["restored_to"] for h in g.state.history] == [10, 10]
 
 
+def test_the_reason_names_the_sign_of_collapse_that_was_seen():
+    # 8b shares seed 0, a Gemma peer: 0.411 at round 10, then 0.242 (0.105 above the constant answer's 0.137)
+    # with its greedy answers down to 0.133 distinct against the gold answers' 0.344
+    g = CollapseGuard()
+    g.judge(ev(10, 0.411, distinct=0.578, baseline=0.137, gold=0.344))
+    v = g.judge(ev(20, 0.242, distinct=0.133, baseline=0.137, gold=0.344))
+    assert v.action == "restore" and "constant answer" not in v.reason
+    assert "distinct greedy answers 0.133" in v.reason and "0.169 below round 10's" in v.reason
+    v = CollapseGuard()
+    v.judge(ev(10, 0.40))
+    assert "within 0.05 of the constant answer" in v.judge(ev(20, 0.16)).reason
+
+
 def test_collapse_straight_from_the_base_model_is_caught_by_its_answers():
     g = CollapseGuard()
     g.judge(ev(0, 0.15, distinct=0.13))
