@@ -84,6 +84,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"sapo-bootstrap: --pow-difficulty must be in [0, {MAX_POW_DIFFICULTY}] (got {args.pow_difficulty})",
               file=sys.stderr)
         return 2
+    if args.status_port is not None and not 0 <= args.status_port <= 65535:  # bind() would raise OverflowError
+        print(f"sapo-bootstrap: --status-port must be a TCP port in [0, 65535] (got {args.status_port})",
+              file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         identity = Identity.load_or_create(args.identity_dir / KEY_FILENAME, create=True)

@@ -116,6 +116,20 @@ def configure_threads(cfg: NodeConfig) -> int:
     return threads
 
 
+def missing_device(requested: str) -> str | None:
+    """Why --device names a CUDA device this machine (or this torch build) lacks; None when it is here. Checked
+    up front: moving the model there would end the node in a traceback."""
+    import torch
+
+    if not requested.startswith("cuda"):
+        return None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if int(requested.partition(":")[2] or 0) < count:
+        return None
+    build = "" if torch.version.cuda else "; this torch build has no CUDA"
+    return f"--device {requested!r} is not available here ({count} CUDA device(s) visible{build})"
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # `kill -USR1 <pid>` prints every thread's stack on stderr: what a node that seems stuck is waiting on
@@ -155,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         return fail(f"cannot join the swarm: {exc}", 1)
 
+    missing = missing_device(cfg.device)
+    if missing:
+        return fail(missing)
     device = pick_device(cfg.device)
     log.info("loading model %s on %s (%d CPU threads)", cfg.model, device, threads)
     try:

@@ -345,7 +345,10 @@ def check_group_caps(group: WireGroup, caps: WireCaps) -> None:
     longest = max((len(c) for c in comps), default=0)
     if longest > caps.max_completion_chars:
         raise WireError("completion_too_long", f"{longest} > {caps.max_completion_chars} chars")
-    config_size = len(canonical_json(group.task.config))
+    try:
+        config_size = len(canonical_json(group.task.config))
+    except orjson.JSONEncodeError:  # nested deeper than orjson writes (255 levels; it reads 1024)
+        raise WireError("schema", "task.config nested too deeply") from None
     if config_size > caps.max_config_bytes:
         raise WireError("config_too_large", f"{config_size} > {caps.max_config_bytes} bytes")
 

@@ -278,6 +278,8 @@ def _convert(name: str, kind: Any, raw: Any) -> Any:
                 raise ValueError(raw)
             return int(raw)
         if kind in ("float", float):
+            if isinstance(raw, bool):  # TOML `lr = true` would be 1.0
+                raise ValueError(raw)
             return float(raw)
         return str(raw)
     except (TypeError, ValueError):

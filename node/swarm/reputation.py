@@ -280,7 +280,7 @@ def parse_table(raw: bytes) -> dict[str, Standing]:
     """The file's table, every value checked (it is ours, but disks and editors are not)."""
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ReputationFileError(f"not JSON: {exc}") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT or not isinstance(body.get("peers"), dict):
         raise ReputationFileError(f"not a {FORMAT} object")
@@ -291,7 +291,7 @@ def parse_table(raw: bytes) -> dict[str, Standing]:
         try:
             s = Standing(score=float(row["score"]), banned_until=float(row["banned_until"]),
                          strikes=int(row["strikes"]), last_seen=float(row["last_seen"]))
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # int(inf), float(10**400)
             raise ReputationFileError(f"bad values for {key[:16]}…") from None
         if not all(math.isfinite(x) for x in (s.score, s.banned_until, s.last_seen)) or not 0 <= s.strikes <= 64:
             raise ReputationFileError(f"values out of range for {key[:16]}…")

@@ -128,3 +128,11 @@ def test_model_that_cannot_load_gives_clear_error(tmp_path):
     result = run_node("--model", str(tmp_path / "missing.gguf"), "--rounds", "1", "--run-dir", str(tmp_path / "r"))
     assert result.returncode == 1
     assert "GGUF file not found" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_device_this_machine_lacks_is_one_clear_error(tmp_path):
+    """--device cuda:N beyond the GPUs here (or on a CPU-only torch) names the flag instead of a traceback."""
+    result = run_node("--model", "tiny-random", "--device", "cuda:99", "--rounds", "1",
+                      "--run-dir", str(tmp_path / "r"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--device" in result.stderr and "Traceback" not in result.stderr

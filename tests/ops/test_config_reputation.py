@@ -76,6 +76,16 @@ def test_an_unreadable_config_file_is_one_clear_error(tmp_path, content):
         load_config(["--config", str(path)], env={})
 
 
+@pytest.mark.parametrize("line, flag", [("lr = true", "--lr"), ("temperature = false", "--temperature"),
+                                        ("rounds = true", "--rounds")])
+def test_a_boolean_in_the_config_file_for_a_number_names_the_flag(tmp_path, line, flag):
+    """TOML `lr = true` is no learning rate: refused as it is for ints, never read as 1.0."""
+    path = tmp_path / "node.toml"
+    path.write_text(line + "\n")
+    with pytest.raises(ConfigError, match=f"^{flag}: invalid value"):
+        load_config(["--config", str(path)], env={})
+
+
 def test_group_shapes_every_receiver_refuses_are_refused_in_a_swarm_only():
     """Published, each batch would be an offence and the node banned by its swarm without an error of its own;
     a silo publishes nothing and may sample as many as it likes."""

@@ -128,3 +128,14 @@ async def test_bootstrap_lifecycle(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("status_port", ["70000", "-1"])
+def test_a_status_port_that_is_no_tcp_port_is_one_clear_error(tmp_path, status_port):
+    """Refused up front, exit 2, like --pow-difficulty: not an OverflowError traceback once the DHT is up."""
+    proc = launch(tmp_path, free_port(), tmp_path / "maddrs.txt", "--status-port", status_port)
+    code, out = proc.wait(timeout=60), proc.stdout.read()
+    proc.stdout.close()
+    assert code == 2, out[-2000:]
+    assert "--status-port" in out and "Traceback" not in out
+    assert not (tmp_path / "maddrs.txt").exists()  # nothing started

@@ -221,6 +221,16 @@ def test_json_nested_deeper_than_the_stdlib_parser_is_schema():
     assert reason_of(seal(b"[" * 1000 + b"]" * 1000, ME)) == "schema"
 
 
+@pytest.mark.parametrize("depth", [300, 900])  # readable by both parsers, deeper than orjson writes (255)
+def test_task_config_nested_deeper_than_the_encoder_writes_is_schema(depth):
+    """The config is re-encoded (its size cap, content digests): a nesting that cannot be is a WireError."""
+    payload = canonical_json(payload_of(encode_signed(make_batch(), ME)))
+    config = b'"config":{"max_terms":4,"min_terms":2}'
+    assert config in payload
+    deep = payload.replace(config, b'"config":{"k":' + b"[" * depth + b"]" * depth + b"}", 1)
+    assert reason_of(seal(deep, ME)) == "schema"
+
+
 def test_presence_numbers_and_size_are_bounded():
     rec = PresenceRecord(WIRE_VERSION, "test", ME.public_key_bytes, 3, time.time())
     obj = payload_of(encode_presence(rec, ME))

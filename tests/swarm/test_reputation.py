@@ -213,6 +213,28 @@ def test_corrupt_file_gives_one_warning_and_a_fresh_table(tmp_path, caplog, cont
     assert rep.save(path) and Reputation().load(path)  # and the next save writes a good file
 
 
+def _row(score="1", strikes="0") -> bytes:
+    return (b'{"format": "sapo-reputation/1", "peers": {"ab": {"score": ' + score.encode()
+            + b', "banned_until": 0, "strikes": ' + strikes.encode() + b', "last_seen": 0}}}')
+
+
+@pytest.mark.parametrize("content", [
+    _row(strikes="Infinity"),  # json reads it; int() of it is an OverflowError, not a ValueError
+    _row(strikes="1e999"),
+    _row(score="1" + "0" * 400),  # an int no float holds
+    b"[" * 100_000 + b"]" * 100_000,  # deeper than the json module recurses
+], ids=["strikes-Infinity", "strikes-1e999", "score-10^400", "deep"])
+def test_numbers_no_type_holds_and_deep_nesting_are_corrupt_not_a_crash(tmp_path, caplog, content):
+    """Reputation.load never raises on the file's content: these too are one warning and a fresh table."""
+    path = tmp_path / REPUTATION_FILE
+    path.write_bytes(content)
+    rep = Reputation()
+    with caplog.at_level(logging.WARNING, logger="sapo.swarm"):
+        assert not rep.load(path)
+    assert len(rep) == 0 and any("corrupt" in r.getMessage() for r in caplog.records)
+    assert (tmp_path / (REPUTATION_FILE + ".corrupt")).read_bytes() == content
+
+
 # ---------------------------------------------------------------- the verifier uses it
 
 
@@ -273,6 +295,22 @@ def test_signed_cap_violations_cost_the_signer():
     v.verify(make_batch(peer, "s", 1, "m", groups(n=2)), hint=None)  # no transport hint: the signer is read
     assert stats.rejected[peer.public_key_hex]["too_many_groups"] == 1
     assert v.reputation.score(peer.public_key_bytes) == -PENALTIES["too_many_groups"]
+
+
+def test_a_signed_config_nested_too_deep_to_re_encode_costs_the_signer():
+    """Not a decoder failure of ours ("malformed", nobody charged): signed content no honest node writes."""
+    from p2p.wire import HEADER_LEN, canonical_json, seal
+    import orjson
+
+    stats = ExchangeStats()
+    v = Verifier(Identity.generate().public_key_bytes, MIX, VerifyConfig(swarm="s"), stats)
+    peer = Identity.generate()
+    obj = orjson.loads(make_batch(peer, "s", 1, "m", groups())[HEADER_LEN:])
+    obj["groups"][0]["task"]["config"] = {"k": [[[[]]]]}
+    payload = canonical_json(obj).replace(b"[[[[]]]]", b"[" * 300 + b"]" * 300)
+    assert v.verify(seal(payload, peer), hint=peer.public_key_bytes) == []
+    assert stats.rejected[peer.public_key_hex] == {"schema": 1}
+    assert v.reputation.score(peer.public_key_bytes) == -PENALTIES["schema"]
 
 
 async def test_fetch_policy_skips_banned_publishers_and_counts_them_once_per_round():
