@@ -109,9 +109,10 @@ class MetricsWriter:
         """The newest whole record (on resume, after truncate_after: the last completed round's)."""
         lines = self.path.read_bytes().splitlines() if self.path.exists() else []
         try:
-            return orjson.loads(lines[-1]) if lines else None
+            rec = orjson.loads(lines[-1]) if lines else None
         except orjson.JSONDecodeError:
             return None
+        return rec if isinstance(rec, dict) else None
 
     def replace_last(self, record: dict[str, Any]) -> None:
         """The newest record, completed later (an evaluation a stop skipped); written atomically."""
@@ -130,9 +131,9 @@ class MetricsWriter:
         for line in self.path.read_bytes().splitlines():
             try:
                 rec = orjson.loads(line)
-                (keep if int(rec.get("round", -1)) <= last_round else orphaned).append(line)
+                (keep if isinstance(rec, dict) and int(rec.get("round", -1)) <= last_round else orphaned).append(line)
             except (orjson.JSONDecodeError, TypeError, ValueError):
-                orphaned.append(line)  # a line cut by a kill: keep it aside
+                orphaned.append(line)  # a line cut by a kill (or edited into no record): keep it aside
         if orphaned:
             with open(self.path.with_name("metrics.orphaned.jsonl"), "ab") as f:
                 f.write(b"\n".join(orphaned) + b"\n")
