@@ -247,6 +247,8 @@ def validate(cfg: NodeConfig) -> None:
         raise bad("identity_tier", "must be in [0, 3], with --pow-difficulty + 4 x tier at most 40")
     if cfg.status_port > 65535:
         raise bad("status_port", "must be a TCP port")
+    if cfg.threads > 4096:  # torch takes a C int; no machine this runs on has more cores
+        raise bad("threads", "must be at most 4096 (0 = all cores)")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
         raise bad("device", "must be auto, cpu or cuda[:N]")
     for peer in cfg.peers:
