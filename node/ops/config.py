@@ -148,6 +148,7 @@ POSITIVE = {"num_local", "generations", "rounds", "epochs", "minibatches", "micr
             "checkpoint_every", "keep_checkpoints", "window", "fetch_max"}
 NON_NEGATIVE = {"num_external", "max_new_tokens", "threads", "beta", "status_port", "seed", "eval_every",
                 "lora_rank", "eval_unseen_size"}
+MAX_EVAL_SIZE = 10_000  # held-out tasks per set: found before round 0, not after an hour of searching
 LORA_LR_SCALE = 10.0  # LoRA Without Regret (Thinking Machines, 2025): LoRA's best RL learning rate is ~10x
 
 
@@ -217,6 +218,9 @@ def validate(cfg: NodeConfig) -> None:
         raise bad("swarm", "must not be empty")
     if cfg.eval_every and cfg.eval_size < 1:
         raise bad("eval_size", "must be >= 1 when --eval-every is on")
+    for name in ("eval_size", "eval_unseen_size"):  # the reserved range holds 100 000 tasks a mix shares out
+        if getattr(cfg, name) > MAX_EVAL_SIZE:
+            raise bad(name, f"must be at most {MAX_EVAL_SIZE} (the held-out sets come from a fixed reserved range)")
     if cfg.lr <= 0:
         raise bad("lr", "must be > 0")
     if cfg.max_grad_norm <= 0:
