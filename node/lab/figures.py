@@ -9,6 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from node.lab.runs import Run
+from node.learn.packaged import model_label
 from node.lab.stats import align_series, eval_curve, moving_average, nanmean_rows
 from node.lab.tables import unpaired
 from node.lab.views import peer_model, restrict
@@ -309,7 +310,7 @@ def fig_families(runs: Sequence[Run], summary: dict, path: Path) -> None:
         mine = restrict(runs, lambda r, p: peer_model(r, p) == fam)
         for cfg, color in zip(summary["configs"], cols):
             plot_seed_band(ax, [r for r in mine if r.config == cfg], color, cfg)
-        _heldout_axes(ax, f"{fam}: band = min/max over seeds", summary)
+        _heldout_axes(ax, f"{model_label(fam)}: band = min/max over seeds", summary)
     for k in range(len(families), nr * nc):
         axes[k // nc][k % nc].set_visible(False)
     fig.tight_layout()

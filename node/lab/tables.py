@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from node.lab.runs import Run
+from node.learn.packaged import model_label
 from node.lab.stats import moving_average
 
 FIGURES = {
@@ -235,7 +236,7 @@ def families_section(summary: dict) -> list[str]:
     holm_rows = []
     for f in fam["families"]:
         per = fam["per_family"][f]
-        L.append(f"### {f} ({', '.join(map(str, fam['peers'][f]))} peer(s) per run)\n")
+        L.append(f"### {model_label(f)}: {', '.join(map(str, fam['peers'][f]))} peer(s) per run\n")
         L += view_tables(summary, per)
         for c in per:
             tests = [per[c].get(f"{key}_vs_base") for key in ("eval_final", "eval_area")]

@@ -57,6 +57,13 @@ PACKAGED: dict[str, PackagedModel] = {
 }
 
 
+def model_label(model: str) -> str:
+    """A --model name as reports show it: a packaged model's with the model it holds ("default" alone says
+    nothing to a reader), any other name as given."""
+    packaged = PACKAGED.get(model)
+    return f"{model} ({packaged.gguf.split('.')[0]})" if packaged else model
+
+
 def package_dir(module: str) -> Path | None:
     """The directory of an installed package, found without importing it."""
     spec = importlib.util.find_spec(module)

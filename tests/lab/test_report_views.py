@@ -80,7 +80,7 @@ def test_mixed_swarm_is_judged_per_family_with_holm(tmp_path, capsys):
         assert a[key]["p_holm"] == pytest.approx(2 * pa)
         assert b[key]["p_holm"] == pytest.approx(max(2 * pa, pb))
     md = (out / "report.md").read_text()
-    assert "## Per model family" in md and "### fam-a (2 peer(s) per run)" in md and "### fam-b" in md
+    assert "## Per model family" in md and "### fam-a: 2 peer(s) per run" in md and "### fam-b" in md
     assert md.index("## Per model family") < md.index("## Held-out accuracy")
     final = a["eval_final_vs_base"]
     assert f"| 2/2 | fam-a | {final['p_perm']:.3f} | {final['p_holm']:.3f} |" in md

