@@ -35,9 +35,9 @@ def test_the_reason_names_the_sign_of_collapse_that_was_seen():
     v = g.judge(ev(20, 0.242, distinct=0.133, baseline=0.137, gold=0.344))
     assert v.action == "restore" and "constant answer" not in v.reason
     assert "distinct greedy answers 0.133" in v.reason and "0.169 below round 10's" in v.reason
-    v = CollapseGuard()
-    v.judge(ev(10, 0.40))
-    assert "within 0.05 of the constant answer" in v.judge(ev(20, 0.16)).reason
+    g = CollapseGuard()
+    g.judge(ev(10, 0.40))
+    assert "within 0.05 of the constant answer" in g.judge(ev(20, 0.16)).reason
 
 
 def test_collapse_straight_from_the_base_model_is_caught_by_its_answers():

@@ -31,9 +31,9 @@ def test_flags_and_env_reach_the_verifier():
     (["--identity-tier", "4"], "--identity-tier"),
     (["--identity-tier", "-1"], "--identity-tier"),
     (["--pow-difficulty", "36", "--identity-tier", "2"], "--identity-tier"),  # 44 bits: past the 40 cap
-    (["--threads", str(2**31)], "--threads"),
+    (["--threads", str(2**31)], "--threads"),  # torch's C int would end the node in a traceback
     (["--eval-size", "200000"], "--eval-size"),  # more than the reserved range could give: refused up front
-    (["--eval-unseen-size", "20000"], "--eval-unseen-size"),  # torch's C int would end the node in a traceback
+    (["--eval-unseen-size", "20000"], "--eval-unseen-size"),
 ])
 def test_bad_values_name_the_flag(args, flag):
     with pytest.raises(ConfigError, match=f"^{flag} "):
