@@ -9,10 +9,10 @@ from typing import Sequence
 import numpy as np
 
 from node.lab.runs import Run
-from node.learn.packaged import model_label
 from node.lab.stats import align_series, eval_curve, moving_average, nanmean_rows
 from node.lab.tables import unpaired
 from node.lab.views import peer_model, restrict
+from node.learn.packaged import model_label
 
 
 def _figure(w: float, h: float):

@@ -9,8 +9,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from node.lab.runs import Run
-from node.learn.packaged import model_label
 from node.lab.stats import moving_average
+from node.learn.packaged import model_label
 
 FIGURES = {
     "per_agent": "per_agent_rewards.png",
