@@ -123,7 +123,7 @@ def missing_device(requested: str) -> str | None:
 
     if not requested.startswith("cuda"):
         return None
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = torch.cuda.device_count()  # 0 without a GPU or a CUDA build
     if int(requested.partition(":")[2] or 0) < count:
         return None
     build = "" if torch.version.cuda else "; this torch build has no CUDA"
