@@ -15,6 +15,8 @@
 #                 cpu:    the CPU recipe (--recipe cpu: cpu-learn, LoRA r8 at lr 2e-4), the default there
 #                 memory: the CPU recipe's 5 peers in one process on one shared base (`sapo-experiment
 #                         --mode memory`, as the experiments of docs/RESULTS.md run), I/J 2/2, seed 0
+#                 suite:  the test suite (pytest, GPU_SUITE_WORKERS workers, default 8) with CUDA visible, so
+#                         every test that takes the device `auto` runs on the GPU; its log is OUT_DIR/suite.log
 #                 All under bf16 autocast (--mixed-precision auto on a GPU with bf16).
 #   GPU_ROUNDS    rounds per swarm (30; memory: GPU_MEMORY_ROUNDS, 10, as its peers take turns); a swarm still
 #                 running at its time limit is stopped by SIGTERM (each peer checkpoints its last completed
@@ -68,6 +70,16 @@ for spec in ${GPU_SWARMS:-paper=150 cpu=200}; do
     paper) extra=(--recipe none) ;;
     cpu) extra=(--recipe cpu) ;;
     memory) rounds=${GPU_MEMORY_ROUNDS:-10} ;;
+    suite)
+      echo "== test suite, at most $secs s ($(date +%T))"
+      echo "suite start $(date +%s)" >>"$OUT/phases.txt"
+      SAPO_ENGINE=torch TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false timeout -s INT "$secs" \
+        python -m pytest -q -rs -p no:cacheprovider -n "${GPU_SUITE_WORKERS:-8}" --dist worksteal \
+        --durations=25 --junitxml="$OUT/suite.xml" >"$OUT/suite.log" 2>&1
+      rc=$?
+      echo "suite end $(date +%s) rc $rc" >>"$OUT/phases.txt"
+      tail -n 30 "$OUT/suite.log"
+      continue ;;
     *) echo "unknown swarm $name" >&2; continue ;;
   esac
   ROOTS+=("$root")
