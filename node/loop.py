@@ -33,7 +33,7 @@ import torch
 from node.learn import precision
 from node.learn.engines import RolloutEngine
 from node.learn.evaluate import HeldOutEval
-from node.learn.guard import CollapseGuard, EvalSummary
+from node.learn.guard import START_ROUND, CollapseGuard, EvalSummary, round_name
 from node.learn.groups import Group, Prompter, Selection, local_group, select_groups, to_sequences
 from node.learn.lora import Adapter
 from node.learn.policy import SamplingConfig
@@ -98,6 +98,7 @@ class SapoNode:
         self.publisher = ""  # this node's public key, once the exchange has started
         self.restored_in_round = False  # the collapse guard loaded other weights in the round in progress
         self.mid_round_weights = False  # a round failed after its weights moved: memory is no round's state
+        self.start_eval: dict = {}  # the starting weights' evaluation (start_* keys), for round 0's record
 
     @property
     def stop_requested(self) -> bool:
@@ -138,6 +139,8 @@ class SapoNode:
         if restored is not None:
             self.next_round, self.engine_stale = restored, True
             await self._evaluate_skipped_round()
+        if self.next_round == 0 and self.guard.cfg.enabled and self.held_out.due(0):
+            await self._evaluate_start()
         # after resume's truncation: the curves hold each round of metrics.jsonl once, new rounds follow
         await self._in_worker(self.tensorboard.rebuild, self.metrics.path)
 
@@ -199,6 +202,8 @@ class SapoNode:
                               target=(num_local, num_external), stats=stats, tokens=tokens,
                               exchange=self.exchange.stats, peak_mem_mb=peak_memory_mb(self.device),
                               ij_policy=self.cfg.ij_policy, model=self.cfg.model, publisher=self.publisher)
+        if r == 0:
+            record.update(self.start_eval)
         if self.held_out.due(r) and not self.stop_requested:
             await self._evaluate(r, timer, record)
             await self._guard(r, record)
@@ -225,6 +230,21 @@ class SapoNode:
         record.update(result.to_record(), t_end=time.time(), round_s=round(time.time() - timer.t0, 4))
         record["phase_s"]["eval"] = round(timer.seconds["eval"], 4)
         log.info("%s", result.log_line(r))
+
+    async def _evaluate_start(self) -> None:
+        """The starting weights' held-out evaluation, before round 0's update: the collapse guard's first
+        restore point (node/learn/guard.py says why), and the run's true before-training figures, which go
+        into round 0's record as start_accuracy, start_unseen_accuracy, ... A stop skips it."""
+        try:
+            result = await self._in_worker(self.held_out.run, self.model, self.tokenizer, self.prompter,
+                                           self.sampling.max_new_tokens, self.stop)
+        except RoundAbandoned:
+            return
+        log.info("%s", result.log_line(None))
+        self.start_eval = {**result.fields("start"), "start_s": round(result.seconds, 4)}
+        if result.unseen is not None:
+            self.start_eval.update(result.unseen.fields("start_unseen"))
+        await self._guard(START_ROUND, result.to_record())
 
     async def _evaluate_skipped_round(self) -> None:
         """A stop after a round's update keeps the round but skips its due evaluation. The checkpoint holds
@@ -270,8 +290,8 @@ class SapoNode:
             self.engine_stale = True
             record.update(guard_reason=verdict.reason, guard_restored_to=verdict.restored_to)
             self.live.last_guard = {"round": r, "reason": verdict.reason, "restored_to": verdict.restored_to}
-            log.warning("collapse guard: %s; restored the weights of round %d, learning rate now %.3g",
-                        verdict.reason, verdict.restored_to, self.trainer.lr)
+            log.warning("collapse guard: %s; restored the weights of %s, learning rate now %.3g",
+                        verdict.reason, round_name(verdict.restored_to), self.trainer.lr)
 
     def _keep(self, record: dict, selection: Selection) -> None:
         """The finished round into the I/J policy, metrics.jsonl, TensorBoard, the live history and node.log."""

@@ -72,8 +72,10 @@ class EvalResult:
             out[f"{prefix}_datasets"] = list(self.datasets)
         return out
 
-    def log_line(self, r: int) -> str:
-        line = (f"held-out accuracy {self.accuracy:.3f} after round {r} ({self.size} tasks, greedy, "
+    def log_line(self, r: int | None) -> str:
+        """One line for node.log; `r` None for the starting weights, evaluated before round 0."""
+        when = f"after round {r}" if r is not None else "before training"
+        line = (f"held-out accuracy {self.accuracy:.3f} {when} ({self.size} tasks, greedy, "
                 f"{self.seconds:.1f}s; one constant answer per dataset scores {self.baseline or 0.0:.3f})")
         if self.unseen is not None:
             line += (f"; unseen accuracy {self.unseen.accuracy:.3f} ({self.unseen.size} tasks whose content "

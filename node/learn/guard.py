@@ -15,7 +15,10 @@ distinct answers down to under half of the best's). The best evaluation is the
 restore point: the node snapshots its weights there, and on a collapse it puts them back and multiplies
 its learning rate by `lr_factor`. The guard only decides; the node does the saving and restoring.
 
-It decides at held-out evaluations (every --eval-every rounds); with evaluation off it never acts.
+It decides at held-out evaluations (every --eval-every rounds); with evaluation off it never acts. Its
+first is of the starting weights, before round 0's update (START_ROUND): an update at a rate far too high
+can collapse the policy at once, and a first reference taken after it would be a collapse with nothing
+better to go back to.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 MARGIN = 0.05  # accuracy within this of the constant-answer baseline is guessing, not answering
+START_ROUND = -1  # the evaluation of the starting weights, before round 0's update: "after round -1"
+
+
+def round_name(r: int) -> str:
+    return "the start" if r == START_ROUND else f"round {r}"
 
 
 @dataclass(frozen=True)
@@ -37,9 +45,10 @@ class EvalSummary:
     distinct_gold: float  # the same share for the gold answers
 
     @classmethod
-    def from_record(cls, r: int, rec: dict[str, Any]) -> "EvalSummary | None":
-        """From a metrics record; None when the round ran no evaluation (or an old one without the fields)."""
-        keys = ("eval_accuracy", "eval_baseline", "eval_distinct_answers", "eval_distinct_gold")
+    def from_record(cls, r: int, rec: dict[str, Any], prefix: str = "eval") -> "EvalSummary | None":
+        """From a metrics record; None when the round ran no evaluation (or an old one without the fields).
+        prefix "start": round 0's record's evaluation of the starting weights (r = START_ROUND)."""
+        keys = tuple(f"{prefix}_{k}" for k in ("accuracy", "baseline", "distinct_answers", "distinct_gold"))
         if any(rec.get(k) is None for k in keys):
             return None
         return cls(r, *(float(rec[k]) for k in keys))
@@ -135,13 +144,13 @@ class CollapseGuard:
         if not signs:
             return ""
         if best.accuracy - e.accuracy >= self.cfg.drop:
-            return f"{' and '.join(signs)}; accuracy {best.accuracy - e.accuracy:.3f} below round {best.round}'s"
+            return f"{' and '.join(signs)}; accuracy {best.accuracy - e.accuracy:.3f} below {round_name(best.round)}'s"
         if e.accuracy < e.baseline and best.accuracy - e.accuracy >= self.cfg.margin:
             return (f"held-out accuracy {e.accuracy:.3f} is below the constant answer's ({e.baseline:.3f}) and "
-                    f"{best.accuracy - e.accuracy:.3f} below round {best.round}'s")
+                    f"{best.accuracy - e.accuracy:.3f} below {round_name(best.round)}'s")
         if e.distinct < 0.5 * best.distinct:
-            return (f"distinct greedy answers fell to {e.distinct:.3f} from {best.distinct:.3f} at round "
-                    f"{best.round} (gold answers: {e.distinct_gold:.3f})")
+            return (f"distinct greedy answers fell to {e.distinct:.3f} from {best.distinct:.3f} at "
+                    f"{round_name(best.round)} (gold answers: {e.distinct_gold:.3f})")
         return ""
 
     def state_dict(self) -> dict[str, Any]:

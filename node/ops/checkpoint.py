@@ -20,9 +20,22 @@ from typing import Any
 
 import torch
 
+from node.learn.guard import START_ROUND
+
 log = logging.getLogger(__name__)
 
 PREFIX = "round-"
+START_NAME = "start"  # round-start: the weights before round 0 (START_ROUND), the collapse guard's first restore point
+
+
+def dir_name(round_: int) -> str:
+    return f"{PREFIX}{START_NAME}" if round_ == START_ROUND else f"{PREFIX}{round_:06d}"
+
+
+def round_of(path: Path) -> int | None:
+    """The round a checkpoint directory's name says; None for a name that is no checkpoint's."""
+    suffix = path.name[len(PREFIX):] if path.name.startswith(PREFIX) else ""
+    return START_ROUND if suffix == START_NAME else int(suffix) if suffix.isdigit() else None
 
 
 class CheckpointError(RuntimeError):
@@ -74,8 +87,8 @@ class CheckpointStore:
     def save(self, round_: int, weights: dict[str, Any], optimizer: dict[str, Any], state: dict[str, Any],
              meta: dict[str, Any] | None = None) -> Path:
         """`weights` and `optimizer` are state dicts (the whole model's, or only a LoRA adapter's)."""
-        final = self.dir / f"{PREFIX}{round_:06d}"
-        tmp = self.dir / f".tmp-{PREFIX}{round_:06d}-{os.getpid()}"
+        final = self.dir / dir_name(round_)
+        tmp = self.dir / f".tmp-{dir_name(round_)}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         torch.save(weights, tmp / "model.pt")
@@ -107,18 +120,18 @@ class CheckpointStore:
         abandoned copy of the same round), not deleted: a newest checkpoint that failed to load only for a
         passing reason (memory, I/O) can still be recovered from there by hand."""
         for path in self._complete_dirs():
-            if int(path.name[len(PREFIX):]) <= round_:
+            if round_of(path) <= round_:
                 break
             dest = self.dir / ABANDONED_DIR / path.name
             dest.parent.mkdir(exist_ok=True)
             shutil.rmtree(dest, ignore_errors=True)
             path.rename(dest)
-            log.warning("%s is newer than the %s%06d just saved: moved to %s (this run went back past it)",
-                        path.name, PREFIX, round_, dest)
+            log.warning("%s is newer than the %s just saved: moved to %s (this run went back past it)",
+                        path.name, dir_name(round_), dest)
 
     def _complete_dirs(self) -> list[Path]:
-        dirs = [p for p in self.dir.glob(f"{PREFIX}*") if p.is_dir() and p.name[len(PREFIX):].isdigit()]
-        return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+        dirs = [p for p in self.dir.glob(f"{PREFIX}*") if p.is_dir() and round_of(p) is not None]
+        return sorted(dirs, key=round_of, reverse=True)
 
     def _prune(self) -> None:
         for stale in self._complete_dirs()[self.keep:]:

@@ -25,7 +25,8 @@ def test_a_cpu_learn_run_records_its_unseen_evaluation(tmp_path, capsys):
         assert 0 <= r["eval_unseen_accuracy"] <= 1 and 0 < r["eval_unseen_baseline"] < 1
         assert {"eval_unseen_accuracy/basic_arithmetic", "eval_unseen_accuracy/chain_sum"} <= set(r)
         assert r["eval_unseen_datasets"] == [t.spec.dataset for t in unseen] and len(r["eval_unseen_scores"]) == 6
-    assert (run_dir / "node.log").read_text().count("unseen accuracy") == 2
+    assert rows[0]["start_unseen_size"] == 6 and 0 <= rows[0]["start_unseen_accuracy"] <= 1  # before training
+    assert (run_dir / "node.log").read_text().count("unseen accuracy") == 3  # the starting weights', rounds 0, 1
     tags = read_scalars(run_dir / "tb")
     assert [step for step, _ in tags["eval/unseen_accuracy"]] == [0, 1]
     assert progress_main([str(run_dir), "--once"]) == 0

@@ -1,7 +1,9 @@
 """The collapse guard's decisions (node/learn/guard.py) on hand-made evaluations."""
 
+import torch
+
 from conftest import tiny_memory_node
-from node.learn.guard import CollapseGuard, EvalSummary, GuardConfig, collapsed
+from node.learn.guard import START_ROUND, CollapseGuard, EvalSummary, GuardConfig, collapsed
 
 
 def ev(r, acc, distinct=0.4, baseline=0.12, gold=0.35):
@@ -135,5 +137,35 @@ async def test_a_restore_point_of_another_round_is_not_loaded(tmp_path):
                   "eval_distinct_gold": 0.35}
         await node._guard(40, record)
         assert record["guard_action"] == "restore_failed" and "not of round 20" in record["guard_reason"]
+    finally:
+        node.worker.shutdown()
+
+
+def test_a_collapse_in_round_0s_own_update_goes_back_to_the_start():
+    """The starting weights' evaluation (START_ROUND) is the first restore point, collapsed by the definition
+    or not (a base model can be); a round 0 that fell from it is restored to it."""
+    g = CollapseGuard()
+    assert g.judge(ev(START_ROUND, 0.06, distinct=0.56, baseline=0.25, gold=0.6)).action == "snapshot"
+    v = g.judge(ev(0, 0.0, distinct=0.125, baseline=0.25, gold=0.6))  # the H100's round 0 at lr 5e-2
+    assert (v.action, v.restored_to) == ("restore", START_ROUND) and "below the start's" in v.reason
+
+
+async def test_the_node_evaluates_its_starting_weights_and_can_go_back_to_them(tmp_path):
+    node = tiny_memory_node(tmp_path, "--lr", "1e-3", "--eval-every", "1", "--eval-size", "4")
+    try:
+        await node._evaluate_start()
+        assert node.guard.best.round == START_ROUND and (tmp_path / "restore-point" / "round-start").is_dir()
+        assert {"start_accuracy", "start_baseline", "start_scores", "start_s"} <= set(node.start_eval)
+        start = {k: v.clone() for k, v in node.model.state_dict().items()}
+        node.guard.state.best["accuracy"] = 0.40  # as if the start had answered well
+        with torch.no_grad():
+            for p in node.model.parameters():
+                if p.requires_grad:  # the adapter (or the whole model without LoRA)
+                    p.add_(0.5)  # round 0's update, a ruinous one
+        record = {"eval_accuracy": 0.0, "eval_baseline": 0.12, "eval_distinct_answers": 0.05,
+                  "eval_distinct_gold": 0.35}
+        await node._guard(0, record)
+        assert record["guard_action"] == "restore" and record["guard_restored_to"] == START_ROUND
+        assert [k for k, v in node.model.state_dict().items() if not torch.equal(v, start[k])] == []
     finally:
         node.worker.shutdown()
