@@ -52,6 +52,7 @@ from node.swarm.exchange import Exchange
 from node.swarm.ij_policy import IJPolicy
 
 log = logging.getLogger("sapo.node")
+QUIET_ROUNDS = 5  # rounds in a row without an update after which the node says it is learning nothing
 
 
 @dataclass
@@ -99,6 +100,7 @@ class SapoNode:
         self.restored_in_round = False  # the collapse guard loaded other weights in the round in progress
         self.mid_round_weights = False  # a round failed after its weights moved: memory is no round's state
         self.start_eval: dict = {}  # the starting weights' evaluation (start_* keys), for round 0's record
+        self.rounds_without_update = 0  # in a row, this run (a warning at QUIET_ROUNDS)
 
     @property
     def stop_requested(self) -> bool:
@@ -195,6 +197,7 @@ class SapoNode:
         with timer("train"):
             stats = await self._in_worker(self.train, selection.local + selection.external)
         self.engine_stale = self.engine_stale or stats.optimizer_steps > 0
+        self._watch_updates(r, stats.optimizer_steps)
 
         tokens = tokens_generated(sampled)
         self.totals.add(selection, tokens)
@@ -210,6 +213,16 @@ class SapoNode:
         record.update(lr=self.trainer.lr, guard_restores=self.guard.state.restores)
         self._keep(record, selection)
         return RoundResult(r, record)
+
+    def _watch_updates(self, r: int, steps: int) -> None:
+        """A node can run round after round without an update (every group on offer scored alike) and look busy
+        while learning nothing: it says so once per such stretch, with the usual causes."""
+        self.rounds_without_update = 0 if steps else self.rounds_without_update + 1
+        if self.rounds_without_update == QUIET_ROUNDS:
+            log.warning("no update in rounds %d-%d: in every group on offer the completions scored alike (all "
+                        "wrong, or all right), so there was no advantage to learn from. The tasks may be beyond "
+                        "this model or too easy for it (--tasks), or the policy has collapsed (the collapse guard "
+                        "acts at held-out evaluations)", r - QUIET_ROUNDS + 1, r)
 
     def train(self, groups: list[Group]) -> StepStats:
         seqs = to_sequences(groups, self.tokenizer, self.prompter, self.cfg.scale_std)
