@@ -208,8 +208,10 @@ async def _serve(node, cfg: NodeConfig, signals: StopSignals) -> None:
     try:
         done = await node.run()
         if node.stop_requested:
-            log.info("stopped after a request (%s): %d rounds this run; last completed round %d is checkpointed; "
-                     "resume with --resume", node.stop.reason, done, node.next_round - 1)
+            last = (f"last completed round {node.next_round - 1} is checkpointed" if node.next_round > 0
+                    else "no round completed yet")
+            log.info("stopped after a request (%s): %d rounds this run; %s; resume with --resume",
+                     node.stop.reason, done, last)
         else:
             log.info("finished: %d rounds this run, next round %d", done, node.next_round)
     finally:

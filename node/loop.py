@@ -33,7 +33,7 @@ import torch
 from node.learn import precision
 from node.learn.engines import RolloutEngine
 from node.learn.evaluate import HeldOutEval
-from node.learn.guard import START_ROUND, CollapseGuard, EvalSummary, round_name
+from node.learn.guard import START_ROUND, CollapseGuard, EvalSummary, weights_name
 from node.learn.groups import Group, Prompter, Selection, local_group, select_groups, to_sequences
 from node.learn.lora import Adapter
 from node.learn.policy import SamplingConfig
@@ -99,6 +99,7 @@ class SapoNode:
         self.publisher = ""  # this node's public key, once the exchange has started
         self.restored_in_round = False  # the collapse guard loaded other weights in the round in progress
         self.mid_round_weights = False  # a round failed after its weights moved: memory is no round's state
+        self.start_due = False  # open() sets it: step() evaluates the starting weights before round 0
         self.start_eval: dict = {}  # the starting weights' evaluation (start_* keys), for round 0's record
         self.rounds_without_update = 0  # in a row, this run (a warning at QUIET_ROUNDS)
 
@@ -141,8 +142,8 @@ class SapoNode:
         if restored is not None:
             self.next_round, self.engine_stale = restored, True
             await self._evaluate_skipped_round()
-        if self.next_round == 0 and self.guard.cfg.enabled and self.held_out.due(0):
-            await self._evaluate_start()
+        # the starting weights' evaluation, the collapse guard's first reference: before round 0 of a fresh start
+        self.start_due = self.next_round == 0 and self.guard.cfg.enabled and self.held_out.due(0)
         # after resume's truncation: the curves hold each round of metrics.jsonl once, new rounds follow
         await self._in_worker(self.tensorboard.rebuild, self.metrics.path)
 
@@ -151,6 +152,9 @@ class SapoNode:
         the state it changed (task sampler, RNG streams) is put back before RoundAbandoned goes on. A round
         that fails on an error is put back the same way while its weights have not moved; once they have, no
         round's state is in memory, and close() saves none."""
+        if self.start_due:  # nothing has changed yet: an error here needs no rewind
+            self.start_due = False
+            await self._evaluate_start()
         at_start = self.persistence.capture(self.next_round)
         steps_before, self.restored_in_round = self.trainer.steps_taken, False
         try:
@@ -248,10 +252,12 @@ class SapoNode:
         """The starting weights' held-out evaluation, before round 0's update: the collapse guard's first
         restore point (node/learn/guard.py says why), and the run's true before-training figures, which go
         into round 0's record as start_accuracy, start_unseen_accuracy, ... A stop skips it."""
+        self.live.phase = "eval"
         try:
             result = await self._in_worker(self.held_out.run, self.model, self.tokenizer, self.prompter,
                                            self.sampling.max_new_tokens, self.stop)
         except RoundAbandoned:
+            log.info("held-out evaluation of the starting weights skipped: stop requested")
             return
         log.info("%s", result.log_line(None))
         self.start_eval = {**result.fields("start"), "start_s": round(result.seconds, 4)}
@@ -303,8 +309,8 @@ class SapoNode:
             self.engine_stale = True
             record.update(guard_reason=verdict.reason, guard_restored_to=verdict.restored_to)
             self.live.last_guard = {"round": r, "reason": verdict.reason, "restored_to": verdict.restored_to}
-            log.warning("collapse guard: %s; restored the weights of %s, learning rate now %.3g",
-                        verdict.reason, round_name(verdict.restored_to), self.trainer.lr)
+            log.warning("collapse guard: %s; restored %s, learning rate now %.3g", verdict.reason,
+                        weights_name(verdict.restored_to), self.trainer.lr)
 
     def _keep(self, record: dict, selection: Selection) -> None:
         """The finished round into the I/J policy, metrics.jsonl, TensorBoard, the live history and node.log."""

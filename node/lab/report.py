@@ -49,7 +49,8 @@ Definitions (also written into the report):
   evaluated round; per seed the final value and the area under that curve divided by its round span
   (trapezoids); compared with the baseline like the cumulative reward (bootstrap CI, sign test). A node
   evaluates round t's weights after round t's update: round 0 is the starting weights only where round 0
-  made no optimizer step (no group with signal).
+  made no optimizer step (no group with signal); runs since the guard's start evaluation also carry the
+  starting weights' figures in round 0's line (start_accuracy, ...).
   When present it is the report's first comparison; training reward stays as the second view.
   Its paired difference (also of the focus peer and of each family): the mean of the per-seed differences
   with the baseline, its 95% bootstrap CI (10 000 resamples of the differences, default_rng(0), whatever

@@ -74,7 +74,7 @@ class EvalResult:
 
     def log_line(self, r: int | None) -> str:
         """One line for node.log; `r` None for the starting weights, evaluated before round 0."""
-        when = f"after round {r}" if r is not None else "before training"
+        when = f"after round {r}" if r is not None else "of the starting weights, before round 0"
         line = (f"held-out accuracy {self.accuracy:.3f} {when} ({self.size} tasks, greedy, "
                 f"{self.seconds:.1f}s; one constant answer per dataset scores {self.baseline or 0.0:.3f})")
         if self.unseen is not None:

@@ -34,6 +34,10 @@ def round_name(r: int) -> str:
     return "the start" if r == START_ROUND else f"round {r}"
 
 
+def weights_name(r: int) -> str:
+    return "the starting weights" if r == START_ROUND else f"the weights of round {r}"
+
+
 @dataclass(frozen=True)
 class EvalSummary:
     """The part of a held-out evaluation the guard reads (node/learn/evaluate.py `EvalResult`)."""

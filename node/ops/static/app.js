@@ -233,7 +233,8 @@
     var lastGuard = guard.last || null;
     var guardCard = $("v-guard");
     if (guardCard) guardCard.title = lastGuard ? "round " + lastGuard.round + ": " + lastGuard.reason +
-      " (restored round " + lastGuard.restored_to + ")" : "no restore yet";
+      " (restored " + (lastGuard.restored_to === -1 ? "the starting weights" : "round " + lastGuard.restored_to) +
+      ")" : "no restore yet";
     setText("v-health", fmt(s.entropy, 2) + " / " + (isNum(s.signal_frac) ? (100 * s.signal_frac).toFixed(0) + "%" : "–"));
   }
 
