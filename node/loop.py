@@ -301,7 +301,7 @@ class SapoNode:
                 await self._in_worker(self.persistence.load_restore_point, verdict.lr_scale, verdict.restored_to)
             except CheckpointError as exc:  # a node keeps training rather than die on its own bad file
                 self.guard.restore_failed()
-                await self._in_worker(self.trainer.set_lr, self.cfg.lr * verdict.lr_scale)
+                await self._in_worker(self.persistence.set_lr_scale, verdict.lr_scale)
                 record.update(guard_action="restore_failed", guard_reason=f"{verdict.reason}; {exc}")
                 log.error("collapse guard: %s, but the restore point cannot be loaded (%s): training on from "
                           "these weights, learning rate now %.3g", verdict.reason, exc, self.trainer.lr)
@@ -327,15 +327,14 @@ class SapoNode:
     async def close(self) -> None:
         """Checkpoint the last completed round unless the disk has it, then release the swarm and the worker."""
         try:
-            if self.mid_round_weights:
-                saved = self.persistence.saved_round
-                log.error("round %d failed after its weights moved: not checkpointing them (resumed, they would "
-                          "count that round twice); --resume continues from %s", self.next_round,
-                          f"the checkpoint of round {saved}" if saved >= 0 else "round 0 (no checkpoint yet)")
-                await self._in_worker(self.persistence.save_reputation)
-            elif self.next_round - 1 > self.persistence.saved_round:
-                await self._checkpoint()
+            if not self.mid_round_weights and self.next_round - 1 > self.persistence.saved_round:
+                await self._checkpoint()  # the reputation file with it
             else:
+                if self.mid_round_weights:
+                    saved = self.persistence.saved_round
+                    log.error("round %d failed after its weights moved: not checkpointing them (resumed, they "
+                              "would count that round twice); --resume continues from %s", self.next_round,
+                              f"the checkpoint of round {saved}" if saved >= 0 else "round 0 (no checkpoint yet)")
                 await self._in_worker(self.persistence.save_reputation)
         finally:
             await self.exchange.close()

@@ -94,7 +94,7 @@ class Persistence:
         self.ij.load_state_dict(s["ij_policy"])
         self.totals.load_state_dict(s["totals"])
         self.guard.load_state_dict(s.get("guard"))  # checkpoints from before the guard: a fresh one
-        self.trainer.set_lr(self.cfg.lr * self.guard.state.lr_scale)
+        self.set_lr_scale(self.guard.state.lr_scale)
         return int(s["next_round"])
 
     # --- on disk ------------------------------------------------------------------------------------------
@@ -117,6 +117,10 @@ class Persistence:
         else:
             self.model.load_state_dict(weights)
 
+    def set_lr_scale(self, scale: float) -> None:
+        """The learning rate: the configured one times the collapse guard's scale."""
+        self.trainer.set_lr(self.cfg.lr * scale)
+
     def save_restore_point(self, r: int) -> None:
         """The collapse guard's restore point: weights and optimizer after round r (its best evaluation so far),
         in RUN_DIR/restore-point/ (one kept; written atomically like a checkpoint)."""
@@ -135,7 +139,7 @@ class Persistence:
         self.check_identity(ckpt.meta, f"restore point {ckpt.path}")
         self._load_weights(ckpt.model)
         self.trainer.optimizer.load_state_dict(ckpt.optimizer)
-        self.trainer.set_lr(self.cfg.lr * lr_scale)
+        self.set_lr_scale(lr_scale)
 
     def restore(self) -> int | None:
         """At start: the newest checkpoint with --resume, else the adapter of --lora-init. Returns the next
