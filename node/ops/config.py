@@ -90,7 +90,8 @@ class NodeConfig:
     eval_every: int = opt(10, "greedy held-out evaluation every N rounds (0 = off; 10 keeps its cost near 6 percent)")
     eval_size: int = opt(64, "tasks in the held-out evaluation set (fixed per task mix, never trained on)")
     collapse_guard: bool = opt(True, "at each held-out evaluation, restore the best evaluation's weights and "
-                                     "lower the learning rate when the policy has collapsed (docs/OPERATING.md)")
+                                     "lower the learning rate when the policy has collapsed; a fresh node first "
+                                     "evaluates its starting weights (docs/OPERATING.md)")
     guard_lr_factor: float = opt(0.5, "the collapse guard multiplies the learning rate by this on each restore")
     eval_unseen_size: int = opt(0, "tasks in the unseen evaluation set of a mix split by content (0 = --eval-size)")
     # run dir, checkpoints, logs
