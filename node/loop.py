@@ -32,7 +32,7 @@ import torch
 
 from node.learn import precision
 from node.learn.engines import RolloutEngine
-from node.learn.evaluate import HeldOutEval
+from node.learn.evaluate import EvalResult, HeldOutEval
 from node.learn.guard import START_ROUND, CollapseGuard, EvalSummary, weights_name
 from node.learn.groups import Group, Prompter, Selection, local_group, select_groups, to_sequences
 from node.learn.lora import Adapter
@@ -237,14 +237,14 @@ class SapoNode:
         evaluation skips it (the round stays), it never abandons the round."""
         try:
             with timer("eval"):
-                result = await self._in_worker(self.held_out.run, self.model, self.tokenizer, self.prompter,
-                                               self.sampling.max_new_tokens, self.stop)
+                result = await self._held_out()
         except RoundAbandoned:
             log.info("held-out evaluation of round %d skipped: stop requested", r)
             return
-        self.live.last_eval = {"round": r, **{k: v for k, v in result.to_record().items()
+        fields = result.to_record()
+        self.live.last_eval = {"round": r, **{k: v for k, v in fields.items()
                                                if not isinstance(v, list)}}  # per-task lists: metrics only
-        record.update(result.to_record(), t_end=time.time(), round_s=round(time.time() - timer.t0, 4))
+        record.update(fields, t_end=time.time(), round_s=round(time.time() - timer.t0, 4))
         record["phase_s"]["eval"] = round(timer.seconds["eval"], 4)
         log.info("%s", result.log_line(r))
 
@@ -254,16 +254,18 @@ class SapoNode:
         into round 0's record as start_accuracy, start_unseen_accuracy, ... A stop skips it."""
         self.live.phase = "eval"
         try:
-            result = await self._in_worker(self.held_out.run, self.model, self.tokenizer, self.prompter,
-                                           self.sampling.max_new_tokens, self.stop)
+            result = await self._held_out()
         except RoundAbandoned:
             log.info("held-out evaluation of the starting weights skipped: stop requested")
             return
         log.info("%s", result.log_line(None))
-        self.start_eval = {**result.fields("start"), "start_s": round(result.seconds, 4)}
-        if result.unseen is not None:
-            self.start_eval.update(result.unseen.fields("start_unseen"))
-        await self._guard(START_ROUND, result.to_record())
+        self.start_eval = result.to_record("start")
+        await self._guard(START_ROUND, result.to_record())  # the guard reads the eval_ keys
+
+    async def _held_out(self) -> EvalResult:
+        """The held-out evaluation of the weights as they are, in the model thread (RoundAbandoned on a stop)."""
+        return await self._in_worker(self.held_out.run, self.model, self.tokenizer, self.prompter,
+                                     self.sampling.max_new_tokens, self.stop)
 
     async def _evaluate_skipped_round(self) -> None:
         """A stop after a round's update keeps the round but skips its due evaluation. The checkpoint holds

@@ -47,14 +47,15 @@ class EvalResult:
     def distinct_answers(self) -> float:
         return distinct_share(self.datasets, self.answers)
 
-    def to_record(self) -> dict:
+    def to_record(self, prefix: str = "eval") -> dict:
         """Keys of a metrics.jsonl row: eval_accuracy, eval_accuracy/<dataset>, eval_s (the whole pass),
         eval_size, eval_baseline (the constant-answer yardstick), eval_distinct_answers, and per task (same
         order every evaluation, so two evaluations pair task by task) eval_scores and eval_answers. With an
-        unseen set, the same keys of it under eval_unseen_ (eval_unseen_accuracy, ...; no eval_unseen_s)."""
-        out = {**self.fields("eval"), "eval_s": round(self.seconds, 4)}
+        unseen set, the same keys of it under eval_unseen_ (eval_unseen_accuracy, ...; no eval_unseen_s).
+        `prefix` "start": the starting weights' evaluation (start_accuracy, ..., start_unseen_accuracy, ...)."""
+        out = {**self.fields(prefix), f"{prefix}_s": round(self.seconds, 4)}
         if self.unseen is not None:
-            out.update(self.unseen.fields("eval_unseen"))
+            out.update(self.unseen.fields(f"{prefix}_unseen"))
         return out
 
     def fields(self, prefix: str) -> dict:
