@@ -71,6 +71,9 @@ Definitions (also written into the report):
   same agent of the baseline; the other agents of its runs are the veterans, drawn as their mean curve.
   Also the first evaluated round at which it reaches half of the veterans' mean accuracy at their first
   evaluation (same seed; the run's round count when never).
+  Each family and the focus peer also get their training reward per agent-round (seed by seed, paired with
+  the baseline's same peers: mean difference, CI, d_z, permutation p, seeds ahead; shown, not corrected for
+  multiplicity) beside the token entropy of their samples.
 * collapse signs: the agents collapsed at their last held-out evaluation (accuracy within 0.05 of the
   constant-answer baseline, or distinct greedy answers under half of the gold answers' share: RESULTS 7),
   ``signal_frac`` (share of groups with differing rewards; older runs:

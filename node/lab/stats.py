@@ -186,9 +186,18 @@ def _tail_mean(series: Sequence[np.ndarray], frac: float = 0.25) -> float:
 HELD_OUT_SETS = {"eval": "eval_acc", "unseen": "unseen_acc"}  # summary key prefix -> PeerSeries attribute
 
 
+def reward_per_agent_round(run: Run) -> float:
+    """The run's training reward per agent-round: the sum of its peers' `reward_mean` (the mean reward of
+    their own sampled completions) over the rounds that logged one, divided by the count of those rounds."""
+    rewards = np.concatenate([p.reward for p in run.peers]) if run.peers else np.array([])
+    finite = rewards[np.isfinite(rewards)]
+    return float(finite.mean()) if finite.size else math.nan
+
+
 def learning_health(rs: Sequence[Run]) -> dict:
     """Held-out accuracy per seed (final and area under the curve), of the in-distribution set (eval_*) and
-    the unseen one (unseen_*; empty without), and the collapse signs of one config."""
+    the unseen one (unseen_*; empty without), the training reward per agent-round per seed, and the collapse
+    signs of one config."""
     out: dict = {}
     for prefix, attr in HELD_OUT_SETS.items():
         final, area = {}, {}
@@ -203,6 +212,7 @@ def learning_health(rs: Sequence[Run]) -> dict:
     finals = [p.final_eval for p in peers if p.final_eval is not None]
     return {
         **out,
+        "reward_by_seed": {r.seed: reward_per_agent_round(r) for r in rs},
         "collapsed_final": sum(collapsed(e) for e in finals),  # peers collapsed at their last evaluation
         "evaluated_peers": len(finals),
         "signal_frac_mean": _tail_mean([p.signal_frac for p in peers], 1.0),
@@ -288,8 +298,6 @@ def summarize(
     for cfg, rs in by_cfg.items():
         seeds = [r.seed for r in rs]
         cum = {r.seed: float(np.nansum(np.concatenate([p.reward for p in r.peers]))) for r in rs}
-        agent_rounds = {r.seed: int(sum(np.isfinite(p.reward).sum() for p in r.peers)) for r in rs}
-        per_ar = [cum[s] / agent_rounds[s] if agent_rounds[s] else math.nan for s in seeds]
         rtt: dict[str, int | None] = {}
         rstd, drops, dd = {}, {}, {}
         for r in rs:
@@ -323,7 +331,7 @@ def summarize(
             "cumulative_by_seed": cum,
             "cumulative_mean": _fmean(list(cum.values())),
             "cumulative_std": _fstd(list(cum.values())),
-            "reward_per_agent_round": _fmean(per_ar),
+            "reward_per_agent_round": _fmean([reward_per_agent_round(r) for r in rs]),
             "improvement_pct": math.nan,
             "improvement_ci": [math.nan, math.nan],
             "improvement_note": "",

@@ -245,6 +245,7 @@ def families_section(summary: dict) -> list[str]:
     if holm_rows:
         L.append("Permutation p of each family's paired difference, and Holm-corrected across the families:\n")
         L += md_table(["config", "family", "final: p", "final: Holm p", "area: p", "area: Holm p"], holm_rows)
+    L += reward_table(summary, fam["per_family"], "each family")
     sources = fam.get("sources") or {}
     if sources:
         columns = fam["families"] + (["unknown"] if any("unknown" in d for c in sources.values() for d in c.values())
@@ -255,6 +256,31 @@ def families_section(summary: dict) -> list[str]:
                        for f, d in per.items()])
     L.append(f"![held-out accuracy per family]({FIGURES['families']})\n")
     return L
+
+
+def reward_table(summary: dict, views: dict[str, dict], what: str) -> list[str]:
+    """The training reward (the paper's measure) and the token entropy of the samples of each view (a family,
+    or the focus peer), per configuration, with the paired difference against the baseline's same view.
+    Shown, not corrected for multiplicity: the held-out measures are the ones tested."""
+    rows = []
+    for name, per in views.items():
+        for c, d in per.items():
+            by_seed = [x for x in d["reward_by_seed"].values() if math.isfinite(x)]
+            spread = f" ± {num(float(np.std(by_seed, ddof=1)), '.4f')}" if len(by_seed) > 1 else ""
+            v = d.get("reward_vs_base")
+            vs = [num(v["mean_diff"], "+.4f"), f"[{num(v['ci_low'], '+.4f')}, {num(v['ci_high'], '+.4f')}]",
+                  num(v["d_z"], "+.2f"), num(v["p_perm"], ".3f"), f"{v['wins']}/{v['seeds']}"] if v else \
+                ["baseline" if c == summary["baseline"] else "—"] + ["—"] * 4
+            rows.append([c, name, num(float(np.mean(by_seed)) if by_seed else math.nan, ".4f") + spread, *vs,
+                         num(d["entropy_mean"], ".3f"), num(d["entropy_last_quarter"], ".3f")])
+    if not rows:
+        return []
+    return [f"Training reward of {what}: the mean reward of the peer's own sampled completions per round (the "
+            "paper's measure; a mean over the peers per seed), paired by seed with the baseline (mean "
+            "difference, 95% bootstrap CI, d_z, exact permutation p, seeds ahead), and the mean token entropy "
+            "of those samples, all rounds and the last quarter:\n",
+            *md_table(["config", "peers", "reward per peer-round (mean ± std)", "mean diff", "95% CI", "d_z", "p",
+                       "seeds ahead", "token entropy", "… last quarter"], rows)]
 
 
 def focus_section(summary: dict) -> list[str]:
@@ -280,5 +306,6 @@ def focus_section(summary: dict) -> list[str]:
                  "(same seed; the run's round count when it never did), and the paired difference with the "
                  "baseline (negative: sooner) with its exact permutation p:\n")
         L += md_table(["config", "per seed", "vs baseline (rounds)", "p"], rows)
+    L += reward_table(summary, {peer: per}, peer)
     L.append(f"![{peer} against the veterans]({FIGURES['focus']})\n")
     return L

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from node.lab.runs import PeerSeries, Run
-from node.lab.stats import compare_heldout, eval_curve, learning_health, paired_effect
+from node.lab.stats import compare_heldout, eval_curve, learning_health, paired_effect, paired_sign_test
 
 _PEER_INDEX = re.compile(r"^peer[-_]?(\d+)$", re.IGNORECASE)
 HOLM_KEYS = ("eval_final", "eval_area")  # the measures corrected across families
@@ -50,7 +50,8 @@ def restrict(runs: Sequence[Run], keep: Callable[[Run, PeerSeries], bool]) -> li
 
 def heldout_view(runs: Sequence[Run], summary: dict) -> dict[str, dict]:
     """Per configuration that evaluated: held-out accuracy per seed of these runs, and each configuration
-    against the report's baseline, seeds paired, exactly as `summarize` compares whole swarms."""
+    against the report's baseline, seeds paired, exactly as `summarize` compares whole swarms; the training
+    reward per agent-round too (paired effect and seeds ahead)."""
     per = {c: learning_health([r for r in runs if r.config == c]) for c in summary["configs"]}
     per = {c: d for c, d in per.items() if d["eval_final_by_seed"]}
     base = summary["baseline"]
@@ -58,6 +59,9 @@ def heldout_view(runs: Sequence[Run], summary: dict) -> dict[str, dict]:
         for c, d in per.items():
             if c != base:
                 compare_heldout(d, per[base], summary["n_boot"], summary["boot_seed"])
+                wins, seeds, _ = paired_sign_test(d["reward_by_seed"], per[base]["reward_by_seed"])
+                d["reward_vs_base"] = {"wins": wins, "seeds": seeds,
+                                       **paired_effect(d["reward_by_seed"], per[base]["reward_by_seed"])}
     return per
 
 

@@ -14,10 +14,10 @@ SEEDS = (0, 1, 2, 3)
 EVAL_ROUNDS = (0, 5, 10, 15, 20, 25, 29)
 
 
-def write_run(root, cfg, seed, peers, model_in_metrics=False, unseen=False):
+def write_run(root, cfg, seed, peers, model_in_metrics=False, unseen=False, reward=lambda model: 0.1):
     """peers: {peer index: (model, accuracy(t))}; held-out evaluations at EVAL_ROUNDS of 30 rounds (with
-    `unseen`, the unseen set's accuracy too: 0.05 below). At j > 0 peer p trains each round on one group of
-    peer p + 1 (the next, cyclically) and one of an outsider."""
+    `unseen`, the unseen set's accuracy too: 0.05 below), training reward `reward(model)` every round. At j > 0
+    peer p trains each round on one group of peer p + 1 (the next, cyclically) and one of an outsider."""
     i, j = map(int, cfg.split("/"))
     run = root / cfg.replace("/", "-") / f"seed{seed}"
     run.mkdir(parents=True)
@@ -29,7 +29,7 @@ def write_run(root, cfg, seed, peers, model_in_metrics=False, unseen=False):
         (run / f"peer{p}").mkdir()
         lines = []
         for t in range(30):
-            rec = {"round": t, "reward_mean": 0.1, "num_local": i, "num_external": j, "publisher": f"key{p}",
+            rec = {"round": t, "reward_mean": reward(model), "num_local": i, "num_external": j, "publisher": f"key{p}",
                    "external_sources": {f"key{(p + 1) % len(peers)}": 1, "outsider": 1} if j else {}}
             if t in EVAL_ROUNDS:
                 rec["eval_accuracy"] = acc(t)
@@ -49,6 +49,11 @@ def family_acc(cfg, fam, seed):
     return lambda t: 0.2 + 0.01 * t + 0.01 * seed + (EFFECT[fam][seed] if cfg == "2/2" else 0.0)
 
 
+def family_reward(cfg, seed):
+    """Training reward: 0.3 alone; in 2/2 fam-a's falls to 0.2, fam-b's moves by 0.01 (seed - 1.5)."""
+    return lambda model: 0.3 if cfg == "4/0" else (0.2 if model == "fam-a" else 0.3 + 0.01 * (seed - 1.5))
+
+
 def test_holm_adjusts_step_down_and_keeps_nan_out():
     got = holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": math.nan})
     assert got["a"] == pytest.approx(0.03) and got["c"] == pytest.approx(0.06)
@@ -62,7 +67,8 @@ def test_mixed_swarm_is_judged_per_family_with_holm(tmp_path, capsys):
     for cfg in ("4/0", "2/2"):
         for s in SEEDS:  # 2 peers of fam-a and 1 of fam-b; 4/0 says its models in the metrics, 2/2 in run.json
             write_run(exp, cfg, s, {p: (fam, family_acc(cfg, fam, s)) for p, fam in
-                                    enumerate(("fam-a", "fam-b", "fam-a"))}, model_in_metrics=cfg == "4/0")
+                                    enumerate(("fam-a", "fam-b", "fam-a"))}, model_in_metrics=cfg == "4/0",
+                      reward=family_reward(cfg, s))
     out = tmp_path / "report"
     assert main([str(exp), "--out", str(out)]) == 0
     fam = json.loads((out / "summary.json").read_text())["families"]
@@ -88,6 +94,13 @@ def test_mixed_swarm_is_judged_per_family_with_holm(tmp_path, capsys):
     assert fam["sources"] == {"2/2": {"fam-a": {"fam-b": 120, "fam-a": 120, "unknown": 240},
                                       "fam-b": {"fam-a": 120, "unknown": 120}}}
     assert "| 2/2 | fam-b | 120 | 0 | 120 |" in md
+    # the training reward per family, paired with its silo: fam-a 0.1 lower in every seed, fam-b on average not
+    reward_a, reward_b = a["reward_vs_base"], b["reward_vs_base"]
+    assert reward_a["mean_diff"] == pytest.approx(-0.1) and reward_a["wins"] == 0 and reward_a["seeds"] == 4
+    assert reward_a["p_perm"] == pytest.approx(2 / 16) and reward_b["mean_diff"] == pytest.approx(0.0, abs=1e-12)
+    assert reward_b["wins"] == 2 and reward_b["p_perm"] == pytest.approx(1.0)
+    assert "| 2/2 | fam-a | 0.2000 ± 0.0000 | -0.1000 | [-0.1000, -0.1000] | n/a | 0.125 | 0/4 |" in md
+    assert "| 4/0 | fam-b | 0.3000 ± 0.0000 | baseline | — |" in md
     assert (out / "heldout_per_family.png").stat().st_size > 0
     console = capsys.readouterr().out
     assert "fam-a 2/2 − 4/0, held-out final: +0.0500" in console and "Holm p = 0.250" in console
@@ -131,11 +144,13 @@ def test_focus_peer_newcomer_against_its_silo_and_the_veterans(tmp_path, capsys)
     assert silo["rounds_to_half_by_seed"] == {"0": 20, "1": 20, "2": 20, "3": 30}
     assert swarm["rounds_to_half_by_seed"] == {"0": 15, "1": 15, "2": 15, "3": 25}
     assert swarm["rounds_to_half_vs_base"]["mean_diff"] == -5
+    assert swarm["reward_vs_base"]["mean_diff"] == 0 and swarm["reward_vs_base"]["wins"] == 0  # 0.1 in both
     md = (out / "report.md").read_text()
     assert "## Focus peer: peer0" in md and md.index("## Focus peer") < md.index("## Held-out accuracy")
     assert "| 2/2 | s0: 15, s1: 15, s2: 15, s3: 25 | -5.0 | 0.125 |" in md
     assert "| 4/0 | s0: 20, s1: 20, s2: 20, s3: 30 | baseline | — |" in md
     assert "veterans (per configuration: 4/0: 0, 2/2: 4)" in md
+    assert "| 2/2 | peer0 | 0.1000 ± 0.0000 | +0.0000 |" in md.split("## Focus peer")[1]  # its own reward only
     assert "Unseen set:" in md.split("## Focus peer")[1].split("## Held-out accuracy")[0]
     # the swarm means average 5 agents against 1: shown, never tested against each other
     whole = summary["per_config"]["2/2"]
