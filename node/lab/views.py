@@ -17,8 +17,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from node.lab.paired import paired_effect, paired_sign_test
 from node.lab.runs import PeerSeries, Run
-from node.lab.stats import compare_heldout, eval_curve, learning_health, paired_effect, paired_sign_test
+from node.lab.stats import compare_heldout, eval_curve, learning_health
 
 _PEER_INDEX = re.compile(r"^peer[-_]?(\d+)$", re.IGNORECASE)
 HOLM_KEYS = ("eval_final", "eval_area")  # the measures corrected across families

@@ -4,9 +4,10 @@ import math
 import numpy as np
 import pytest
 
+from node.lab.paired import bootstrap_improvement, paired_sign_test
 from node.lab.report import main
 from node.lab.runs import load_runs
-from node.lab.stats import bootstrap_improvement, moving_average, paired_sign_test, summarize
+from node.lab.stats import moving_average, summarize
 
 # reward(config, seed, peer, round t) = BASE[config] + 0.02 * t + 0.01 * seed  (same for both peers)
 BASE = {"4/0": 0.10, "2/2": 0.25}
@@ -257,7 +258,7 @@ def test_moving_average_and_bootstrap_helpers():
 
 
 def test_paired_effect_exact_permutation_and_d_z():
-    from node.lab.stats import paired_effect
+    from node.lab.paired import paired_effect
 
     base = {str(k): 0.5 for k in range(5)}
     up = {str(k): 0.5 + d for k, d in enumerate([0.1, 0.2, 0.15, 0.05, 0.1])}
