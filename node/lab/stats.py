@@ -145,9 +145,12 @@ def learning_health(rs: Sequence[Run]) -> dict:
                         f"{prefix}_{key}_std": _fstd(list(by_seed.values()))})
     peers = [p for r in rs for p in r.peers]
     finals = [p.final_eval for p in peers if p.final_eval is not None]
+    reward = {r.seed: reward_per_agent_round(r) for r in rs}
     return {
         **out,
-        "reward_by_seed": {r.seed: reward_per_agent_round(r) for r in rs},
+        "reward_by_seed": reward,
+        "reward_mean": _fmean(list(reward.values())),
+        "reward_std": _fstd(list(reward.values())),
         "collapsed_final": sum(collapsed(e) for e in finals),  # peers collapsed at their last evaluation
         "evaluated_peers": len(finals),
         "signal_frac_mean": _tail_mean([p.signal_frac for p in peers], 1.0),

@@ -265,13 +265,11 @@ def reward_table(summary: dict, views: dict[str, dict], what: str) -> list[str]:
     rows = []
     for name, per in views.items():
         for c, d in per.items():
-            by_seed = [x for x in d["reward_by_seed"].values() if math.isfinite(x)]
-            spread = f" ± {num(float(np.std(by_seed, ddof=1)), '.4f')}" if len(by_seed) > 1 else ""
             v = d.get("reward_vs_base")
             vs = [num(v["mean_diff"], "+.4f"), f"[{num(v['ci_low'], '+.4f')}, {num(v['ci_high'], '+.4f')}]",
                   num(v["d_z"], "+.2f"), num(v["p_perm"], ".3f"), f"{v['wins']}/{v['seeds']}"] if v else \
                 ["baseline" if c == summary["baseline"] else "—"] + ["—"] * 4
-            rows.append([c, name, num(float(np.mean(by_seed)) if by_seed else math.nan, ".4f") + spread, *vs,
+            rows.append([c, name, f"{num(d['reward_mean'], '.4f')} ± {num(d['reward_std'], '.4f')}", *vs,
                          num(d["entropy_mean"], ".3f"), num(d["entropy_last_quarter"], ".3f")])
     if not rows:
         return []
