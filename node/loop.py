@@ -229,7 +229,7 @@ class SapoNode:
                         "acts at held-out evaluations)", r - QUIET_ROUNDS + 1, r)
 
     def train(self, groups: list[Group]) -> StepStats:
-        seqs = to_sequences(groups, self.tokenizer, self.prompter, self.cfg.scale_std)
+        seqs = to_sequences(groups, self.tokenizer, self.prompter, self.cfg.scale_std, self.cfg.external_loss)
         return self.trainer.step(seqs)
 
     async def _evaluate(self, r: int, timer: PhaseTimer, record: dict) -> None:

@@ -97,6 +97,8 @@ def round_record(*, r: int, timer: PhaseTimer, local: list[Group], external: lis
         "ratio_mean": stats.ratio_mean,
         "grad_norm": stats.grad_norm,
         "optimizer_steps": stats.optimizer_steps,
+        "train_sequences": stats.sequences,  # with --external-loss positive/ftis, fewer than the groups hold
+        "external_weight": stats.external_weight,  # mean min(1, pi_old/mu) of weighted external completions
         "tokens_generated": tokens,
         "peak_mem_mb": round(peak_mem_mb, 1),
         "ij_policy": ij_policy,

@@ -23,6 +23,10 @@ from p2p.pow import NONCE_LEN, check_pow
 MAGIC = b"SAPO"
 ENVELOPE_VERSION = 2  # 1: protocol v1 (no proof of work in the header)
 WIRE_VERSION = 2  # payload "version"; bumped together with the envelope and the DHT key layout
+# payload "minor" (absent: 0): optional members an older peer ignores. 1: a group's "logp_mean"
+WIRE_MINOR = 1
+MIN_LOGP_MEAN = -1000.0  # a mean token log-prob is <= 0 and, for any sampled text, far above this
+LOGP_DECIMALS = 4  # "logp_mean" is rounded to this many decimals: 7-8 bytes a completion
 HEADER_LEN = len(MAGIC) + 1 + PUBLIC_KEY_LEN + NONCE_LEN + SIGNATURE_LEN
 MAX_ROUND = 2**31 - 1
 MAX_TIMESTAMP = 2.0**40  # seconds since the epoch; anything later is not a clock reading
@@ -86,6 +90,9 @@ class WireGroup:
     task: TaskSpecWire
     completions: list[str]
     rewards: list[float]  # the sender's own scores: informational only, receivers re-score
+    # minor 1: per completion, the mean log-prob of its tokens under the publisher's sampling policy (mu), for
+    # receivers that weigh another policy's samples (--external-loss is/ftis); a weight never exceeds 1
+    logp_mean: list[float] | None = None
 
 
 @dataclass
@@ -122,25 +129,25 @@ def batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:
     return {
         "kind": KIND_BATCH,
         "version": batch.version,
+        "minor": WIRE_MINOR,
         "swarm": batch.swarm,
         "round": batch.round,
         "publisher": batch.publisher.hex(),
         "created_at": batch.created_at,
         "model": batch.model,
-        "groups": [
-            {
-                "task": {
-                    "dataset": g.task.dataset,
-                    "config": g.task.config,
-                    "seed": g.task.seed,
-                    "index": g.task.index,
-                },
-                "completions": list(g.completions),
-                "rewards": list(g.rewards),
-            }
-            for g in batch.groups
-        ],
+        "groups": [_group_to_dict(g) for g in batch.groups],
     }
+
+
+def _group_to_dict(g: WireGroup) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "task": {"dataset": g.task.dataset, "config": g.task.config, "seed": g.task.seed, "index": g.task.index},
+        "completions": list(g.completions),
+        "rewards": list(g.rewards),
+    }
+    if g.logp_mean is not None:
+        out["logp_mean"] = [round(x, LOGP_DECIMALS) for x in g.logp_mean]
+    return out
 
 
 def presence_to_dict(rec: PresenceRecord) -> dict[str, Any]:
@@ -167,6 +174,8 @@ def encode_signed(batch: RolloutBatch, identity: Identity) -> bytes:
     for g in batch.groups:
         if not all(math.isfinite(r) and abs(r) <= MAX_ABS_REWARD for r in g.rewards):
             raise ValueError("rewards must be finite and within +-MAX_ABS_REWARD")
+        if g.logp_mean is not None and not _valid_logp_mean(g.logp_mean, len(g.completions)):
+            raise ValueError(f"logp_mean must hold one number in [{MIN_LOGP_MEAN}, 0] per completion")
     if not 0 <= batch.created_at <= MAX_TIMESTAMP or not 0 <= batch.round <= MAX_ROUND:
         raise ValueError("created_at and round must be in range")
     return seal(canonical_json(batch_to_dict(batch)), identity)
@@ -323,6 +332,13 @@ def _check_group_schema(g: Any, caps: WireCaps) -> None:
     _require(isinstance(rewards, list) and all(_in_range(r, -MAX_ABS_REWARD, MAX_ABS_REWARD) for r in rewards),
              "rewards must be finite numbers in range")
     _require(len(rewards) == len(comps), "one reward per completion")
+    if "logp_mean" in g:  # minor 1; a malformed one is the publisher's fault like any other schema error
+        _require(_valid_logp_mean(g["logp_mean"], len(comps)),
+                 f"logp_mean must hold one number in [{MIN_LOGP_MEAN}, 0] per completion")
+
+
+def _valid_logp_mean(values: Any, n: int) -> bool:
+    return isinstance(values, list) and len(values) == n and all(_in_range(x, MIN_LOGP_MEAN, 0.0) for x in values)
 
 
 def _group_with_caps(g: dict[str, Any], caps: WireCaps) -> WireGroup:
@@ -331,6 +347,7 @@ def _group_with_caps(g: dict[str, Any], caps: WireCaps) -> WireGroup:
         task=TaskSpecWire(task["dataset"], task["config"], task["seed"], task["index"]),
         completions=g["completions"],
         rewards=[float(r) for r in g["rewards"]],
+        logp_mean=[float(x) for x in g["logp_mean"]] if "logp_mean" in g else None,
     )
     check_group_caps(group, caps)
     return group

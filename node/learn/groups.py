@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from node.learn.grpo import group_advantages, has_signal
+from node.learn.grpo import group_advantages, has_signal, keeps_external, weighs_external
 from node.learn.policy import SampledGroup, Sequence, encode_completion, prompt_text
 from node.learn.tasks import Task, TaskMix, build_messages, extract_answer, score
 
@@ -24,9 +24,19 @@ class Group:
     source: str = LOCAL  # "local" or the publisher's public key (hex)
     sampled: SampledGroup | None = None  # token ids and behaviour log-probs, local groups only
     sender_rewards: list[float] = field(default_factory=list)  # informational, never trusted
+    # external groups: the publisher's mean token log-prob of each completion (mu), if it sent them. A lie can
+    # only lower the weight of its own completions (node/learn/grpo.py): never trusted beyond that
+    behaviour_mean_logp: list[float] | None = None
 
     def signal(self) -> bool:
         return has_signal(self.rewards)
+
+    def mean_behaviour_logp(self) -> list[float] | None:
+        """Per completion, the mean log-prob of its tokens under the policy that sampled it (ours, for a
+        local group), as published for peers that weigh our completions (--external-loss is/ftis)."""
+        if self.sampled is None:
+            return None
+        return [sum(lp) / len(lp) if lp else 0.0 for lp in self.sampled.behaviour_logp]
 
 
 def score_responses(task: Task, responses: list[str]) -> list[float]:
@@ -62,12 +72,15 @@ def select_groups(local: list[Group], external: list[Group], num_local: int, num
     )
 
 
-def to_sequences(groups: list[Group], tokenizer, prompt_for, scale_std: bool) -> list[Sequence]:
+def to_sequences(groups: list[Group], tokenizer, prompt_for, scale_std: bool,
+                 external_loss: str = "sapo") -> list[Sequence]:
     """Training sequences with group-relative advantages.
 
     Local groups keep their sampled token ids and behaviour log-probs (when exact: sampled by the trained
     model itself). External groups are re-encoded with our tokenizer and chat template; their pi_old, like
-    that of a rollout engine's samples, is formed by the trainer with our own model.
+    that of a rollout engine's samples, is formed by the trainer with our own model. `external_loss` says
+    which external completions enter the update and with what weight (node/learn/grpo.py): the advantages
+    are always those of the whole group.
     """
     seqs: list[Sequence] = []
     for g in groups:
@@ -80,10 +93,13 @@ def to_sequences(groups: list[Group], tokenizer, prompt_for, scale_std: bool) ->
             continue
         prompt = prompt_for(g.task)
         prefix = prompt_for.answer_prefix
-        for response, a in zip(g.responses, adv):
+        mu = g.behaviour_mean_logp if weighs_external(external_loss) else None
+        for i, (response, a) in enumerate(zip(g.responses, adv)):
+            if not keeps_external(external_loss, a, mu is not None):
+                continue
             body = response[len(prefix):] if prefix and response.startswith(prefix) else response
             prompt_ids, completion_ids = encode_completion(tokenizer, prompt, body)
-            seqs.append(Sequence(prompt_ids, completion_ids, a))
+            seqs.append(Sequence(prompt_ids, completion_ids, a, behaviour_mean_logp=None if mu is None else mu[i]))
     return seqs
 
 

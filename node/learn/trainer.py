@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from node.learn.grpo import grpo_loss
+from node.learn.grpo import external_weight, grpo_loss
 from node.learn.lora import Adapter
 from node.learn.policy import Sequence
 from node.learn.prefix import PREFIX_SHARING, micro_batches, supports_prefix_sharing
@@ -57,6 +57,7 @@ class StepStats:
     optimizer_steps: int = 0
     sequences: int = 0
     tokens: int = 0
+    external_weight: float | None = None  # mean importance weight of the weighted external completions, if any
 
 
 class Trainer:
@@ -81,6 +82,7 @@ class Trainer:
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if full_copy else None
         self.rng = random.Random(seed)
         self._shared: bool | None = None  # decided on first use (auto probes the model once)
+        self._weights_seen: list[float] = []  # this update's importance weights of external completions
 
     @property
     def _stepped(self) -> bool:
@@ -144,6 +146,7 @@ class Trainer:
             raise
 
     def _update(self, seqs: list[Sequence], stats: StepStats) -> StepStats:
+        self._weights_seen = []
         if not self.single_step:
             self.fill_old_logp(seqs)
         refs = self._ref_logprobs(seqs)  # once per update: the reference model never changes
@@ -161,6 +164,8 @@ class Trainer:
                 stats.tokens += int(mb["tokens"])
         for key, value in totals.items():
             setattr(stats, key, value / max(stats.optimizer_steps, 1))
+        if self._weights_seen:
+            stats.external_weight = sum(self._weights_seen) / len(self._weights_seen)
         self.optimizer.zero_grad(set_to_none=True)  # gradients are dead weight until the next round
         release_freed_memory()
         return stats
@@ -187,9 +192,10 @@ class Trainer:
             old = _old_logp(chunk, logp)
             ref = None if refs is None else _padded([refs[id(s)] for s in chunk], logp)
             adv = torch.tensor([s.advantage for s in chunk], dtype=logp.dtype, device=logp.device)
+            seq_weight = self._external_weights(chunk, old, mask)
             self._safe_point()
             loss, st = grpo_loss(logp, old, adv, mask, cfg.eps_low, cfg.eps_high, cfg.loss_type, cfg.beta, ref,
-                                 cfg.max_completion_len)
+                                 cfg.max_completion_len, seq_weight)
             # Weight each micro-batch so the sum equals the loss over the whole minibatch.
             n_tokens = int(mask.sum())
             weight = n_tokens / max(total_tokens, 1) if cfg.loss_type == "dapo" else len(chunk) / len(minibatch)
@@ -201,6 +207,20 @@ class Trainer:
             acc["kl"] += st.kl * tok_w
             acc["tokens"] += n_tokens
         return acc
+
+    def _external_weights(self, chunk: list[Sequence], old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """Each sequence's weight in the loss: 1, or for another peer's completion that came with the publisher's
+        log-probs, min(1, pi_old / mu) on mean token log-probs (--external-loss is/ftis). None when all are 1."""
+        weighted = [i for i, s in enumerate(chunk) if s.behaviour_mean_logp is not None]
+        if not weighted:
+            return None
+        mask = mask.to(old.dtype)
+        old_mean = (old.detach() * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+        mu = torch.tensor([chunk[i].behaviour_mean_logp for i in weighted], dtype=torch.float64)
+        weights = torch.ones(len(chunk), dtype=torch.float64)
+        weights[weighted] = external_weight(old_mean[weighted].cpu(), mu)
+        self._weights_seen.extend(weights[weighted].tolist())
+        return weights.to(device=old.device, dtype=old.dtype)
 
     def _safe_point(self) -> None:
         """Abandon here if a stop was requested and no optimizer step was taken in this update."""

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from node import __version__
-from node.learn.choices import ENGINE_WEIGHTS, ENGINES, IJ_POLICIES, LOSS_TYPES, MIXED_PRECISION, PREFIX_SHARING
+from node.learn.choices import ENGINE_WEIGHTS, ENGINES, EXTERNAL_LOSSES, IJ_POLICIES, LOSS_TYPES, MIXED_PRECISION, \
+    PREFIX_SHARING
 from node.learn.packaged import PACKAGED
 
 if sys.version_info >= (3, 11):
@@ -71,6 +72,10 @@ class NodeConfig:
     beta: float = opt(0.0, "KL weight against the reference: the initial model, with LoRA the base without the "
                                   "adapter (0 = no reference model)")
     scale_std: bool = opt(True, "divide advantages by the group's reward std (off = Dr. GRPO)")
+    external_loss: str = opt("sapo", "how other peers' completions are trained on: sapo (as our own, the paper's "
+                                     "rule), positive (only those with positive advantage), is (weighted by "
+                                     "min(1, pi_old/mu), mu the publisher's log-probs), ftis (both); "
+                                     "docs/experiments/off-policy-sharing.md")
     epochs: int = opt(1, "passes over the round's sequences")
     minibatches: int = opt(1, "optimizer steps per epoch")
     micro_batch_size: int = opt(4, "sequences per forward/backward (memory bound); with prefix sharing, as many "
@@ -175,7 +180,8 @@ SMALL_MODELS = (*PACKAGED, "tiny-random", "tiny-random-smol")  # models `auto` g
 
 
 # the allowed values of a flag: the implementation's own list (node/learn/choices.py), one source for both
-CHOICES = {"loss_type": LOSS_TYPES, "ij_policy": IJ_POLICIES, "log_level": LOG_LEVELS,
+CHOICES = {"loss_type": LOSS_TYPES, "external_loss": EXTERNAL_LOSSES, "ij_policy": IJ_POLICIES,
+           "log_level": LOG_LEVELS,
            "prefix_sharing": PREFIX_SHARING, "rollout_engine": ENGINES, "engine_weights": ENGINE_WEIGHTS,
            "mixed_precision": MIXED_PRECISION, "recipe": RECIPE_CHOICES}
 

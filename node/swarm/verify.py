@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import random
 import time
 from collections import Counter, OrderedDict
@@ -31,8 +32,8 @@ from node.swarm.exchange import ExchangeStats
 from node.swarm.reputation import PENALTIES, Reputation, ReputationConfig
 from node.swarm.settings import SwarmSettings
 from p2p.identity import Identity, peer_name_of
-from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireError, WireGroup, canonical_json, \
-    check_group_caps, decode_signed, encode_signed, open_envelope
+from p2p.wire import MIN_LOGP_MEAN, WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireError, WireGroup, \
+    canonical_json, check_group_caps, decode_signed, encode_signed, open_envelope
 
 log = logging.getLogger("sapo.swarm")
 
@@ -236,12 +237,20 @@ class Verifier:
         peer = publisher.hex()
         self.stats.accept(peer)
         group = Group(task=task, responses=list(wg.completions), rewards=rewards, source=peer,
-                      sender_rewards=list(wg.rewards))
+                      sender_rewards=list(wg.rewards), behaviour_mean_logp=wg.logp_mean)
         if group.signal():
             self.reputation.credit(publisher)
         else:
             self.reputation.penalize(publisher, "useless")
         return group
+
+
+def _wire_logp(means: list[float] | None) -> list[float] | None:
+    """Mean log-probs as the wire takes them: finite, in [MIN_LOGP_MEAN, 0] (a rollout engine's rounding can put
+    a near-certain token a hair above 0)."""
+    if means is None:
+        return None
+    return [min(0.0, max(MIN_LOGP_MEAN, m)) if math.isfinite(m) else MIN_LOGP_MEAN for m in means]
 
 
 def make_batch(identity: Identity, swarm: str, round_: int, model: str, groups: list[Group],
@@ -253,7 +262,7 @@ def make_batch(identity: Identity, swarm: str, round_: int, model: str, groups: 
     left_out: Counter[str] = Counter()
     for g in groups:
         wire_group = WireGroup(task=TaskSpecWire(**g.task.spec.to_wire()), completions=list(g.responses),
-                               rewards=list(g.rewards))
+                               rewards=list(g.rewards), logp_mean=_wire_logp(g.mean_behaviour_logp()))
         try:
             check_group_caps(wire_group, caps)
         except WireError as exc:
