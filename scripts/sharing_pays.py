@@ -1,7 +1,8 @@
 """The experiments that run the chosen CPU recipe, cell by cell, resumable, each finished cell committed to
 docs/data/<experiment>/: issue 29's validation of the recipe (docs/RESULTS.md section 7: 8 seeds at 4/0 and at
 2/2; its 100-round solo runs are 8a's veterans) and issue 30's experiments (section 8): a newcomer among
-veterans (8a) and two model families in one swarm (8b).
+veterans (8a) and two model families in one swarm (8b); and the off-policy sharing pilot
+(docs/experiments/off-policy-sharing.md: 15 cells, 5 arms x seeds 100-102, on the cpu-sparse preset).
 
     python scripts/sharing_pays.py run --experiment validation [--part 0/2]   # section 7: 16 cells, seeds 0-7
 
@@ -9,6 +10,7 @@ veterans (8a) and two model families in one swarm (8b).
     python scripts/sharing_pays.py run --experiment newcomer [--part 0/2] [--arms shares silo] [--seeds 0 1]
                                                # --part i/n: every n-th seed, all its arms
     python scripts/sharing_pays.py run --experiment families [--part 1/2]
+    python scripts/sharing_pays.py run --experiment offpolicy-pilot [--part 0/2]
     python scripts/sharing_pays.py commands --experiment newcomer       # print the cells' commands
     python scripts/sharing_pays.py status --experiment validation       # which cells are committed, which remain
     ... run ... --finish-by 22:15 [--cell-minutes 40]   # start no cell that would not finish by then
@@ -49,6 +51,8 @@ ROUNDS = 30
 VETERAN_ROUNDS = 100
 VETERAN_SEEDS = [0, 1, 2, 3]  # solo runs; veteran p (peer p of a swarm cell) starts from VETERAN_SEEDS[p - 1]
 FAMILY_MODELS = "default,default,default,gemma3-270m,gemma3-270m"
+SPARSE = ["--tasks", "cpu-sparse", "--peers", "5"]
+PILOT_SEEDS = [100, 101, 102]  # the confirmatory run's seeds are 0-7
 ARMS = {  # experiment -> arm -> (sapo-experiment configuration, its own flags)
     "validation": {"shares": ("2/2", ["--rounds", str(ROUNDS), "--eval-every", "10"]),
                    "silo": ("4/0", ["--rounds", str(ROUNDS), "--eval-every", "10"])},
@@ -57,17 +61,23 @@ ARMS = {  # experiment -> arm -> (sapo-experiment configuration, its own flags)
     "newcomer": {"shares": ("2/2", ["--peers", "5"]), "silo": ("4/0", ["--peers", "1"]),
                  "adaptive": ("usefulness", ["--peers", "5"])},
     "families": {"shares": ("2/2", ["--models", FAMILY_MODELS]), "silo": ("4/0", ["--models", FAMILY_MODELS])},
+    # off-policy sharing where a peer's own successes are scarce (docs/experiments/off-policy-sharing.md)
+    "offpolicy-pilot": {"silo": ("4/0", [*SPARSE, "--rounds", str(ROUNDS), "--eval-every", "5"]),
+                        **{rule: ("2/2", [*SPARSE, "--rounds", str(ROUNDS), "--eval-every", "5", "--label",
+                                          f"2/2 {rule}", f"--node-arg=--external-loss={rule}"])
+                           for rule in ("sapo", "positive", "is", "ftis")}},
 }
 DATA_DIRS = {"veterans": "newcomer-veterans", "validation": "recipe-validation"}  # else the experiment's name
 DEFAULT_ARMS = {"validation": ["shares", "silo"], "veterans": ["solo"], "newcomer": ["shares", "silo"],
-                "families": ["shares", "silo"]}
+                "families": ["shares", "silo"], "offpolicy-pilot": ["silo", "positive", "sapo", "ftis", "is"]}
 
 
-def recipe_flags(engine: str) -> list[str]:
-    """The CPU recipe as sapo-experiment flags (read at run time: the recipe may change before a cell runs)."""
+def recipe_flags(engine: str, tasks: str | None = None) -> list[str]:
+    """The CPU recipe as sapo-experiment flags (read at run time: the recipe may change before a cell runs);
+    `tasks`: another task mix than the recipe's."""
     recipe = RECIPES["cpu"]
     beta = recipe.get("beta", NodeConfig.__dataclass_fields__["beta"].default)
-    return ["--mode", "memory", "--threads", "1", "--tasks", str(recipe["tasks"]), "--lora-rank",
+    return ["--mode", "memory", "--threads", "1", "--tasks", tasks or str(recipe["tasks"]), "--lora-rank",
             str(recipe["lora_rank"]), "--lr", str(recipe["lr"]), "--eval-size", "128", "--node-arg=--recipe=cpu",
             f"--node-arg=--beta={beta}", f"--node-arg=--rollout-engine={engine}"]
 
@@ -105,17 +115,23 @@ def arm_flags(experiment: str, arm: str, veterans: list[Path]) -> list[str]:
 
 def cell_command(experiment: str, arm: str, seed: int, args: argparse.Namespace) -> list[str]:
     config, *flags = arm_flags(experiment, arm, [Path(v) for v in args.veterans])
+    tasks = None
+    if "--tasks" in flags:
+        at = flags.index("--tasks")
+        tasks, flags = flags[at + 1], flags[:at] + flags[at + 2:]
     return [sys.executable, "-m", "node.lab.experiment", config, "--out", str(Path(args.runs) / experiment),
-            *recipe_flags(args.engine), *flags, "--seeds", str(seed)]
+            *recipe_flags(args.engine, tasks), *flags, "--seeds", str(seed)]
 
 
 def cells(args: argparse.Namespace) -> list[Cell]:
-    seeds = args.seeds if args.seeds is not None else (VETERAN_SEEDS if args.experiment == "veterans" else SEEDS)
+    default_seeds = {"veterans": VETERAN_SEEDS, "offpolicy-pilot": PILOT_SEEDS}.get(args.experiment, SEEDS)
+    seeds = args.seeds if args.seeds is not None else default_seeds
     data = Path(args.data) / DATA_DIRS.get(args.experiment, args.experiment)
     out = []
     for seed in part_of(seeds, args.part):  # a process takes whole seeds, all arms: each pair completes in one
         for arm in args.arms or DEFAULT_ARMS[args.experiment]:
-            config = ARMS[args.experiment][arm][0]
+            config, flags = ARMS[args.experiment][arm]
+            config = flags[flags.index("--label") + 1] if "--label" in flags else config  # its run dir's name
             run_dir = Path(args.runs) / args.experiment / slug(config) / f"seed{seed}"
             adapter = veteran_checkpoint(run_dir) if args.experiment == "veterans" else None
             out.append(Cell(f"{args.experiment} {arm} seed {seed}", cell_command(args.experiment, arm, seed, args),

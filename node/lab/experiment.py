@@ -287,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep the peers' checkpoints of finished runs (default: delete them; metrics stay)")
     ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every N rounds (0 = off)")
     ap.add_argument("--eval-size", type=int, default=64, help="tasks in the held-out evaluation set")
+    ap.add_argument("--label", default="", help="the configuration's name in run dirs and reports, for one "
+                    "configuration run with extra node flags (e.g. 2/2 with --external-loss positive)")
     ap.add_argument("--node-arg", action="append", default=[], help="extra sapo-node flag (repeatable)")
     ap.add_argument("--peer-arg", action="append", default=[], metavar="P:FLAG",
                     help="a sapo-node flag for peer P only, after the common ones so that it wins (repeatable), "
@@ -300,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"sapo-experiment: error: unknown configuration(s) {unknown}; presets: {', '.join(PRESETS)}",
               file=sys.stderr)
+        return 2
+    if args.label and len(args.configs) != 1:
+        print("sapo-experiment: error: --label names one configuration", file=sys.stderr)
         return 2
     if args.rounds < 1 or not args.seeds:  # --lora-rank and the other node settings: node_learning_settings
         print("sapo-experiment: error: --rounds must be >= 1 and --seeds non-empty", file=sys.stderr)
@@ -333,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         peers = peer_counts[name]
         threads = args.threads or max(1, (os.cpu_count() or 1) // (1 if args.mode == "memory" else peers))
         for seed in args.seeds:
-            spec = RunSpec(config_name=name, seed=seed, peers=peers, num_local=preset.num_local,
+            spec = RunSpec(config_name=args.label or name, seed=seed, peers=peers, num_local=preset.num_local,
                            num_external=preset.num_external, generations=args.generations or preset.generations,
                            ij_policy=preset.ij_policy, rounds=args.rounds,
                            model=args.model if not models else models[0] if len(set(models)) == 1 else "mixed",

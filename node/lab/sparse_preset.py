@@ -3,7 +3,8 @@
 SAPO's mechanism needs a regime where a peer's own groups rarely carry a learning signal and the swarm's
 do. Each candidate below is measured with the node's own prompt, sampler (the rollout engine a node uses) and
 reward, on fresh training tasks and on the held-out set; the first candidate, in the order listed, that meets
-every bound of `SparseRule` becomes the `cpu-sparse` preset. Raw records: one JSON line per candidate.
+every bound of `SparseRule` becomes the `cpu-sparse` preset (cpu-learn's family, node/learn/tasks.py
+`arithmetic_mix`, with other term and digit counts). Raw records: one JSON line per candidate.
 
     python -m node.lab.sparse_preset --out docs/data/offpolicy/preset.jsonl
 """
@@ -19,29 +20,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from node.learn.tasks import ANSWER_RULE, PRESETS, TaskMix
+from node.learn.tasks import TaskMix, arithmetic_mix
 
 log = logging.getLogger("sapo.lab")
 
-_ARITH = {"operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False, ANSWER_RULE: "result"}
-
-
-def _arithmetic_mix(name: str, terms: int, min_digits: int, max_digits: int) -> TaskMix:
-    """cpu-learn's prompt, datasets and unseen split, with other term and digit counts."""
-    base = PRESETS["cpu-learn"]
-    shape = {"min_terms": terms, "max_terms": terms, "min_digits": min_digits, "max_digits": max_digits}
-    return TaskMix(name=name, datasets={
-        "basic_arithmetic": {"weight": 1.0, "config": {**shape, **_ARITH}},
-        "chain_sum": {"weight": 1.0, "config": {**shape, ANSWER_RULE: "result"}},
-    }, system_prompt=base.system_prompt, answer_prefix=base.answer_prefix, max_new_tokens=base.max_new_tokens,
-        unseen_share=base.unseen_share)
-
-
 # in the order of preference, written before any was measured
 CANDIDATES: dict[str, TaskMix] = {
-    "two-digit": _arithmetic_mix("two-digit", terms=2, min_digits=2, max_digits=2),
-    "three-term": _arithmetic_mix("three-term", terms=3, min_digits=1, max_digits=1),
-    "mixed-digit": _arithmetic_mix("mixed-digit", terms=2, min_digits=1, max_digits=2),
+    "two-digit": arithmetic_mix("two-digit", terms=2, min_digits=2, max_digits=2),
+    "three-term": arithmetic_mix("three-term", terms=3, min_digits=1, max_digits=1),
+    "mixed-digit": arithmetic_mix("mixed-digit", terms=2, min_digits=1, max_digits=2),
 }
 
 

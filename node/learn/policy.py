@@ -349,9 +349,7 @@ class Sequence:
     completion_ids: list[int]
     advantage: float
     old_logp: list[float] | None = None
-    # another peer's completion under --external-loss is/ftis: the publisher's mean token log-prob (mu), which
-    # weights it by min(1, pi_old / mu) (node/learn/grpo.py external_weight); None: weight 1
-    behaviour_mean_logp: float | None = None
+    behaviour_mean_logp: float | None = None  # a peer's mean token log-prob (mu): weight min(1, pi_old/mu) (grpo.py)
 
 
 def pad_batch(seqs: list[Sequence], pad_id: int, device: torch.device):

@@ -204,6 +204,18 @@ CPU_EASY_SYSTEM_PROMPT = (
     "Reply with only the final answer inside <answer></answer> tags. Example: What is 7 - 2? <answer>5</answer>"
 )
 
+def arithmetic_mix(name: str, terms: int, min_digits: int, max_digits: int) -> TaskMix:
+    """cpu-learn's family: basic_arithmetic (+ and - only) and chain_sum, answers read by their result, the
+    cpu-easy prompt, a fifth of the arithmetic facts kept for the unseen evaluation."""
+    shape = {"min_terms": terms, "max_terms": terms, "min_digits": min_digits, "max_digits": max_digits,
+             ANSWER_RULE: "result"}
+    return TaskMix(name=name, datasets={
+        "basic_arithmetic": {"weight": 1.0, "config": {**shape, "operators": ["+", "-"], "allow_parentheses": False,
+                                                       "allow_negation": False}},
+        "chain_sum": {"weight": 1.0, "config": shape},
+    }, system_prompt=CPU_EASY_SYSTEM_PROMPT, answer_prefix="<answer>", max_new_tokens=32, unseen_share=0.2)
+
+
 PRESETS: dict[str, TaskMix] = {
     "paper": TaskMix(
         name="paper",
@@ -229,20 +241,11 @@ PRESETS: dict[str, TaskMix] = {
     # right answers are spread, completions short. Same prompt as cpu-easy (measured there). A fifth of its
     # arithmetic facts is reserved for the unseen evaluation (docs/RESULTS.md, "cpu-learn v2"). v3: an equation
     # answer is read by its result (RESULTS 7a); v2 and v3 configs differ, so neither takes the other's groups.
-    "cpu-learn": TaskMix(
-        name="cpu-learn",
-        datasets={
-            "basic_arithmetic": {"weight": 1.0, "config": {
-                "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
-                "allow_parentheses": False, "allow_negation": False, ANSWER_RULE: "result"}},
-            "chain_sum": {"weight": 1.0, "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
-                                                    ANSWER_RULE: "result"}},
-        },
-        system_prompt=CPU_EASY_SYSTEM_PROMPT,
-        answer_prefix="<answer>",
-        max_new_tokens=32,
-        unseen_share=0.2,
-    ),
+    "cpu-learn": arithmetic_mix("cpu-learn", terms=2, min_digits=1, max_digits=1),
+    # Where a peer's own successes are scarce: the same with two-digit terms, chosen by a rule fixed before
+    # measuring (docs/experiments/off-policy-sharing.md: 6% of fresh groups of 6 carry signal, greedy 0.04,
+    # constant-answer baseline 0.05).
+    "cpu-sparse": arithmetic_mix("cpu-sparse", terms=2, min_digits=2, max_digits=2),
     # Scorers that give graded partial credit even to random text: a tiny random model still produces
     # groups with a learning signal. For tests and smoke runs only.
     "smoke": TaskMix(

@@ -35,7 +35,8 @@ class NodeConfig:
     # model and tasks
     model: str = opt("default", "HF model id, local dir, .gguf file, 'default' (embedded SmolLM2-135M-Instruct) "
                                 "or 'tiny-random' / 'tiny-random-smol'")
-    tasks: str = opt("paper", "task mix: a preset (paper, cpu-learn, cpu-easy, smoke, test-learn) "
+    tasks: str = opt("paper", "task mix: a preset (paper, cpu-learn, cpu-sparse, cpu-easy, smoke, "
+                              "test-learn) "
                               "or comma-separated reasoning-gym datasets")
     device: str = opt("auto", "auto, cpu, cuda, cuda:N")
     recipe: str = opt("auto", "defaults for what no flag, variable or file sets: cpu (the CPU recipe: cpu-learn, "

@@ -69,6 +69,21 @@ def test_families_and_veterans_cells_and_parts():
     assert all(c.adapter is None for c in fam)
 
 
+def test_offpolicy_pilot_cells_run_each_external_loss_on_the_sparse_preset_under_its_own_name():
+    cells = cells_of("offpolicy-pilot", seeds=[100])
+    assert [c.label for c in cells] == [f"offpolicy-pilot {arm} seed 100"
+                                        for arm in ("silo", "positive", "sapo", "ftis", "is")]
+    assert [c.run_dir.parent.name for c in cells] == ["4-0", "2-2_positive", "2-2_sapo", "2-2_ftis", "2-2_is"]
+    assert cells[1].dest == Path("data/offpolicy-pilot/2-2_positive/seed100")
+    for cell, loss in zip(cells, (None, "positive", "sapo", "ftis", "is")):
+        args, (counts, _, _) = parsed(cell)
+        assert args.tasks == "cpu-sparse" and cell.command.count("--tasks") == 1
+        assert args.rounds == 30 and args.eval_every == 5 and list(counts.values()) == [5]
+        assert (f"--external-loss={loss}" in args.node_arg) == (loss is not None)
+        assert args.label == ("" if loss is None else f"2/2 {loss}")
+    assert [c.label.split()[-1] for c in cells_of("offpolicy-pilot")][::5] == ["100", "101", "102"]
+
+
 def test_validation_cells_run_the_recipe_at_both_configurations_on_every_seed(monkeypatch):
     monkeypatch.setitem(config.RECIPES, "cpu", {**config.RECIPES["cpu"], "lr": 5e-5})
     cells = cells_of("validation", part="0/2")
