@@ -104,9 +104,21 @@ def test_every_relative_link_in_readme_and_docs_resolves():
     assert not broken, "broken links:\n" + "\n".join(broken)
 
 
+ISSUE_NUMBER = re.compile(r"\b(?:issues?|PR|pull request)\s+#?\d+|(?<![\w/(#&])#\d+(?![\w-])", re.I)
+
+
+def test_docs_cite_no_issue_numbers():
+    """A tracker's numbers mean nothing to a reader outside it: the docs say what was asked instead."""
+    assert ISSUE_NUMBER.search("as issue 13 predicted") and ISSUE_NUMBER.search("fixed in #30.")
+    assert not ISSUE_NUMBER.search("[7b](cpu-recipe.md#7b-x), (#5-the-plan), &#8594;, round 30")
+    found = [f"{path.relative_to(REPO)}:{number}: {match.group(0)}" for path in documents()
+             for number, line in prose_lines(path.read_text(encoding="utf-8")) for match in ISSUE_NUMBER.finditer(line)]
+    assert not found, "issue numbers in the docs:\n" + "\n".join(found)
+
+
 def test_the_checker_sees_links_and_github_slugs(tmp_path):
     """The parts the check rests on, on known cases: a checker that finds nothing would pass anything."""
-    assert slug("LoRA: `scripts/bench_lora.py` (issue 18)") == "lora-scriptsbench_lorapy-issue-18"
+    assert slug("LoRA: `scripts/bench_lora.py` (rank 8)") == "lora-scriptsbench_lorapy-rank-8"
     assert slug("8a. A newcomer joins trained peers") == "8a-a-newcomer-joins-trained-peers"
     assert slug("The test suite on a GPU (2026-11-27, at 3b36d23)") == "the-test-suite-on-a-gpu-2026-11-27-at-3b36d23"
     assert slug("Survey (default model, I = 4 prompts × G = 8, ≤ 32)") == "survey-default-model-i--4-prompts--g--8--32"
