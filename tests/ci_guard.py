@@ -5,7 +5,7 @@ These tests skip for reasons that are about the machine, not the code (llama-cpp
 chromium is missing, the clone is shallow, the Gemma 3 packages did not install), and a skip reads as a
 pass. CI installs what they need (.ci/run, scripts/test.sh), so there a skip means the set-up broke and the
 code went untested: it is reported as a failure that names the skip's reason. A test that cannot run in CI
-for a reason of its own goes in ALLOWED, with that reason, and README.md ("Tests") must say it too
+for a reason of its own goes in ALLOWED, with that reason, and docs/TESTING.md must say it too
 (tests/test_ci_guard.py checks both ways).
 Hooked into pytest by tests/conftest.py.
 """
@@ -30,7 +30,7 @@ GUARDED_REASONS: dict[str, tuple[str, ...]] = {
     "versions": ("protocol v1",),
     "models": ("gemma3-270m packages",),
 }
-# node id (or prefix) -> why it cannot run in CI; every entry is documented in README.md
+# node id (or prefix) -> why it cannot run in CI; every entry is documented in docs/TESTING.md
 ALLOWED: dict[str, str] = {}
 
 
@@ -65,7 +65,7 @@ def verdict(nodeid: str, reason: str, env=os.environ) -> str | None:
     if not in_ci(env) or group is None or allowed(nodeid):
         return None
     return (f"skipped in CI, where the {group} tests must run ({reason}). Fix the CI set-up (.ci/run), or add "
-            f"the test to ALLOWED in tests/ci_guard.py and say in README.md why it cannot run in CI.")
+            f"the test to ALLOWED in tests/ci_guard.py and say in docs/TESTING.md why it cannot run in CI.")
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -50,8 +50,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Nodes and bootstrap peers started by tests mint their keys at a low proof-of-work difficulty (seconds
 # at the default on a shared CI core); tests that check the proof of work set their own.
 os.environ.setdefault("SAPO_POW_DIFFICULTY", "8")
-# The CPU recipe (README "Defaults") changes what an unset flag means on a CPU; tests name what they need
-# and run on the paper's defaults otherwise. tests/ops/test_recipe.py checks the recipe itself.
+# The CPU recipe (docs/CONFIGURATION.md, "Defaults") changes what an unset flag means on a CPU; tests name what they
+# need and run on the paper's defaults otherwise. tests/ops/test_recipe.py checks the recipe itself.
 os.environ.setdefault("SAPO_RECIPE", "none")
 # Each pytest-xdist worker computes in-process (tests/learn, ...) with its share of the cores: torch's default
 # of one thread per core gives 2 workers 4 threads on 2 cores, and the waiting threads spin. Measured on

@@ -1,5 +1,5 @@
 """Loud skips (tests/ci_guard.py): in CI a skipped engine, browser, versions or two-family test fails the run, every
-exception is explained in the README, and the test command lists every skip with its reason."""
+exception is explained in docs/TESTING.md, and the test command lists every skip with its reason."""
 
 import subprocess
 import sys
@@ -27,14 +27,14 @@ def test_a_guarded_skip_fails_only_in_ci():
     assert "models" in verdict(families, "gemma3-270m packages not installed", CI)
 
 
-def test_guarded_files_exist_and_every_allowed_skip_is_explained_in_the_readme():
+def test_guarded_files_exist_and_every_allowed_skip_is_explained_in_the_testing_doc():
     for prefixes in GUARDED.values():
         for prefix in prefixes:
             assert (REPO / prefix.split("::")[0]).is_file(), prefix
-    readme = (REPO / "README.md").read_text()
-    assert "tests/ci_guard.py" in readme and "CI=true" in readme
+    testing = (REPO / "docs" / "TESTING.md").read_text()
+    assert "tests/ci_guard.py" in testing and "CI=true" in testing
     for nodeid, why in ALLOWED.items():
-        assert nodeid in readme, f"README.md does not say why {nodeid} may skip in CI ({why})"
+        assert nodeid in testing, f"docs/TESTING.md does not say why {nodeid} may skip in CI ({why})"
 
 
 def test_the_versions_test_skipped_in_ci_fails_the_run():

@@ -1,8 +1,9 @@
-"""A newcomer's first commands: `--help` and `--version` of every console script, and the README's promises.
+"""A newcomer's first commands: `--help` and `--version` of every console script, and the docs' promises.
 
 The scripts run as real subprocesses (argparse formats help lazily: a bare `%` in one help string only
-fails when --help is printed). The README's configuration table and its `SAPO_<NAME>` variables are
-parsed here, so a later edit of the README or of a parser that makes them disagree fails a test.
+fails when --help is printed). The options table of docs/CONFIGURATION.md and the `SAPO_<NAME>` variables
+that README.md and docs/*.md name are parsed here, so a later edit of the docs or of a parser that makes
+them disagree fails a test.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from node.ops.config import CHOICES, RECIPES, NodeConfig, build_parser, load_con
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 SCRIPTS = PYPROJECT["project"]["scripts"]  # name -> "module:function"
-README = (REPO / "README.md").read_text()
+CONFIGURATION = (REPO / "docs" / "CONFIGURATION.md").read_text()
+# what a user reads: the README and the top-level docs (not the experiment and benchmark notes)
+USER_DOCS = "".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
 
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
@@ -70,7 +73,7 @@ def test_version_exits_0(name):
     assert __version__ == PYPROJECT["project"]["version"]
 
 
-# --- the README's configuration table ---------------------------------------------------------------------
+# --- the options table of docs/CONFIGURATION.md ---------------------------------------------------------------------
 
 # Prose the table uses for a default, and the values it stands for.
 WORDS = {"off": (False, 0, ""), "on": (True,), "–": ([], ""), "all cores": (0,), "mix default": (0,),
@@ -78,8 +81,8 @@ WORDS = {"off": (False, 0, ""), "on": (True,), "–": ([], ""), "all cores": (0,
 
 
 def config_rows() -> list[tuple[str, str]]:
-    """(flags cell, default cell) of each row of the table under '### Configuration'."""
-    section = README.split("### Configuration", 1)[1].split("\n### ", 1)[0]
+    """(flags cell, default cell) of each row of the table under '## Options' in docs/CONFIGURATION.md."""
+    section = CONFIGURATION.split("\n## Options\n", 1)[1].split("\n## ", 1)[0]
     rows = [[c.strip() for c in line.strip("|").split(" | ")] for line in section.splitlines()
             if line.startswith("| `--")]
     return [(cells[0], cells[1]) for cells in rows]
@@ -90,7 +93,7 @@ def flags_of(cell: str) -> list[str]:
 
 
 def config_table() -> list[tuple[list[str], list[str]]]:
-    """(flags, defaults) of each row of the table under '### Configuration'."""
+    """(flags, defaults) of each row of the options table."""
     out = []
     for flag_cell, default in config_rows():
         flags, default = flags_of(flag_cell), RECIPE_NOTE.sub("", default)  # the recipe's values: own test below
@@ -101,7 +104,7 @@ def config_table() -> list[tuple[list[str], list[str]]]:
 
 
 def stated(text: str) -> tuple:
-    """The values a README default stands for: a word, or a number (units dropped), or a `literal`."""
+    """The values a table's default stands for: a word, or a number (units dropped), or a `literal`."""
     if text in WORDS:
         return WORDS[text]
     plain = text.strip("`").removesuffix(" s")
@@ -144,14 +147,14 @@ def test_readme_config_flags_exist_with_their_default(flags, defaults):
     names = {f.name for f in fields(NodeConfig)}
     assert len(flags) == len(defaults), f"{flags}: the table states {len(defaults)} defaults: {defaults}"
     for flag, text in zip(flags, defaults):
-        assert flag in options, f"README names {flag}, which sapo-node does not have"
+        assert flag in options, f"docs/CONFIGURATION.md names {flag}, which sapo-node does not have"
         name = flag[2:].replace("-", "_")
         assert name in names
         actual = getattr(config, name)
         if isinstance(actual, list) and text.startswith("`"):
             actual = " ".join(actual)
         assert any(actual == v and type(actual) is not bool or actual is v for v in stated(text)), \
-            f"README says {flag} defaults to {text!r}; the parser's default is {actual!r}"
+            f"docs/CONFIGURATION.md says {flag} defaults to {text!r}; the parser's default is {actual!r}"
 
 
 def other_value(name: str) -> str:
@@ -169,19 +172,19 @@ def other_value(name: str) -> str:
 
 
 def test_readme_env_vars_are_read():
-    """Every SAPO_<NAME> the README names is a node option that load_config reads, a setting that one of
-    the shell scripts it documents reads (local_swarm.sh, setup.sh, test.sh), or one the package reads from
+    """Every SAPO_<NAME> the README or a top-level doc names is a node option that load_config reads, a setting
+    that one of the shell scripts they document reads (local_swarm.sh, setup.sh, test.sh), or one the package reads from
     the environment by name (e.g. SAPO_MODEL_CACHE, where packaged models are assembled), or the suite's
     process starter (tests/forkserver.py)."""
     script = "".join((REPO / "scripts" / f).read_text() for f in ("local_swarm.sh", "setup.sh", "test.sh"))
     code = "".join(p.read_text() for p in [*(REPO / "node").rglob("*.py"), REPO / "tests" / "forkserver.py"])
-    names = sorted(set(re.findall(r"\bSAPO_[A-Z][A-Z0-9_]*\b", README)))
+    names = sorted(set(re.findall(r"\bSAPO_[A-Z][A-Z0-9_]*\b", USER_DOCS)))
     assert "SAPO_NUM_LOCAL" in names and "SAPO_RUN_ROOT" in names
     option = {f"SAPO_{f.name.upper()}": f.name for f in fields(NodeConfig)}
     for env in names:
         if re.search(r"\$\{?" + env + r"\b", script) or re.search(r"environ[^\n]*[\"']" + env + r"[\"']", code):
             continue
-        assert env in option, (f"README names {env}; "
+        assert env in option, (f"the docs name {env}; "
                                f"neither sapo-node nor scripts/{{local_swarm,setup,test}}.sh reads it")
         name = option[env]
         raw = other_value(name)

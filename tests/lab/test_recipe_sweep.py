@@ -1,4 +1,4 @@
-"""The recipe sweep's pre-registered rule (scripts/recipe_sweep.py, docs/RESULTS.md section 7)."""
+"""The recipe sweep's pre-registered rule (scripts/recipe_sweep.py, docs/experiments/cpu-recipe.md)."""
 
 import importlib.util
 import sys

@@ -1,4 +1,4 @@
-"""The CPU recipe (README "Defaults"): what an unset flag means on a CPU, and that anything set wins."""
+"""The CPU recipe (docs/CONFIGURATION.md, "Defaults"): what an unset flag means on a CPU, and that anything set wins."""
 
 import pytest
 

@@ -115,8 +115,8 @@ def test_a_write_error_mid_run_turns_off(tmp_path, caplog):
 
 @pytest.mark.parametrize("key", sorted(SCALARS))
 def test_every_mapped_key_is_a_metrics_field(key):
-    """A tag for a key the node never writes would be a silent empty chart: README lists every field."""
+    """A tag for a key the node never writes would be a silent empty chart: docs/OUTPUTS.md lists every field."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert f"`{key}`" in readme
+    outputs = (Path(__file__).resolve().parents[2] / "docs" / "OUTPUTS.md").read_text()
+    assert f"`{key}`" in outputs
