@@ -19,7 +19,7 @@ from node.learn.evaluate import HeldOutEval
 from node.learn.groups import Prompter
 from node.learn.guard import CollapseGuard, GuardConfig
 from node.learn.lora import Adapter, attach
-from node.learn.policy import SamplingConfig
+from node.learn.sampling import SamplingConfig
 from node.learn.stop import StopRequest
 from node.learn.tasks import TaskMix, TaskSampler
 from node.learn.trainer import TrainConfig, Trainer

@@ -36,7 +36,7 @@ from node.learn.evaluate import EvalResult, HeldOutEval
 from node.learn.guard import START_ROUND, CollapseGuard, EvalSummary, weights_name
 from node.learn.groups import Group, Prompter, Selection, local_group, select_groups, to_sequences
 from node.learn.lora import Adapter
-from node.learn.policy import SamplingConfig
+from node.learn.sampling import SamplingConfig
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.learn.tasks import TaskMix, TaskSampler
 from node.learn.trainer import StepStats, Trainer

@@ -17,7 +17,7 @@ import torch
 from node import __version__
 from node.learn.groups import Group, Selection, collapse_metrics
 from node.learn.grpo import group_advantages
-from node.learn.policy import SampledGroup
+from node.learn.sampling import SampledGroup
 from node.learn.trainer import StepStats
 from node.ops.live import LiveState, PhaseTimer
 from node.swarm.exchange import Exchange, ExchangeStats

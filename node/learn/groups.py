@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from node.learn.grpo import group_advantages, has_signal
-from node.learn.policy import SampledGroup, Sequence, encode_completion, prompt_text
+from node.learn.sampling import SampledGroup, Sequence, encode_completion, prompt_text
 from node.learn.tasks import Task, TaskMix, build_messages, extract_answer, score
 
 LOCAL = "local"

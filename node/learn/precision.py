@@ -12,7 +12,7 @@ forward by bf16 rounding (~1e-2 nats), so under mixed precision the torch sample
 log-probs are not used as pi_old; the update forms pi_old with its own forward, exactly as for a rollout
 engine (node/learn/engines/). On a CPU without native bf16, autocast would emulate it and run slower than
 fp32: `auto` picks fp32 there. On CUDA `auto` is bf16 wherever the GPU computes in it (Ampere and later): the
-model is loaded in fp32 there too (node/learn/policy.py), because weights *stored* in bf16 lose Adam's
+model is loaded in fp32 there too (node/learn/model_io.py), because weights *stored* in bf16 lose Adam's
 updates: at the paper's lr 1e-6 a step moves a weight of ~0.03 by ~1e-6, under half of bf16's spacing there
 (~1.2e-4), so every such update rounds away and full fine-tuning does not learn at all.
 """

@@ -52,9 +52,9 @@ class DhtExchange(SignedExchange):
     async def collect(self, round_: int) -> list[Group]:
         # DHT-level refusals (counted in the DHT process) are read alongside the fetch, within its budget
         records: list[FetchedRecord]
-        # the bandit is the fetch policy: banned publishers are never fetched (its reputation vetoes them),
+        # the bandit is the publisher chooser: banned publishers are never fetched (its reputation vetoes them),
         # and a flood cannot make us receive more than we would verify
-        fetch = self.transport.fetch(max_bytes=self.verifier.cfg.budget_bytes, policy=self.bandit)
+        fetch = self.transport.fetch(max_bytes=self.verifier.cfg.budget_bytes, chooser=self.bandit)
         records, totals = await asyncio.gather(
             fetch, self.transport.validator_rejections(self.transport.config.fetch_timeout_s))
         groups = await self._verify_off_loop([(r.publisher, r.data) for r in records])  # starts a new round

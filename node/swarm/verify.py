@@ -284,7 +284,7 @@ class SignedExchange:
         self.identity = identity
         self.stats = ExchangeStats()
         self.reputation = Reputation(verify_cfg.reputation)
-        # the transport's fetch policy: the bandit chooses, the reputation vetoes
+        # the transport's publisher chooser: the bandit chooses, the reputation vetoes
         self.bandit = PublisherBandit(rng=random.Random(verify_cfg.seed + 1), reputation=self.reputation)
         self.verifier = Verifier(identity.public_key_bytes, mix, verify_cfg, self.stats, self.reputation,
                                  self.bandit)

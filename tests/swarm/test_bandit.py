@@ -157,7 +157,7 @@ def test_within_a_round_the_proven_publisher_is_judged_before_its_copier():
 def test_a_ghost_is_evidence_against_its_publisher():
     ex = exchange()
     ghost = Identity.generate().public_key_bytes
-    ex.bandit.missing(ghost, 3)  # the transport reports ghosts to its fetch policy: the exchange's bandit
+    ex.bandit.missing(ghost, 3)  # the transport reports ghosts to its publisher chooser: the exchange's bandit
     assert not ex.bandit.fresh(ghost) and ex.reputation.score(ghost) < 0
     assert ex.bandit.record(ghost).next_try - ex.bandit.round == 8  # honest software never makes one
     ex.stats.new_round()

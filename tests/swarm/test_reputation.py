@@ -313,7 +313,7 @@ def test_a_signed_config_nested_too_deep_to_re_encode_costs_the_signer():
     assert v.reputation.score(peer.public_key_bytes) == -PENALTIES["schema"]
 
 
-async def test_fetch_policy_skips_banned_publishers_and_counts_them_once_per_round():
+async def test_publisher_chooser_skips_banned_publishers_and_counts_them_once_per_round():
     ex = exchange()
     liar, honest = Identity.generate(), Identity.generate()
     ex.bandit.observe(liar.public_key_bytes, useful=True)  # proven before it lied
@@ -435,7 +435,7 @@ class ListedTransport:
         self.identity, self.records, self.offered_again = identity, records, []
         self.config = type("Cfg", (), {"fetch_timeout_s": 1.0})()
 
-    async def fetch(self, max_bytes=None, policy=None):
+    async def fetch(self, max_bytes=None, chooser=None):
         return list(self.records)
 
     async def validator_rejections(self, timeout):
