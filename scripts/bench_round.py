@@ -72,7 +72,9 @@ def rounds_section(args, model, tok, mix, max_new, device) -> dict:
                            "--max-new-tokens", str(max_new), "--run-dir", run_dir, "--checkpoint-every",
                            str(10**6), "--device", str(device), "--eval-every", str(args.eval_every),
                            "--eval-size", str(args.eval_size)], env={})
-        node = build_node(cfg, mix, model, tok, Silo(), device)
+        # a copy: a node takes its model over (the CPU recipe attaches LoRA and stores the frozen weights in
+        # bf16), and figures 2 and 3 measure the model as loaded
+        node = build_node(cfg, mix, copy.deepcopy(model), tok, Silo(), device)
         records = []
 
         async def go():
