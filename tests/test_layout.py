@@ -1,6 +1,6 @@
 """The package layout is the architecture: imports run one way, and no module grows without a reason.
 
-    lab ─► node.loop/records/persistence/build/cli ─► swarm ─► learn        bootstrap ─► ops ─► learn
+    lab ─► node.loop/records/evaluation/persistence/build/cli ─► swarm ─► learn        bootstrap ─► ops ─► learn
                                                 └──► ops   ─► learn                  └─► p2p
                                                      swarm ─► p2p
 
@@ -28,8 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     "bootstrap": {"root", "ops", "p2p"},
     "root": set(),
 }
-# the round loop, what it records, what it keeps on disk, what builds it, its CLI: node/ top
-ROUND_MODULES = {"node.loop", "node.records", "node.persistence", "node.build", "node.cli"}
+# the round loop, what it records, its evaluations, what it keeps on disk, what builds it, its CLI: node/ top
+ROUND_MODULES = {"node.loop", "node.records", "node.evaluation", "node.persistence", "node.build", "node.cli"}
 LONG_MODULE_LINES = 400
 LONG_MODULE_REASON = "Why this module is long:"
 
