@@ -19,7 +19,7 @@ from node.learn.evaluate import HeldOutEval
 from node.learn.groups import Prompter
 from node.learn.guard import CollapseGuard, GuardConfig
 from node.learn.lora import Adapter, attach
-from node.learn.policy import SamplingConfig
+from node.learn.sampling import SamplingConfig
 from node.learn.stop import StopRequest
 from node.learn.tasks import TaskMix, TaskSampler
 from node.learn.trainer import TrainConfig, Trainer
@@ -32,7 +32,7 @@ from node.ops.tensorboard import TensorBoardLog
 from node.persistence import Persistence, weights_base
 from node.records import NodeTotals
 from node.swarm.exchange import Exchange, Silo
-from node.swarm.ij_policy import make_ij_policy
+from node.swarm.ij_controller import make_ij_controller
 from node.swarm.settings import SwarmFiles, SwarmSettings
 from node.swarm.verify import VerifyConfig
 from p2p.wire import WireCaps
@@ -114,7 +114,7 @@ def build_node(cfg: NodeConfig, mix: TaskMix, model: torch.nn.Module, tokenizer,
                          logp_exact=mode == "off")
     sampler = TaskSampler(mix, cfg.seed)
     select_rng = random.Random(cfg.seed + 1)
-    ij = make_ij_policy(cfg.ij_policy, total=cfg.num_local + cfg.num_external, initial_j=cfg.num_external)
+    ij = make_ij_controller(cfg.ij_policy, total=cfg.num_local + cfg.num_external, initial_j=cfg.num_external)
     totals = NodeTotals()
     guard = CollapseGuard(GuardConfig(enabled=cfg.collapse_guard, lr_factor=cfg.guard_lr_factor))
     metrics = MetricsWriter(cfg.run_path)

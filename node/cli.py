@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"--tasks: {exc}")
     threads = configure_threads(cfg)
     from node import build
-    from node.learn.policy import ModelLoadError, load_model, pick_device
+    from node.learn.model_io import ModelLoadError, load_model, pick_device
 
     try:
         exchange = build.build_exchange(cfg, mix)  # before any CUDA work: hivemind's DHT forks a process

@@ -1,12 +1,14 @@
 """The SAPO round loop. Each round, on this node, independently of every other node:
 
-    1. sample I tasks                       5. collect verified external groups (window of recent rounds)
-    2. generate G completions per task      6. select: drop zero-advantage groups, keep I local + J external
-    3. score them with our own reward       7. one GRPO update (pi_old fixed before the first step)
-    4. publish the groups to the swarm      8. record, held-out eval (every --eval-every), adapt I/J, checkpoint
+    1. sample I tasks                       6. verify them: re-generate each task, re-score each completion
+    2. generate G completions per task      7. select: drop zero-advantage groups, keep I local + J external
+    3. score them with our own reward       8. one GRPO update (pi_old fixed before the first step)
+    4. publish the groups to the swarm      9. held-out eval (every --eval-every) and the collapse guard
+    5. fetch others' recent batches        10. adapt I/J, record; a checkpoint every --checkpoint-every rounds
 
 `SapoNode` holds only the algorithm: node/build.py makes its parts from a `NodeConfig`, node/records.py
-turns a finished round into its record, log line and status, node/persistence.py keeps its state on disk.
+turns a finished round into its record, log line and status, node/evaluation.py runs the held-out
+evaluations and the guard's restores, node/persistence.py keeps its state on disk.
 
 Model work runs in a single worker thread; the event loop only awaits it, so swarm I/O, the status
 server and signal handling stay responsive.
@@ -23,36 +25,34 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from node.evaluation import NodeEvaluation
 from node.learn import precision
 from node.learn.engines import RolloutEngine
-from node.learn.evaluate import EvalResult, HeldOutEval
-from node.learn.guard import START_ROUND, CollapseGuard, EvalSummary, weights_name
-from node.learn.groups import Group, Prompter, Selection, local_group, select_groups, to_sequences
+from node.learn.evaluate import HeldOutEval
+from node.learn.groups import Group, Prompter, local_group, select_groups, to_sequences
+from node.learn.guard import CollapseGuard
 from node.learn.lora import Adapter
-from node.learn.policy import SamplingConfig
+from node.learn.sampling import SamplingConfig
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.learn.tasks import TaskMix, TaskSampler
 from node.learn.trainer import StepStats, Trainer
-from node.ops.checkpoint import CheckpointError
 from node.ops.config import NodeConfig
 from node.ops.live import LiveState, PhaseTimer
 from node.ops.metrics import MetricsWriter, peak_memory_mb
 from node.ops.tensorboard import TensorBoardLog
 from node.persistence import Persistence
-from node.records import NodeTotals, ij_observation, log_line, remember_round, round_record, status_snapshot, \
+from node.records import NodeTotals, QuietRounds, log_line, remember_round, round_record, status_snapshot, \
     tokens_generated
 from node.swarm.exchange import Exchange
-from node.swarm.ij_policy import IJPolicy
+from node.swarm.ij_controller import IJController, RoundObservation
 
 log = logging.getLogger("sapo.node")
-QUIET_ROUNDS = 5  # rounds in a row without an update after which the node says it is learning nothing
 
 
 @dataclass
@@ -79,7 +79,7 @@ class SapoNode:
     sampler: TaskSampler  # seeded: the same tasks again on resume
     select_rng: random.Random  # which external groups are trained on
     trainer: Trainer
-    ij: IJPolicy  # this round's split I/J
+    ij: IJController  # this round's split I/J, adapted to what each round brought
     exchange: Exchange  # the swarm (or Silo)
     held_out: HeldOutEval
     totals: NodeTotals
@@ -97,11 +97,14 @@ class SapoNode:
         self.engine_stale = False  # the weights moved since the engine last synced (an update, a resume)
         self._stop_event: asyncio.Event | None = None  # wakes network waits; made in run()
         self.publisher = ""  # this node's public key, once the exchange has started
-        self.restored_in_round = False  # the collapse guard loaded other weights in the round in progress
         self.mid_round_weights = False  # a round failed after its weights moved: memory is no round's state
         self.start_due = False  # open() sets it: step() evaluates the starting weights before round 0
-        self.start_eval: dict = {}  # the starting weights' evaluation (start_* keys), for round 0's record
-        self.rounds_without_update = 0  # in a row, this run (a warning at QUIET_ROUNDS)
+        self.quiet = QuietRounds()  # says so when round after round brings no update
+        self.evaluation = NodeEvaluation(
+            held_out=self.held_out, guard=self.guard, persistence=self.persistence, metrics=self.metrics,
+            trainer=self.trainer, live=self.live, in_worker=self._in_worker,
+            held_out_run=lambda: self._in_worker(self.held_out.run, self.model, self.tokenizer, self.prompter,
+                                                 self.sampling.max_new_tokens, self.stop))
 
     @property
     def stop_requested(self) -> bool:
@@ -141,9 +144,9 @@ class SapoNode:
         restored = await self._in_worker(self.persistence.restore)  # --resume, else --lora-init
         if restored is not None:
             self.next_round, self.engine_stale = restored, True
-            await self._evaluate_skipped_round()
+            await self.evaluation.skipped_round(self.next_round)  # a due evaluation a stop skipped
         # the starting weights' evaluation, the collapse guard's first reference: before round 0 of a fresh start
-        self.start_due = self.next_round == 0 and self.guard.cfg.enabled and self.held_out.due(0)
+        self.start_due = self.evaluation.start_due(self.next_round)
         # after resume's truncation: the curves hold each round of metrics.jsonl once, new rounds follow
         await self._in_worker(self.tensorboard.rebuild, self.metrics.path)
 
@@ -154,16 +157,16 @@ class SapoNode:
         round's state is in memory, and close() saves none."""
         if self.start_due:  # nothing has changed yet: an error here needs no rewind
             self.start_due = False
-            await self._evaluate_start()
+            self.engine_stale |= await self.evaluation.start()
         at_start = self.persistence.capture(self.next_round)
-        steps_before, self.restored_in_round = self.trainer.steps_taken, False
+        steps_before, self.evaluation.restore_tried = self.trainer.steps_taken, False
         try:
             result = await self.run_round(self.next_round)
         except RoundAbandoned:  # rewound after the worker has let go of the round
             self.next_round = await self._in_worker(self.persistence.rewind, at_start)
             raise
         except Exception:  # a bug, a failing disk, out of memory
-            if self.trainer.steps_taken != steps_before or self.restored_in_round:
+            if self.trainer.steps_taken != steps_before or self.evaluation.restore_tried:
                 self.mid_round_weights = True  # the weights cannot be rewound
             else:
                 self.next_round = await self._in_worker(self.persistence.rewind, at_start)
@@ -175,6 +178,7 @@ class SapoNode:
         return result.record
 
     async def run_round(self, r: int) -> RoundResult:
+        """One SAPO round, the module docstring's steps in order."""
         timer = PhaseTimer(self.live)
         num_local, num_external = self.ij.split()
         self.live.round = r
@@ -195,13 +199,15 @@ class SapoNode:
         with timer("publish"):
             await self._bounded(self.exchange.publish(r, local), "publish")
         with timer("fetch"):
-            external = await self._bounded(self.exchange.collect(r), "fetch") or []
+            received = await self._bounded(self.exchange.fetch(r), "fetch")
+        with timer("verify"):  # a fetch that failed or timed out leaves nothing to verify
+            external = (await self._bounded(self.exchange.verify(received), "verify") if received else None) or []
         with timer("select"):
             selection = select_groups(local, external, num_local, num_external, self.select_rng)
         with timer("train"):
             stats = await self._in_worker(self.train, selection.local + selection.external)
         self.engine_stale = self.engine_stale or stats.optimizer_steps > 0
-        self._watch_updates(r, stats.optimizer_steps)
+        self.quiet.saw(r, stats.optimizer_steps)
 
         tokens = tokens_generated(sampled)
         self.totals.add(selection, tokens)
@@ -209,114 +215,18 @@ class SapoNode:
                               target=(num_local, num_external), stats=stats, tokens=tokens,
                               exchange=self.exchange.stats, peak_mem_mb=peak_memory_mb(self.device),
                               ij_policy=self.cfg.ij_policy, model=self.cfg.model, publisher=self.publisher)
-        if r == 0:
-            record.update(self.start_eval)
-        if self.held_out.due(r) and not self.stop_requested:
-            await self._evaluate(r, timer, record)
-            await self._guard(r, record)
-        record.update(lr=self.trainer.lr, guard_restores=self.guard.state.restores)
-        self._keep(record, selection)
+        if await self.evaluation.after_round(r, timer, record, self.stop_requested):
+            self.engine_stale = True  # the collapse guard put other weights back
+        self.ij.update(RoundObservation.of(r, local, selection))
+        self._keep(record)
         return RoundResult(r, record)
-
-    def _watch_updates(self, r: int, steps: int) -> None:
-        """A node can run round after round without an update (every group on offer scored alike) and look busy
-        while learning nothing: it says so once per such stretch, with the usual causes."""
-        self.rounds_without_update = 0 if steps else self.rounds_without_update + 1
-        if self.rounds_without_update == QUIET_ROUNDS:
-            log.warning("no update in rounds %d-%d: in every group on offer the completions scored alike (all "
-                        "wrong, or all right), so there was no advantage to learn from. The tasks may be beyond "
-                        "this model or too easy for it (--tasks), or the policy has collapsed (the collapse guard "
-                        "acts at held-out evaluations)", r - QUIET_ROUNDS + 1, r)
 
     def train(self, groups: list[Group]) -> StepStats:
         seqs = to_sequences(groups, self.tokenizer, self.prompter, self.cfg.scale_std, self.cfg.external_loss)
         return self.trainer.step(seqs)
 
-    async def _evaluate(self, r: int, timer: PhaseTimer, record: dict) -> None:
-        """Held-out accuracy into this round's record. The round is complete by now: a stop during the
-        evaluation skips it (the round stays), it never abandons the round."""
-        try:
-            with timer("eval"):
-                result = await self._held_out()
-        except RoundAbandoned:
-            log.info("held-out evaluation of round %d skipped: stop requested", r)
-            return
-        fields = result.to_record()
-        self.live.last_eval = {"round": r, **{k: v for k, v in fields.items()
-                                               if not isinstance(v, list)}}  # per-task lists: metrics only
-        record.update(fields, t_end=time.time(), round_s=round(time.time() - timer.t0, 4))
-        record["phase_s"]["eval"] = round(timer.seconds["eval"], 4)
-        log.info("%s", result.log_line(r))
-
-    async def _evaluate_start(self) -> None:
-        """The starting weights' held-out evaluation, before round 0's update: the collapse guard's first
-        restore point (node/learn/guard.py says why), and the run's true before-training figures, which go
-        into round 0's record as start_accuracy, start_unseen_accuracy, ... A stop skips it."""
-        self.live.phase = "eval"
-        try:
-            result = await self._held_out()
-        except RoundAbandoned:
-            log.info("held-out evaluation of the starting weights skipped: stop requested")
-            return
-        log.info("%s", result.log_line(None))
-        self.start_eval = result.to_record("start")
-        await self._guard(START_ROUND, result.to_record())  # the guard reads the eval_ keys
-
-    async def _held_out(self) -> EvalResult:
-        """The held-out evaluation of the weights as they are, in the model thread (RoundAbandoned on a stop)."""
-        return await self._in_worker(self.held_out.run, self.model, self.tokenizer, self.prompter,
-                                     self.sampling.max_new_tokens, self.stop)
-
-    async def _evaluate_skipped_round(self) -> None:
-        """A stop after a round's update keeps the round but skips its due evaluation. The checkpoint holds
-        that round's weights, so on resume the evaluation (and the guard's reading of it) runs first, as it
-        would have then, into that round's record: a run's curve never loses a scheduled point, and a run
-        stopped in its last round still ends with its final evaluation."""
-        r, record = self.next_round - 1, self.metrics.last()
-        if not (r >= 0 and self.held_out.due(r) and record and record.get("round") == r
-                and "eval_accuracy" not in record):
-            return
-        log.info("round %d: its held-out evaluation was skipped by a stop; evaluating its checkpoint now", r)
-        t_end, round_s = record.get("t_end"), float(record.get("round_s", 0.0))
-        timer = PhaseTimer(self.live)
-        await self._evaluate(r, timer, record)
-        if "eval_accuracy" not in record:  # stopped again: the next resume evaluates it
-            return
-        record.update(t_end=t_end, round_s=round(round_s + timer.seconds["eval"], 4), eval_on_resume=True)
-        await self._guard(r, record)
-        record.update(lr=self.trainer.lr, guard_restores=self.guard.state.restores)
-        self.metrics.replace_last(record)
-
-    async def _guard(self, r: int, record: dict) -> None:
-        """The collapse guard reads the evaluation: a new best is the restore point; a collapse from it puts
-        the restore point's weights back at a lower learning rate (docs/OPERATING.md)."""
-        summary = EvalSummary.from_record(r, record)
-        if summary is None or not self.guard.cfg.enabled:
-            return
-        verdict = self.guard.judge(summary)
-        record["guard_action"] = verdict.action
-        if verdict.action == "snapshot":
-            await self._in_worker(self.persistence.save_restore_point, r)
-        elif verdict.action == "restore":
-            self.restored_in_round = True
-            try:
-                await self._in_worker(self.persistence.load_restore_point, verdict.lr_scale, verdict.restored_to)
-            except CheckpointError as exc:  # a node keeps training rather than die on its own bad file
-                self.guard.restore_failed()
-                await self._in_worker(self.persistence.set_lr_scale, verdict.lr_scale)
-                record.update(guard_action="restore_failed", guard_reason=f"{verdict.reason}; {exc}")
-                log.error("collapse guard: %s, but the restore point cannot be loaded (%s): training on from "
-                          "these weights, learning rate now %.3g", verdict.reason, exc, self.trainer.lr)
-                return
-            self.engine_stale = True
-            record.update(guard_reason=verdict.reason, guard_restored_to=verdict.restored_to)
-            self.live.last_guard = {"round": r, "reason": verdict.reason, "restored_to": verdict.restored_to}
-            log.warning("collapse guard: %s; restored %s, learning rate now %.3g", verdict.reason,
-                        weights_name(verdict.restored_to), self.trainer.lr)
-
-    def _keep(self, record: dict, selection: Selection) -> None:
-        """The finished round into the I/J policy, metrics.jsonl, TensorBoard, the live history and node.log."""
-        self.ij.update(ij_observation(record, selection))
+    def _keep(self, record: dict) -> None:
+        """The finished round into metrics.jsonl, TensorBoard, the live history and node.log."""
         self.metrics.write(record)
         self.worker.submit(self.tensorboard.write, dict(record))  # model thread, before the next round's work
         remember_round(self.live, record)

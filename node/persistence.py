@@ -27,7 +27,7 @@ from node.ops.checkpoint import RESTORE_POINT_DIR, CheckpointError, CheckpointSt
 from node.ops.config import NodeConfig
 from node.ops.metrics import MetricsWriter
 from node.records import NodeTotals
-from node.swarm.ij_policy import IJPolicy
+from node.swarm.ij_controller import IJController
 from node.swarm.reputation import REPUTATION_FILE, Reputation
 
 log = logging.getLogger("sapo.node")
@@ -51,7 +51,7 @@ class Persistence:
     trainer: Trainer  # its optimizer and its Python RNG
     sampler: TaskSampler
     select_rng: random.Random
-    ij: IJPolicy
+    ij: IJController
     totals: NodeTotals
     metrics: MetricsWriter  # metrics.jsonl, cut back to the checkpoint on resume
     reputation: Reputation

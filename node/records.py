@@ -1,28 +1,29 @@
-"""What a round leaves behind: its metrics.jsonl record, the I/J controller's observation, its log line and
-its entry in the live history, and the status snapshot that /status, /metrics and the dashboard render.
+"""What a round leaves behind: its metrics.jsonl record, its log line and its entry in the live history, and
+the status snapshot that /status, /metrics and the dashboard render.
 
 Plain functions of what they are given: the loop names every input at the call site, so a reader (or a
 call-graph tool) follows the round into its record. Kept out of node/loop.py so that the loop reads as the
-algorithm; nothing here changes what the node learns. The only state is `NodeTotals`, the running counters.
+algorithm; nothing here changes what the node learns. The only state is `NodeTotals`, the running counters,
+and `QuietRounds`, the stretch of rounds without an update.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from node import __version__
-from node.learn.groups import Group, Selection, collapse_metrics
-from node.learn.grpo import group_advantages
-from node.learn.policy import SampledGroup
+from node.learn.groups import Group, Selection, collapse_metrics, mean_reward
+from node.learn.sampling import SampledGroup
 from node.learn.trainer import StepStats
 from node.ops.live import LiveState, PhaseTimer
 from node.swarm.exchange import Exchange, ExchangeStats
-from node.swarm.ij_policy import RoundObservation
 
+log = logging.getLogger("sapo.node")
+
+QUIET_ROUNDS = 5  # rounds in a row without an update after which the node says it is learning nothing
 HISTORY_ROUNDS = 500  # rounds the live history keeps (status, dashboard)
 SOURCE_PREFIX = 16  # hex digits of a publisher key that name it in a record
 # Learning-health keys kept in the live history (status, dashboard)
@@ -55,6 +56,23 @@ class NodeTotals:
         vars(self).update(NodeTotals(**state).state_dict())
 
 
+@dataclass
+class QuietRounds:
+    """A node can run round after round without an update (every group on offer scored alike) and look busy
+    while learning nothing: it says so once per such stretch, with the usual causes."""
+
+    rounds_without_update: int = 0  # in a row, this run (a warning at QUIET_ROUNDS)
+
+    def saw(self, r: int, steps: int) -> None:
+        """Round r took `steps` optimizer steps."""
+        self.rounds_without_update = 0 if steps else self.rounds_without_update + 1
+        if self.rounds_without_update == QUIET_ROUNDS:
+            log.warning("no update in rounds %d-%d: in every group on offer the completions scored alike (all "
+                        "wrong, or all right), so there was no advantage to learn from. The tasks may be beyond "
+                        "this model or too easy for it (--tasks), or the policy has collapsed (the collapse guard "
+                        "acts at held-out evaluations)", r - QUIET_ROUNDS + 1, r)
+
+
 def tokens_generated(sampled: list[SampledGroup]) -> int:
     return sum(len(ids) for s in sampled for ids in s.completion_ids)
 
@@ -72,10 +90,11 @@ def round_record(*, r: int, timer: PhaseTimer, local: list[Group], external: lis
         "t_end": time.time(),
         "round_s": round(time.time() - timer.t0, 4),
         "phase_s": phase_s,
-        "swarm_io_s": round(phase_s.get("publish", 0.0) + phase_s.get("fetch", 0.0), 4),
-        "reward_mean": float(sum(rewards) / len(rewards)) if rewards else 0.0,
+        # the round's time on the swarm: publishing, fetching and verifying what came
+        "swarm_io_s": round(sum(phase_s.get(p, 0.0) for p in ("publish", "fetch", "verify")), 4),
+        "reward_mean": mean_reward(local),
         "reward_max": float(max(rewards)) if rewards else 0.0,
-        "local_signal_frac": (len(local) - selection.dropped_local) / max(len(local), 1),
+        "local_signal_frac": selection.local_signal_frac,
         "target_local": target[0],
         "target_external": target[1],
         "num_local": len(selection.local),
@@ -105,21 +124,6 @@ def round_record(*, r: int, timer: PhaseTimer, local: list[Group], external: lis
         "model": model,  # peers of a mixed swarm run different models (progress view, report)
         **collapse_metrics(local, external),
     }
-
-
-def ij_observation(record: dict[str, Any], selection: Selection) -> RoundObservation:
-    """What the I/J controller learns from a finished round (its record and what was trained on)."""
-    return RoundObservation(
-        round=record["round"],
-        reward_mean=record["reward_mean"],
-        num_local=record["num_local"],
-        num_external=record["num_external"],
-        external_available=selection.external_available,
-        local_signal_frac=record["local_signal_frac"],
-        external_signal_frac=record["external_signal_frac"],
-        external_adv_abs_mean=_mean_abs_adv(selection.external),
-        local_adv_abs_mean=_mean_abs_adv(selection.local),
-    )
 
 
 def remember_round(live: LiveState, record: dict[str, Any]) -> None:
@@ -183,10 +187,3 @@ def _count_sources(groups: list[Group]) -> dict[str, int]:
     for g in groups:
         counts[g.source[:SOURCE_PREFIX]] = counts.get(g.source[:SOURCE_PREFIX], 0) + 1
     return counts
-
-
-def _mean_abs_adv(groups: list[Group]) -> float:
-    values = []
-    for g in groups:
-        values.extend(abs(a) for a in group_advantages(torch.tensor(g.rewards, dtype=torch.float64)).tolist())
-    return sum(values) / len(values) if values else 0.0

@@ -3,7 +3,7 @@
 Rounds are not synchronized across peers, so a reader learns them from presence records (PROTOCOL §7):
 "I am alive, my latest round is R", under one of `presence_shards` keys chosen by a hash of the
 publisher, and again among the shards of its work tier (`p2p.pow`). One sample reads presence shards,
-first those of the publishers the `FetchPolicy` prefers, then the next slice of every tier >= 1 in a
+first those of the publishers the `PublisherChooser` prefers, then the next slice of every tier >= 1 in a
 rotation that covers each tier every TIER_SCAN_ROUNDS fetches, then tier-0 shards in random order, until
 it holds `presence_sample` fresh candidates or the deadline passes. What it reads also feeds the
 transport's bounded memories: the newest round and the work tier seen per publisher.
@@ -17,14 +17,12 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, Protocol
+from typing import Any, Awaitable, Callable, Optional, Protocol
 
+from p2p.config import TransportConfig
 from p2p.pow import MAX_TIER, work_tier
 from p2p.validators import presence_home, presence_key, tier_shards
 from p2p.wire import MAX_PRESENCE_BYTES, WireError, decode_presence, envelope_nonce
-
-if TYPE_CHECKING:
-    from p2p.transport import TransportConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +54,9 @@ class FetchStats:
         self.largest_answer_bytes = max(self.largest_answer_bytes, len(value))
 
 
-class FetchPolicy(Protocol):
+class PublisherChooser(Protocol):
     """Whose batches a fetch reads: the one hook a fetch takes (the node's bandit, `node.swarm.bandit`, whose
-    reputation vetoes banned keys; `UniformPolicy` by default)."""
+    reputation vetoes banned keys; `UniformChooser` by default)."""
 
     def allowed(self, publisher: bytes) -> bool:
         """May this publisher be a candidate at all? False: none of its batches is fetched (a banned key)."""
@@ -81,7 +79,7 @@ class FetchPolicy(Protocol):
         ...
 
 
-class UniformPolicy:
+class UniformChooser:
     """Protocol §7's default: everyone allowed, no preference, K chosen uniformly at random."""
 
     def allowed(self, publisher: bytes) -> bool:
@@ -121,11 +119,11 @@ class PresenceSampler:
         self.fetched.pop((pub, round_), None)
 
     async def sample(
-        self, get_many: GetMany, deadline: float, stats: FetchStats, policy: FetchPolicy,
+        self, get_many: GetMany, deadline: float, stats: FetchStats, chooser: PublisherChooser,
     ) -> dict[bytes, int]:
         """Read presence shards until `presence_sample` fresh allowed candidates (publisher -> round) are known.
 
-        Must-read, in the first searches: the shards of the policy's preferred publishers, then this
+        Must-read, in the first searches: the shards of the chooser's preferred publishers, then this
         fetch's slice of every tier >= 1 (highest first; the rotation reads each tier-t shard at least once
         in TIER_SCAN_ROUNDS fetches, so a key that paid for a tier is met within that many rounds however
         many cheaper keys there are). Then tier-0 shards (every key is there) in random order, as many as
@@ -133,7 +131,7 @@ class PresenceSampler:
         search. Bounded by the shards named here and the deadline, not by the swarm size.
         """
         cfg = self.config
-        preferred = list(dict.fromkeys(self.home(p) for p in policy.preferred(cfg.fetch_max)))
+        preferred = list(dict.fromkeys(self.home(p) for p in chooser.preferred(cfg.fetch_max)))
         must = list(dict.fromkeys(preferred + self.tier_slice()))
         tier0 = [presence_key(cfg.swarm, s) for s in random.sample(range(cfg.presence_shards), cfg.presence_shards)]
         order = must + [key for key in tier0 if key not in must]
@@ -146,9 +144,9 @@ class PresenceSampler:
             answers = await get_many(shards, deadline) or {}
             stats.shards_read += len(shards)
             for entries in answers.values():
-                self._take(entries, policy, candidates, stats)
+                self._take(entries, chooser, candidates, stats)
             n_must = max(0, n_must - len(shards))
-            fresh = sum(1 for p in candidates if policy.fresh(p))
+            fresh = sum(1 for p in candidates if chooser.fresh(p))
             missing = cfg.presence_sample - fresh
             if missing <= 0 and n_must == 0:
                 break
@@ -170,7 +168,7 @@ class PresenceSampler:
         return keys
 
     def _take(
-        self, entries: dict[bytes, bytes], policy: FetchPolicy, candidates: dict[bytes, int], stats: FetchStats,
+        self, entries: dict[bytes, bytes], chooser: PublisherChooser, candidates: dict[bytes, int], stats: FetchStats,
     ) -> None:
         """Add the valid, current presence records of one shard to `candidates` (and to the memories)."""
         cfg = self.config
@@ -190,7 +188,7 @@ class PresenceSampler:
                 continue  # a stale record (or a clock far off): its batches are gone or not yet valid
             remember(self.known, pub.hex(), rec.round)
             remember(self.tiers, pub, work_tier(pub, envelope_nonce(data), cfg.pow_difficulty))
-            if (pub, rec.round) in self.fetched or not policy.allowed(pub):
+            if (pub, rec.round) in self.fetched or not chooser.allowed(pub):
                 continue
             candidates[pub] = rec.round
 

@@ -3,8 +3,8 @@
 Protocol v2 (docs/PROTOCOL.md): a batch lives alone under its (publisher, round) key, and a presence
 record ("I am alive, my latest round is R") under its presence shards (`p2p.presence`). One fetch
 samples presence for a bounded set of candidates, then fetches at most `fetch_max` batches chosen by the
-caller's `FetchPolicy` (uniformly by default): its cost is bounded by constants, not by the swarm size.
-An announced batch that is not there (a "ghost") is reported to the policy. Network trouble never raises
+caller's `PublisherChooser` (uniformly by default): its cost is bounded by constants, not by the swarm size.
+An announced batch that is not there (a "ghost") is reported to the chooser. Network trouble never raises
 out of publish/fetch: it returns what it has and logs. What runs inside hivemind's DHT process is in
 `p2p.dht_process`.
 """
@@ -16,7 +16,7 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Optional
@@ -24,59 +24,20 @@ from typing import Optional
 import hivemind
 from hivemind.utils import get_dht_time
 
+from p2p.config import TransportConfig
 from p2p.dht_process import die_with_parent, get_many_in_dht, keep_valid_subkeys_in, start_dht, store_from_file, \
     unlink_quietly, validator_rejections_in_dht, visible_maddrs
-from p2p.identity import KEY_FILENAME, Identity, libp2p_identity_path
-from p2p.pow import DEFAULT_POW_DIFFICULTY, MAX_POW_DIFFICULTY, work_tier
-from p2p.presence import FetchPolicy, FetchStats, PresenceSampler, UniformPolicy
-from p2p.validators import DEFAULT_PRESENCE_SHARDS, MAX_PRESENCE_SHARDS, MAX_RECORD_TTL_S, batch_key, \
-    owner_of_subkey, owner_subkey, presence_keys_for
-from p2p.wire import MAX_PRESENCE_BYTES, WIRE_VERSION, PresenceRecord, WireCaps, encode_presence, open_envelope, \
-    presence_fits
+from p2p.identity import KEY_FILENAME, Identity
+from p2p.pow import work_tier
+from p2p.presence import FetchStats, PresenceSampler, PublisherChooser, UniformChooser
+from p2p.validators import batch_key, owner_of_subkey, owner_subkey, presence_keys_for
+from p2p.wire import WIRE_VERSION, PresenceRecord, encode_presence, open_envelope
 
 logger = logging.getLogger(__name__)
 
 
 class TransportError(RuntimeError):
     """The transport could not start (no initial peer answered, p2pd failed, bad identity)."""
-
-
-@dataclass(kw_only=True)
-class TransportConfig:
-    identity_dir: Path
-    swarm: str = "sapo-default"
-    initial_peers: list[str] = field(default_factory=list)
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
-    announce_maddrs: list[str] = field(default_factory=list)
-    client_mode: bool = False
-    fetch_timeout_s: float = 5.0
-    publish_timeout_s: float = 5.0
-    record_ttl_s: float = 600.0
-    start_timeout_s: float = 60.0
-    create_identity: bool = True  # False: a missing key is an error (a run dir that already has state)
-    p2p_identity_file: Optional[Path] = None  # hivemind's libp2p key; None: `p2p.identity` in identity_dir
-    caps: WireCaps = field(default_factory=WireCaps)
-    pow_difficulty: int = DEFAULT_POW_DIFFICULTY  # swarm-wide: keys with less work are refused
-    presence_shards: int = DEFAULT_PRESENCE_SHARDS  # swarm-wide: part of the key layout
-    fetch_max: int = 16  # K: batches fetched per round at most
-    presence_sample: int = 0  # candidates to gather before choosing K (0 = 2 * fetch_max)
-
-    def __post_init__(self) -> None:
-        if not 0 < self.record_ttl_s <= MAX_RECORD_TTL_S:
-            raise ValueError(f"record_ttl_s must be in (0, {MAX_RECORD_TTL_S}]: peers reject longer-lived records")
-        if not 0 <= self.pow_difficulty <= MAX_POW_DIFFICULTY:
-            raise ValueError(f"pow_difficulty must be in [0, {MAX_POW_DIFFICULTY}]")
-        if not 1 <= self.presence_shards <= MAX_PRESENCE_SHARDS:
-            raise ValueError(f"presence_shards must be in [1, {MAX_PRESENCE_SHARDS}]")
-        if self.fetch_max < 1:
-            raise ValueError("fetch_max must be >= 1")
-        if not presence_fits(self.swarm):
-            raise ValueError(f"swarm name too long ({len(self.swarm.encode())} bytes): its presence records would "
-                             f"exceed {MAX_PRESENCE_BYTES} bytes and no peer would ever find this node")
-        if self.presence_sample <= 0:
-            self.presence_sample = 2 * self.fetch_max
-        if self.p2p_identity_file is None:
-            self.p2p_identity_file = libp2p_identity_path(self.identity_dir)
 
 
 @dataclass(frozen=True)
@@ -200,12 +161,13 @@ class SwarmTransport:
             f.write(value)
         return path
 
-    async def fetch(self, max_bytes: Optional[int] = None, policy: Optional[FetchPolicy] = None) -> list[FetchedRecord]:
-        """At most `fetch_max` new batches among a bounded sample, chosen by `policy` (uniform by default),
-        which also decides whom to skip before any batch is fetched (`FetchPolicy.allowed`). Records beyond
+    async def fetch(self, max_bytes: Optional[int] = None,
+                    chooser: Optional[PublisherChooser] = None) -> list[FetchedRecord]:
+        """At most `fetch_max` new batches among a bounded sample, chosen by `chooser` (uniform by default),
+        which also decides whom to skip before any batch is fetched (`PublisherChooser.allowed`). Records beyond
         `max_bytes` in total are dropped. Partial results on timeout; never raises on network trouble.
         """
-        policy = policy or UniformPolicy()
+        chooser = chooser or UniformChooser()
         stats = self.last_fetch = FetchStats()
         if not self.dht.is_alive():
             logger.error("fetch skipped: the DHT process is dead")
@@ -213,9 +175,9 @@ class SwarmTransport:
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + self.config.fetch_timeout_s
-        candidates = await self.sampler.sample(self._get_many, deadline, stats, policy)
+        candidates = await self.sampler.sample(self._get_many, deadline, stats, chooser)
         tiers = {pub: self.sampler.tiers.get(pub, 0) for pub in candidates}
-        chosen = [(pub, candidates[pub]) for pub in policy.choose(candidates, self.config.fetch_max, tiers)
+        chosen = [(pub, candidates[pub]) for pub in chooser.choose(candidates, self.config.fetch_max, tiers)
                   if pub in candidates][:self.config.fetch_max]
         stats.batches_requested = len(chosen)
         gets = [asyncio.ensure_future(self._get_many([batch_key(self.config.swarm, pub, r)], deadline, missing=True))
@@ -230,7 +192,7 @@ class SwarmTransport:
             if value is None:
                 stats.missing += 1
                 self.sampler.mark_fetched(pub, r)  # a ghost is asked once
-                policy.missing(pub, r)
+                chooser.missing(pub, r)
                 continue
             stats.batches_received += 1
             stats.received(value)

@@ -40,7 +40,8 @@ import torch  # noqa: E402
 
 from node.learn.engines import make_engine  # noqa: E402
 from node.learn.groups import Prompter, local_group, score_responses  # noqa: E402
-from node.learn.policy import SamplingConfig, load_model  # noqa: E402
+from node.learn.model_io import load_model  # noqa: E402
+from node.learn.sampling import SamplingConfig  # noqa: E402
 from node.learn.tasks import TaskSampler, resolve_mix  # noqa: E402
 from node.lab.evidence import paired_task_gain  # noqa: E402
 

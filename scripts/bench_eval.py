@@ -34,7 +34,7 @@ from node.learn import precision  # noqa: E402
 from node.learn.evaluate import greedy_texts, scored  # noqa: E402
 from node.learn.groups import Prompter  # noqa: E402
 from node.learn.lora import LoraBase, LoraSettings  # noqa: E402
-from node.learn.policy import load_model  # noqa: E402
+from node.learn.model_io import load_model  # noqa: E402
 from node.learn.tasks import eval_tasks, resolve_mix  # noqa: E402
 from node.ops.checkpoint import load_from  # noqa: E402
 

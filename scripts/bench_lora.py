@@ -36,7 +36,8 @@ import torch  # noqa: E402
 
 from node.learn.groups import Prompter, local_group, to_sequences  # noqa: E402
 from node.learn.lora import attach  # noqa: E402
-from node.learn.policy import SamplingConfig, load_model, pick_device, sample_groups  # noqa: E402
+from node.learn.model_io import load_model, pick_device  # noqa: E402
+from node.learn.sampling import SamplingConfig, sample_groups  # noqa: E402
 from node.learn.tasks import TaskSampler, resolve_mix  # noqa: E402
 from node.learn.trainer import TrainConfig, Trainer  # noqa: E402
 

@@ -45,7 +45,8 @@ from node.swarm.exchange import Silo  # noqa: E402
 from node.learn.groups import Prompter, local_group, to_sequences  # noqa: E402
 from node.build import build_node  # noqa: E402
 from node.learn.choices import MIXED_PRECISION  # noqa: E402
-from node.learn.policy import SamplingConfig, load_model, pick_device, sample_groups  # noqa: E402
+from node.learn.model_io import load_model, pick_device  # noqa: E402
+from node.learn.sampling import SamplingConfig, sample_groups  # noqa: E402
 from node.learn.tasks import TaskSampler, resolve_mix  # noqa: E402
 from node.learn.trainer import TrainConfig, Trainer  # noqa: E402
 
@@ -71,7 +72,9 @@ def rounds_section(args, model, tok, mix, max_new, device) -> dict:
                            "--max-new-tokens", str(max_new), "--run-dir", run_dir, "--checkpoint-every",
                            str(10**6), "--device", str(device), "--eval-every", str(args.eval_every),
                            "--eval-size", str(args.eval_size)], env={})
-        node = build_node(cfg, mix, model, tok, Silo(), device)
+        # a copy: a node takes its model over (the CPU recipe attaches LoRA and stores the frozen weights in
+        # bf16), and figures 2 and 3 measure the model as loaded
+        node = build_node(cfg, mix, copy.deepcopy(model), tok, Silo(), device)
         records = []
 
         async def go():
@@ -323,7 +326,7 @@ def main() -> None:
     trainers = {mode: Trainer(train_model, tok.pad_token_id, TrainConfig(lr=1e-7, micro_batch_size=micro,
                                                                          prefix_sharing=mode), adapter=adapter)
                 for mode in ("off", "on")}
-    from node.learn.policy import pad_batch
+    from node.learn.sampling import pad_batch
 
     batches = [pad_batch(seqs[i: i + micro], tok.pad_token_id, device) for i in range(0, len(seqs), micro)]
     bare_opt = torch.optim.Adam(trainers["off"].params, lr=1e-7, foreach=False)  # what the trainers update

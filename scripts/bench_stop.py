@@ -39,7 +39,7 @@ def dir_mb(path: Path) -> float:
 def checkpoint_cost(model_name: str, work: Path, repeats: int) -> None:
     import torch
 
-    from node.learn.policy import load_model
+    from node.learn.model_io import load_model
     from node.learn.trainer import TrainConfig, Trainer
     from node.ops.checkpoint import CheckpointStore
 

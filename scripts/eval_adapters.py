@@ -24,7 +24,7 @@ from node.learn import precision  # noqa: E402
 from node.learn.evaluate import HeldOutEval  # noqa: E402
 from node.learn.groups import Prompter  # noqa: E402
 from node.learn.lora import LoraBase, LoraSettings  # noqa: E402
-from node.learn.policy import load_model  # noqa: E402
+from node.learn.model_io import load_model  # noqa: E402
 from node.learn.tasks import resolve_mix  # noqa: E402
 from node.ops.checkpoint import load_from  # noqa: E402
 from node.ops.metrics import read_records  # noqa: E402

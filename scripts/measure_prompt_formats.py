@@ -24,7 +24,8 @@ from node.learn.evaluate import greedy_texts  # noqa: E402
 from node.learn import precision  # noqa: E402
 from node.learn.formats import FORMATS, apply_format, stop_token_ids  # noqa: E402
 from node.learn.groups import Prompter, score_responses  # noqa: E402
-from node.learn.policy import SamplingConfig, load_model, sample_groups  # noqa: E402
+from node.learn.model_io import load_model  # noqa: E402
+from node.learn.sampling import SamplingConfig, sample_groups  # noqa: E402
 from node.learn.tasks import PRESETS, eval_tasks  # noqa: E402
 
 

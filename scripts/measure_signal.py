@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from node.learn.groups import Prompter, local_group  # noqa: E402
-from node.learn.policy import SamplingConfig, load_model, pick_device, sample_groups  # noqa: E402
+from node.learn.model_io import load_model, pick_device  # noqa: E402
+from node.learn.sampling import SamplingConfig, sample_groups  # noqa: E402
 from node.learn.tasks import TaskSampler, resolve_mix  # noqa: E402
 
 

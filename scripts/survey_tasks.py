@@ -70,7 +70,7 @@ def main() -> None:
                   f"{[(c['dataset'], c['level']) for c in cells]}")
         return
     torch.set_num_threads(args.threads)
-    from node.learn.policy import load_model, pick_device
+    from node.learn.model_io import load_model, pick_device
 
     # hand-tuned datasets (short answers, arithmetic and counting) first: the likely useful ones
     everything = list(EASIEST_OVERRIDES) + sorted(set(gym.datasets()) - set(EASIEST_OVERRIDES))

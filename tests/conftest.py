@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from node.learn.groups import Prompter, local_group, score_responses
-from node.learn.policy import SamplingConfig, load_model, sample_groups
+from node.learn.model_io import load_model
+from node.learn.sampling import SamplingConfig, sample_groups
 from node.learn.tasks import PRESETS, TaskSampler
 from node.ops.metrics import read_records
 from p2p.identity import KEY_FILENAME, Identity

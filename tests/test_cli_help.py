@@ -212,9 +212,9 @@ def test_allowed_values_have_one_source():
     """config checks a flag against the very list the implementation uses (the engines' lists likewise come
     from node/learn/choices.py)."""
     from node.learn import grpo, precision, prefix
-    from node.swarm import ij_policy
+    from node.swarm import ij_controller
 
     assert CHOICES["loss_type"] is grpo.LOSS_TYPES
     assert CHOICES["prefix_sharing"] is prefix.PREFIX_SHARING
     assert CHOICES["mixed_precision"] is precision.MIXED_PRECISION
-    assert CHOICES["ij_policy"] is ij_policy.POLICY_NAMES
+    assert CHOICES["ij_policy"] is ij_controller.CONTROLLER_NAMES

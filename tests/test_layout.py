@@ -1,10 +1,11 @@
 """The package layout is the architecture: imports run one way, and no module grows without a reason.
 
-    lab ─► node.loop/records/persistence/build/cli ─► swarm ─► learn        bootstrap ─► ops ─► learn
+    lab ─► node.loop/records/evaluation/persistence/build/cli ─► swarm ─► learn        bootstrap ─► ops ─► learn
                                                 └──► ops   ─► learn                  └─► p2p
                                                      swarm ─► p2p
 
-A failure here names the file, the line and the import that runs against the arrows (docs/ARCHITECTURE.md).
+A failure here names the file, the line and the import that runs against the arrows (docs/ARCHITECTURE.md),
+or the modules of an import circle, inside a part as well as between parts.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     "bootstrap": {"root", "ops", "p2p"},
     "root": set(),
 }
-# the round loop, what it records, what it keeps on disk, what builds it, its CLI: node/ top
-ROUND_MODULES = {"node.loop", "node.records", "node.persistence", "node.build", "node.cli"}
+# the round loop, what it records, its evaluations, what it keeps on disk, what builds it, its CLI: node/ top
+ROUND_MODULES = {"node.loop", "node.records", "node.evaluation", "node.persistence", "node.build", "node.cli"}
 LONG_MODULE_LINES = 400
 LONG_MODULE_REASON = "Why this module is long:"
 
@@ -60,24 +61,32 @@ def our_sources() -> list[Path]:
     return sorted(p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py"))
 
 
-def imports_of(path: Path) -> list[tuple[int, str]]:
-    """(line, dotted module) for every import of one of our packages, relative ones resolved."""
+def import_statements(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, dotted module, names taken from it) for every import statement, relative ones resolved."""
     mod = module_name(path)
     package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
     out = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
+            out += [(node.lineno, a.name, []) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            out.append((node.lineno, target))
-            # `from node import learn` names a subpackage: judge it as that subpackage
-            out += [(node.lineno, f"{target}.{a.name}") for a in node.names
-                    if target in ("node",) and a.name in ("learn", "swarm", "ops", "lab", "loop", "cli")]
+            out.append((node.lineno, target, [a.name for a in node.names]))
+    return out
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted module) for every import of one of our packages, relative ones resolved."""
+    out = []
+    for line, target, names in import_statements(path):
+        out.append((line, target))
+        # `from node import learn` names a subpackage: judge it as that subpackage
+        out += [(line, f"{target}.{name}") for name in names
+                if target in ("node",) and name in ("learn", "swarm", "ops", "lab", "loop", "cli")]
     return [(line, m) for line, m in out if m.split(".")[0] in PACKAGES]
 
 
@@ -109,6 +118,82 @@ def test_the_checker_sees_a_backwards_import(tmp_path, monkeypatch):
     found = {t for _, t in imports_of(bad)}
     assert found == {"node.lab.report", "node.swarm"}
     assert {part_of(t) for t in found} - ALLOWED["learn"] == {"lab", "swarm"}
+
+
+def module_edges(path: Path, known: set[str]) -> set[str]:
+    """Our modules that the module at `path` imports, wherever the import stands.
+
+    Lazy imports (inside a function) and `if TYPE_CHECKING:` imports count like module-level ones: they only
+    hide a circle from the interpreter, the two modules still need each other (move the shared names into a
+    module of their own, or turn the dependency around). `from pkg import sub` of a submodule is an edge to
+    `pkg.sub`, not to `pkg`: a package's `__init__` runs before any of its submodules whatever they import,
+    so a submodule naming its siblings through the package is no circle."""
+    def longest_known(dotted: str) -> str | None:  # `a.b.name` of a function `name` in a.b: a.b
+        parts = dotted.split(".")
+        while parts and ".".join(parts) not in known:
+            parts.pop()
+        return ".".join(parts) or None
+
+    edges: set[str | None] = set()
+    for _, target, names in import_statements(path):
+        submodules = {f"{target}.{name}" for name in names} & known
+        edges |= submodules or {longest_known(target)}
+        if submodules and len(submodules) < len(names):  # other names besides submodules come from the package
+            edges.add(longest_known(target))
+    return {e for e in edges if e is not None} - {module_name(path)}
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of a module graph: every strongly connected set of two or more modules, sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm; the graph is a few hundred modules deep at most
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            circle = []
+            while (w := stack.pop()) != v:
+                circle.append(w)
+            if circle:
+                circles.append(sorted([v, *circle]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(circles)
+
+
+def test_no_import_circles():
+    sources = {module_name(p): p for p in our_sources()}
+    known = set(sources)
+    graph = {mod: module_edges(path, known) for mod, path in sources.items()}
+    circles = import_circles(graph)
+    assert not circles, "import circles (each a set of modules that import one another, lazily or not):\n" + \
+        "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_the_checker_sees_an_import_circle(tmp_path, monkeypatch):
+    """A lazy import closing a circle counts; a submodule importing a sibling through its package does not."""
+    pkg = tmp_path / "p2p"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from p2p.b import thing\n")
+    (pkg / "b.py").write_text("def thing():\n    from p2p import a\n    return a\n")
+    (pkg / "c.py").write_text("from p2p import a, b\n")
+    monkeypatch.setattr(__import__(__name__), "REPO", tmp_path)
+    known = {"p2p", "p2p.a", "p2p.b", "p2p.c"}
+    graph = {m: module_edges(tmp_path / (m.replace(".", "/") + ".py"), known) for m in known - {"p2p"}}
+    assert graph["p2p.c"] == {"p2p.a", "p2p.b"}
+    assert import_circles(graph) == [["p2p.a", "p2p.b"]]
 
 
 def test_long_modules_say_why():

@@ -148,7 +148,7 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
 
     from node.build import build_node, verify_config
     from node.learn.lora import LoraBase, LoraSettings
-    from node.learn.policy import load_model, pick_device
+    from node.learn.model_io import load_model, pick_device
     from node.learn.tasks import resolve_mix
     from node.ops.config import load_config
     from node.ops.metrics import setup_logging

@@ -72,7 +72,7 @@ def measure(name: str, mix: TaskMix, model, tokenizer, engine, groups: int, gene
     greedy accuracy (torch) and constant-answer baseline."""
     from node.learn.evaluate import constant_answer_baseline, greedy_texts
     from node.learn.groups import Prompter, local_group, score_responses
-    from node.learn.policy import SamplingConfig
+    from node.learn.sampling import SamplingConfig
     from node.learn.tasks import TaskSampler, eval_tasks
 
     prompter = Prompter(tokenizer, mix)
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from node.learn.engines import make_engine
-    from node.learn.policy import load_model
+    from node.learn.model_io import load_model
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

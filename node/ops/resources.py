@@ -56,7 +56,7 @@ def count_parameters(model: str) -> int:
 
 
 def peer_bytes(n_params: int, device: str, lora: bool = False) -> int:
-    """Full fine-tuning keeps fp32 weights, gradients and Adam's m and v (the masters, node/learn/policy.py);
+    """Full fine-tuning keeps fp32 weights, gradients and Adam's m and v (the masters, node/learn/model_io.py);
     a LoRA base is frozen, stored in bf16 on a GPU (mixed precision); activations are bf16 on a GPU."""
     half = 2 if device == "cuda" else 4
     per_param = (half if lora else 4 + 4 + 8) + ENGINE_BYTES[device]  # weights (+ grads, Adam m+v); engine

@@ -31,7 +31,7 @@ failed more often. Every Sybil key costs one try
 before it is parked; a Sybil swarm therefore delays a newcomer by its number of *untried* keys at the
 newcomer's tier or above, which only fresh proofs of work at that tier (16x the mint per tier) replenish.
 
-The bandit is the transport's whole fetch policy (`p2p.presence.FetchPolicy`): given the node's
+The bandit is the transport's whole publisher chooser (`p2p.presence.PublisherChooser`): given the node's
 `Reputation`, it also vetoes banned keys (never fetched, not even their presence shards read first) and
 charges a ghost to reputation as well; what it turned away and the ghosts are counted with the round's
 verification (`take_unfetched`).
@@ -77,7 +77,7 @@ class Record:
 
 
 class PublisherBandit:
-    """The node's fetch policy (`p2p.presence.FetchPolicy`): whom to skip (`reputation`'s bans), preferred
+    """The node's publisher chooser (`p2p.presence.PublisherChooser`): whom to skip (`reputation`'s bans), preferred
     keys, fresh candidates, choice, ghosts. Without a reputation, nobody is skipped."""
 
     def __init__(self, cfg: BanditConfig | None = None, rng: random.Random | None = None,

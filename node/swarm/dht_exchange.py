@@ -6,11 +6,12 @@ import asyncio
 
 from node.learn.groups import Group
 from node.learn.tasks import TaskMix
+from node.swarm.exchange import Received
 from node.swarm.settings import SwarmSettings
 from node.swarm.verify import SignedExchange, VerifyConfig, make_batch
 from p2p.identity import Identity
 from p2p.pow import tier_difficulty
-from p2p.transport import FetchedRecord, SwarmTransport, TransportConfig
+from p2p.transport import SwarmTransport, TransportConfig
 
 DHT_PEER = "dht"  # records our DHT validator refused before they could reach the Verifier (no trusted sender)
 
@@ -49,21 +50,23 @@ class DhtExchange(SignedExchange):
         data = make_batch(self.identity, self.swarm, round_, self.model_name, groups)
         await self.transport.publish(round_, data)
 
-    async def collect(self, round_: int) -> list[Group]:
-        # DHT-level refusals (counted in the DHT process) are read alongside the fetch, within its budget
-        records: list[FetchedRecord]
-        # the bandit is the fetch policy: banned publishers are never fetched (its reputation vetoes them),
-        # and a flood cannot make us receive more than we would verify
-        fetch = self.transport.fetch(max_bytes=self.verifier.cfg.budget_bytes, policy=self.bandit)
-        records, totals = await asyncio.gather(
-            fetch, self.transport.validator_rejections(self.transport.config.fetch_timeout_s))
-        groups = await self._verify_off_loop([(r.publisher, r.data) for r in records])  # starts a new round
-        self.transport.fetch_again([records[i] for i in self.unjudged])  # over this round's budget: not lost
-        for reason, n in totals.items():
+    async def fetch(self, round_: int) -> Received:
+        # the bandit is the publisher chooser: banned publishers are never fetched (its reputation vetoes them),
+        # and a flood cannot make us receive more than we would verify. DHT-level refusals (counted in the DHT
+        # process) are read alongside the fetch, within its budget
+        records, refused = await asyncio.gather(
+            self.transport.fetch(max_bytes=self.verifier.cfg.budget_bytes, chooser=self.bandit),
+            self.transport.validator_rejections(self.transport.config.fetch_timeout_s))
+        return Received([(r.publisher, r.data) for r in records], handles=records, refused=refused)
+
+    async def verify(self, received: Received) -> list[Group]:
+        groups = await super().verify(received)  # starts a new round
+        self.transport.fetch_again([received.handles[i] for i in self.unjudged])  # over this round's budget: not lost
+        for reason, n in received.refused.items():
             new = n - self._dht_rejections.get(reason, 0)
             if new > 0:
                 self.stats.reject(DHT_PEER, reason, new)
-        self._dht_rejections.update(totals)
+        self._dht_rejections.update(received.refused)
         return groups
 
     async def close(self) -> None:

@@ -1,4 +1,4 @@
-"""The seam between the round loop and the swarm: publish our groups, collect verified external ones.
+"""The seam between the round loop and the swarm: publish our groups, fetch what others published, verify it.
 
 The loop only sees this interface. `Silo` is J = 0 with no network; `node.swarm.dht_exchange.DhtExchange` is the
 real Hivemind transport; `node.swarm.memory_exchange.MemoryExchange` runs several nodes in one process with the same
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from node.learn.groups import Group
 from node.swarm.reputation import Reputation
@@ -73,6 +73,17 @@ class ExchangeStats:
         }
 
 
+@dataclass
+class Received:
+    """What a fetch brought, nothing of it trusted yet: (the publisher the transport names, bytes) per record.
+    `handles` are the transport's own records in the same order (a DHT exchange offers again those its
+    verification budget left unjudged); `refused` are the refusals the DHT counted (cumulative, DHT only)."""
+
+    records: list[tuple[bytes | None, bytes]] = field(default_factory=list)
+    handles: list[Any] = field(default_factory=list)
+    refused: dict[str, int] = field(default_factory=dict)
+
+
 class Exchange(Protocol):
     stats: ExchangeStats
     reputation: Reputation  # scores and bans of publishers; the loop persists it in the run dir
@@ -83,7 +94,14 @@ class Exchange(Protocol):
 
     async def publish(self, round_: int, groups: list[Group]) -> None: ...
 
-    async def collect(self, round_: int) -> list[Group]: ...
+    async def fetch(self, round_: int) -> Received:
+        """Others' recent batches, as bytes (a bounded number, within the transport's own timeout)."""
+        ...
+
+    async def verify(self, received: Received) -> list[Group]:
+        """The groups that pass every check, within this round's verification budget; starts the round's
+        counters (`stats.new_round`)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -104,7 +122,10 @@ class Silo:
     async def publish(self, round_: int, groups: list[Group]) -> None:
         return None
 
-    async def collect(self, round_: int) -> list[Group]:
+    async def fetch(self, round_: int) -> Received:
+        return Received()
+
+    async def verify(self, received: Received) -> list[Group]:
         self.stats.new_round()
         return []
 

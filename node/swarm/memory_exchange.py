@@ -6,6 +6,7 @@ from typing import Callable
 
 from node.learn.groups import Group
 from node.learn.tasks import TaskMix
+from node.swarm.exchange import Received
 from node.swarm.verify import SignedExchange, VerifyConfig, make_batch
 from p2p.identity import Identity
 
@@ -46,9 +47,9 @@ class MemoryExchange(SignedExchange):
         self.board.put(self.identity.public_key_bytes, round_,
                        make_batch(self.identity, self.swarm, round_, self.model_name, groups))
 
-    async def collect(self, round_: int) -> list[Group]:
-        records = self.board.window(self.identity.public_key_bytes, self.verifier.cfg.window, self.bandit.allowed)
-        return await self._verify_off_loop(records)
+    async def fetch(self, round_: int) -> Received:
+        return Received(self.board.window(self.identity.public_key_bytes, self.verifier.cfg.window,
+                                          self.bandit.allowed))
 
     async def close(self) -> None:
         return None

@@ -121,7 +121,7 @@ class Reputation:
     # --- decisions ---------------------------------------------------------------------------------------
 
     def allowed(self, publisher: bytes) -> bool:
-        """May we fetch and verify this publisher now? (The fetch policy's veto: `PublisherBandit.allowed`.)"""
+        """May we fetch and verify this publisher now? (The publisher chooser's veto: `PublisherBandit.allowed`.)"""
         with self._lock:
             s = self._table.get(publisher.hex())
             return s is None or not self._banned(s, self.clock())

@@ -28,7 +28,7 @@ from typing import Any
 from node.learn.groups import Group, has_signal, score_responses
 from node.learn.tasks import TaskError, TaskMix, TaskSpec, regenerate
 from node.swarm.bandit import PublisherBandit
-from node.swarm.exchange import ExchangeStats
+from node.swarm.exchange import ExchangeStats, Received
 from node.swarm.reputation import PENALTIES, Reputation, ReputationConfig
 from node.swarm.settings import SwarmSettings
 from p2p.identity import Identity, peer_name_of
@@ -293,7 +293,7 @@ class SignedExchange:
         self.identity = identity
         self.stats = ExchangeStats()
         self.reputation = Reputation(verify_cfg.reputation)
-        # the transport's fetch policy: the bandit chooses, the reputation vetoes
+        # the transport's publisher chooser: the bandit chooses, the reputation vetoes
         self.bandit = PublisherBandit(rng=random.Random(verify_cfg.seed + 1), reputation=self.reputation)
         self.verifier = Verifier(identity.public_key_bytes, mix, verify_cfg, self.stats, self.reputation,
                                  self.bandit)
@@ -343,7 +343,9 @@ class SignedExchange:
             return 1, 0.0
         return self.reputation.tier(hint), -self.reputation.score(hint)
 
-    async def _verify_off_loop(self, records: list[tuple[bytes | None, bytes]]) -> list[Group]:
+    async def verify(self, received: Received) -> list[Group]:
+        """The round's verification, off the event loop; first the round's counters start, with what the
+        bandit turned away before the fetch (banned) and the ghosts the fetch met."""
         self.stats.new_round()
         self.bandit.new_round()
         turned_away, ghosts = self.bandit.take_unfetched()
@@ -351,4 +353,4 @@ class SignedExchange:
             self.stats.reject(publisher.hex(), "banned")
         for publisher in ghosts:
             self.stats.reject(publisher.hex(), "ghost")
-        return await asyncio.get_running_loop().run_in_executor(None, self._verify_all, records)
+        return await asyncio.get_running_loop().run_in_executor(None, self._verify_all, received.records)

@@ -10,7 +10,7 @@ import torch
 from conftest import run_node
 from node.build import build_node
 from node.learn.lora import attach, base_fingerprint
-from node.learn.policy import load_model
+from node.learn.model_io import load_model
 from node.learn.tasks import resolve_mix
 from node.ops.checkpoint import CheckpointError, CheckpointStore, export_weights
 from node.ops.config import load_config

@@ -111,7 +111,7 @@ def test_a_collapsed_last_evaluation_does_not_meet_the_bar(tmp_path):
     from helpers_learning import ScriptedPolicy
     from node.learn.evaluate import HeldOutEval
     from node.learn.groups import Prompter
-    from node.learn.policy import load_model
+    from node.learn.model_io import load_model
     from node.learn.tasks import PRESETS, eval_tasks
 
     mix, size = PRESETS["cpu-easy"], 64

@@ -19,7 +19,8 @@ import node.learn.trainer as trainer_mod
 from node.learn.engines import make_engine
 from node.learn.engines.torch import TorchEngine
 from node.learn.groups import Prompter, local_group, to_sequences
-from node.learn.policy import SamplingConfig, Sequence, load_model, sample_groups, token_logprobs
+from node.learn.model_io import load_model
+from node.learn.sampling import SamplingConfig, Sequence, sample_groups, token_logprobs
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.learn.tasks import PRESETS, TaskSampler
 from node.learn.trainer import TrainConfig, Trainer

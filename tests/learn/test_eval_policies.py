@@ -11,7 +11,8 @@ import torch
 from helpers_learning import ScriptedPolicy
 from node.learn.evaluate import HeldOutEval
 from node.learn.groups import Group, Prompter, collapse_metrics, local_group
-from node.learn.policy import SamplingConfig, load_model, sample_groups
+from node.learn.model_io import load_model
+from node.learn.sampling import SamplingConfig, sample_groups
 from node.learn.tasks import PRESETS, TaskSampler, eval_tasks
 
 # reasoning-gym's propositional_logic has no gold answer (its scorer checks the formula a reply gives)

@@ -9,7 +9,8 @@ import torch
 from node.build import build_node
 from node.learn.evaluate import HeldOutEval, constant_answer_baseline, evaluate, greedy_texts
 from node.learn.groups import Prompter, collapse_metrics, local_group
-from node.learn.policy import SamplingConfig, load_model, sample_groups
+from node.learn.model_io import load_model
+from node.learn.sampling import SamplingConfig, sample_groups
 from node.learn.tasks import (DATASET_SIZE, EVAL_INDEX_START, PRESETS, TaskSampler, TaskSpec, eval_tasks,
                               is_eval_index)
 from node.ops.config import load_config

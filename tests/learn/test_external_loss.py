@@ -147,7 +147,7 @@ def test_published_log_probs_reach_the_receiver_and_weigh_its_update(tiny):
     from node.learn.trainer import TrainConfig, Trainer
     import copy
 
-    from node.learn.policy import token_logprobs
+    from node.learn.sampling import token_logprobs
 
     seqs = by_rule["is"]
     logp, mask = token_logprobs(model, seqs, tok.pad_token_id, 1.0)  # pi_old: the model before the step

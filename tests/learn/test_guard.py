@@ -119,7 +119,7 @@ async def test_a_node_whose_restore_point_is_gone_trains_on(tmp_path):
         node.guard.judge(ev(0, 0.40))  # a best whose restore point was never written (or was deleted since)
         record = {"eval_accuracy": 0.11, "eval_baseline": 0.12, "eval_distinct_answers": 0.05,
                   "eval_distinct_gold": 0.35}
-        await node._guard(10, record)
+        await node.evaluation.judge(10, record)
         assert record["guard_action"] == "restore_failed" and "no restore point" in record["guard_reason"]
         assert node.trainer.lr == 1e-3 * 0.5 and node.guard.state.best is None
     finally:
@@ -135,7 +135,7 @@ async def test_a_restore_point_of_another_round_is_not_loaded(tmp_path):
         node.guard.judge(ev(20, 0.40))  # the resumed run's best: round 20
         record = {"eval_accuracy": 0.11, "eval_baseline": 0.12, "eval_distinct_answers": 0.05,
                   "eval_distinct_gold": 0.35}
-        await node._guard(40, record)
+        await node.evaluation.judge(40, record)
         assert record["guard_action"] == "restore_failed" and "not of round 20" in record["guard_reason"]
     finally:
         node.worker.shutdown()
@@ -153,9 +153,9 @@ def test_a_collapse_in_round_0s_own_update_goes_back_to_the_start():
 async def test_the_node_evaluates_its_starting_weights_and_can_go_back_to_them(tmp_path):
     node = tiny_memory_node(tmp_path, "--lr", "1e-3", "--eval-every", "1", "--eval-size", "4")
     try:
-        await node._evaluate_start()
+        await node.evaluation.start()
         assert node.guard.best.round == START_ROUND and (tmp_path / "restore-point" / "round-start").is_dir()
-        assert {"start_accuracy", "start_baseline", "start_scores", "start_s"} <= set(node.start_eval)
+        assert {"start_accuracy", "start_baseline", "start_scores", "start_s"} <= set(node.evaluation.start_eval)
         start = {k: v.clone() for k, v in node.model.state_dict().items()}
         node.guard.state.best["accuracy"] = 0.40  # as if the start had answered well
         with torch.no_grad():
@@ -164,7 +164,7 @@ async def test_the_node_evaluates_its_starting_weights_and_can_go_back_to_them(t
                     p.add_(0.5)  # round 0's update, a ruinous one
         record = {"eval_accuracy": 0.0, "eval_baseline": 0.12, "eval_distinct_answers": 0.05,
                   "eval_distinct_gold": 0.35}
-        await node._guard(0, record)
+        await node.evaluation.judge(0, record)
         assert record["guard_action"] == "restore" and record["guard_restored_to"] == START_ROUND
         assert [k for k, v in node.model.state_dict().items() if not torch.equal(v, start[k])] == []
     finally:

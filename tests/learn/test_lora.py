@@ -9,7 +9,7 @@ import torch
 
 from node.learn.groups import to_sequences
 from node.learn.lora import LoraBase, LoraSettings, attach, base_fingerprint
-from node.learn.policy import SamplingConfig, sample_groups, token_logprobs
+from node.learn.sampling import SamplingConfig, sample_groups, token_logprobs
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.learn.trainer import TrainConfig, Trainer
 

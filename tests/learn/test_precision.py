@@ -13,7 +13,8 @@ import node.learn.precision as precision
 from node.learn.engines.llama import _draw
 from node.learn.engines.gguf_export import base_model, lora_deltas, stochastic_bf16, write_model
 from node.learn.groups import Prompter, local_group, to_sequences
-from node.learn.policy import SamplingConfig, load_model, sample_groups
+from node.learn.model_io import load_model
+from node.learn.sampling import SamplingConfig, sample_groups
 from node.learn.tasks import PRESETS, TaskSampler
 from node.learn.trainer import TrainConfig, Trainer
 
@@ -100,6 +101,32 @@ def test_a_lora_base_stored_in_bf16_trains_its_fp32_adapter_and_keeps_other_adap
         Trainer(a.model, tok.pad_token_id, TrainConfig(lr=1e-2), adapter=a).step(seqs)
     assert any(not torch.equal(v, a_before[k]) for k, v in a.state_dict().items())
     assert all(torch.equal(v, b_before[k]) for k, v in b.state_dict().items())
+
+
+def test_a_base_stored_in_bf16_runs_under_autocast_wherever_it_is_called():
+    """A model a node was built on (its frozen weights cast to bf16) can be sampled from, generated with and
+    trained outside the node's precision context: its forwards enter autocast themselves, through the
+    adapter's wrapper and through the base model alike, and leave it when they return (or raise)."""
+    pytest.importorskip("peft")
+    from node.learn.lora import LoraBase, LoraSettings
+
+    model, tok = load_model("tiny-random", CPU)
+    base = LoraBase(model, LoraSettings(4, 8.0))
+    adapter = base.adapter("peer", seed=0)
+    base.store_frozen_weights_as(torch.bfloat16)
+    groups = sample_groups(base.model, tok, ["Q: 1+1?\nA:"] * 2, 2, SamplingConfig(max_new_tokens=4))
+    assert len(groups) == 2 and all(len(g.completion_ids) == 2 for g in groups)
+    ids = tok(["Q: 2+2?"], return_tensors="pt")["input_ids"]
+    assert model.generate(input_ids=ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
+    assert not torch.is_autocast_enabled("cpu")  # every context it opened is closed again
+    with pytest.raises(Exception):
+        model(input_ids=torch.tensor([[10**6]]))  # a token id past the vocabulary: the forward raises
+    assert not torch.is_autocast_enabled("cpu")
+    seqs = to_sequences([local_group(t, g, "") for t, g in zip(TaskSampler(PRESETS["smoke"], 0).sample(2), groups)],
+                        tok, Prompter(tok, PRESETS["smoke"]), scale_std=True)
+    for s in seqs:
+        s.advantage = 1.0
+    Trainer(adapter.model, tok.pad_token_id, TrainConfig(lr=1e-2), adapter=adapter).step(seqs)
 
 
 def test_stochastic_bf16_rounding_is_unbiased_where_round_to_nearest_drops_small_updates():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from node.learn.groups import to_sequences
-from node.learn.policy import SamplingConfig, sample_groups
+from node.learn.sampling import SamplingConfig, sample_groups
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.learn.trainer import TrainConfig, Trainer
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from node.learn.groups import Group, to_sequences
-from node.learn.policy import token_logprobs
+from node.learn.sampling import token_logprobs
 from node.learn.trainer import TrainConfig, Trainer
 
 from conftest import tiny_signal_groups

@@ -17,7 +17,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from p2p.identity import Identity
 from p2p.pow import MAX_TIER
-from p2p.presence import TIER_SCAN_ROUNDS, UniformPolicy
+from p2p.presence import TIER_SCAN_ROUNDS, UniformChooser
 from p2p.transport import SwarmTransport, TransportConfig, TransportError
 from p2p.validators import RECORD_SIG_MAGIC, SapoRecordValidator, batch_key, key_id_bytes, owner_subkey, \
     presence_key, record_message, tier_shards
@@ -55,8 +55,8 @@ def seen(records) -> set[tuple[bytes, int]]:
     return {(r.publisher, r.round) for r in records}
 
 
-class Refusing(UniformPolicy):
-    """A fetch policy that skips one publisher (as the node's skips a banned one)."""
+class Refusing(UniformChooser):
+    """A publisher chooser that skips one publisher (as the node's skips a banned one)."""
 
     def __init__(self, refused: bytes):
         self.refused = refused
@@ -83,7 +83,7 @@ async def test_three_peers_publish_and_fetch(tmp_path):
         for rec in got_c:
             assert decode_signed(rec.data).round == rec.round
         # the policy's veto: a refused publisher is no candidate (and its batch is still there for later)
-        assert seen(await a.fetch(policy=Refusing(kb))) == {(kc, 0)}
+        assert seen(await a.fetch(chooser=Refusing(kb))) == {(kc, 0)}
         assert seen(await a.fetch()) == {(kb, 10)}
         assert c.known_peers() == {ka.hex(): 3, kb.hex(): 10}
         assert await c.fetch() == []  # nothing new: a batch is fetched once

@@ -8,6 +8,7 @@ import time
 from node.learn.groups import Group, score_responses
 from node.learn.tasks import PRESETS, TaskSampler
 from node.swarm.bandit import BanditConfig, PublisherBandit
+from node.swarm.exchange import Received
 from node.swarm.verify import SignedExchange, VerifyConfig, make_batch
 from p2p.identity import Identity
 from p2p.wire import WIRE_VERSION, RolloutBatch, encode_signed
@@ -157,13 +158,13 @@ def test_within_a_round_the_proven_publisher_is_judged_before_its_copier():
 def test_a_ghost_is_evidence_against_its_publisher():
     ex = exchange()
     ghost = Identity.generate().public_key_bytes
-    ex.bandit.missing(ghost, 3)  # the transport reports ghosts to its fetch policy: the exchange's bandit
+    ex.bandit.missing(ghost, 3)  # the transport reports ghosts to its publisher chooser: the exchange's bandit
     assert not ex.bandit.fresh(ghost) and ex.reputation.score(ghost) < 0
     assert ex.bandit.record(ghost).next_try - ex.bandit.round == 8  # honest software never makes one
     ex.stats.new_round()
     import asyncio
 
-    asyncio.run(ex._verify_off_loop([]))
+    asyncio.run(ex.verify(Received()))
     assert ex.stats.round_rejected["ghost"] == 1
     for r in range(40):  # repeated, it ends in a ban through the reputation machinery
         ex.bandit.missing(ghost, 4 + r)

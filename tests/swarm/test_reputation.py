@@ -12,7 +12,7 @@ from node.learn.groups import Group, score_responses
 from node.learn.tasks import PRESETS, TaskSampler
 from node.swarm.reputation import PENALTIES, REPUTATION_FILE, Reputation, ReputationConfig
 from node.swarm.verify import SignedExchange, Verifier, VerifyConfig, make_batch
-from node.swarm.exchange import ExchangeStats
+from node.swarm.exchange import ExchangeStats, Received
 from p2p.identity import Identity
 from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireGroup, encode_signed
 
@@ -313,7 +313,7 @@ def test_a_signed_config_nested_too_deep_to_re_encode_costs_the_signer():
     assert v.reputation.score(peer.public_key_bytes) == -PENALTIES["schema"]
 
 
-async def test_fetch_policy_skips_banned_publishers_and_counts_them_once_per_round():
+async def test_publisher_chooser_skips_banned_publishers_and_counts_them_once_per_round():
     ex = exchange()
     liar, honest = Identity.generate(), Identity.generate()
     ex.bandit.observe(liar.public_key_bytes, useful=True)  # proven before it lied
@@ -324,9 +324,9 @@ async def test_fetch_policy_skips_banned_publishers_and_counts_them_once_per_rou
     for _ in range(3):  # the transport may ask several times while it samples candidates
         assert not ex.bandit.allowed(liar.public_key_bytes)
         assert ex.bandit.allowed(honest.public_key_bytes)
-    await ex._verify_off_loop([])
+    await ex.verify(Received())
     assert ex.stats.round_rejected == {"banned": 1} and ex.stats.rejected[liar.public_key_hex]["banned"] == 1
-    await ex._verify_off_loop([])
+    await ex.verify(Received())
     assert not ex.stats.round_rejected
 
 
@@ -435,7 +435,7 @@ class ListedTransport:
         self.identity, self.records, self.offered_again = identity, records, []
         self.config = type("Cfg", (), {"fetch_timeout_s": 1.0})()
 
-    async def fetch(self, max_bytes=None, policy=None):
+    async def fetch(self, max_bytes=None, chooser=None):
         return list(self.records)
 
     async def validator_rejections(self, timeout):
@@ -454,6 +454,6 @@ async def test_batches_over_the_verify_budget_are_offered_again_over_the_dht_not
     transport = ListedTransport(Identity.generate(), records)
     ex = DhtExchange(transport, MIX, VerifyConfig(swarm="s", budget_bytes=2 * len(records[0].data) - 1,
                                                   budget_s=1e9), "m")
-    await ex.collect(1)
+    await ex.verify(await ex.fetch(1))
     assert ex.stats.round_verified == 2 and ex.stats.round_rejected["over_budget"] == 4
     assert transport.offered_again == [r for r in records if sha256(r.data).hexdigest() not in ex.verifier.judged]

@@ -13,7 +13,7 @@ import torch
 
 from node.build import build_node, verify_config
 from node.learn.groups import Group
-from node.learn.policy import load_model
+from node.learn.model_io import load_model
 from node.learn.tasks import PRESETS
 from node.ops.config import load_config
 from node.swarm.memory_exchange import MemoryBoard, MemoryExchange

@@ -351,7 +351,7 @@ async def test_a_newcomer_with_more_work_is_met_before_a_crowd_of_fresh_cheaper_
         bandit = PublisherBandit(rng=random.Random(0))
         met = None
         for fetch in range(TIER_SCAN_ROUNDS):
-            got = await reader.fetch(policy=bandit)
+            got = await reader.fetch(chooser=bandit)
             assert len(got) == 16
             if me in [r.publisher for r in got]:
                 met = fetch
@@ -361,7 +361,7 @@ async def test_a_newcomer_with_more_work_is_met_before_a_crowd_of_fresh_cheaper_
         # not judged here, so never tried: it stays first in the queue, and its shard is read first
         assert await newcomer.publish(4, batch(newcomer.identity, swarm, 4, [smoke_group(47)]))
         bandit.new_round()
-        assert me in [r.publisher for r in await reader.fetch(policy=bandit)]
+        assert me in [r.publisher for r in await reader.fetch(chooser=bandit)]
     finally:
         attacker.shutdown()
         await asyncio.gather(reader.shutdown(), newcomer.shutdown())

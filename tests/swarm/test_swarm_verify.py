@@ -9,7 +9,7 @@ from node.build import build_node
 from node.ops.config import load_config
 from node.swarm.exchange import ExchangeStats
 from node.learn.groups import Group, score_responses
-from node.learn.policy import load_model
+from node.learn.model_io import load_model
 from node.swarm.memory_exchange import MemoryBoard, MemoryExchange
 from node.swarm.verify import Verifier, VerifyConfig, make_batch
 from node.learn.tasks import PRESETS, TaskSampler, TaskSpec, regenerate

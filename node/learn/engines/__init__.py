@@ -19,7 +19,7 @@ import logging
 from typing import TYPE_CHECKING, Protocol
 
 from node.learn.choices import ENGINES
-from node.learn.policy import SampledGroup, SamplingConfig
+from node.learn.sampling import SampledGroup, SamplingConfig
 from node.learn.stop import StopRequest
 
 if TYPE_CHECKING:

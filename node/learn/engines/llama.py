@@ -33,7 +33,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from node.learn.engines import gguf_export, llama_api
-from node.learn.policy import SampledGroup, SamplingConfig, embedded_model_path
+from node.learn.model_io import embedded_model_path
+from node.learn.sampling import SampledGroup, SamplingConfig
 from node.learn.stop import StopRequest
 
 log = logging.getLogger(__name__)

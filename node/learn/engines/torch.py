@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from node.learn.policy import SampledGroup, SamplingConfig, sample_groups
+from node.learn.sampling import SampledGroup, SamplingConfig, sample_groups
 from node.learn.stop import StopRequest
 
 

@@ -14,7 +14,7 @@ import os
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from node.learn.policy import SampledGroup, SamplingConfig
+from node.learn.sampling import SampledGroup, SamplingConfig
 from node.learn.stop import StopRequest
 
 

@@ -7,9 +7,9 @@
   var POLL_MS = 2000;
   var MA_WINDOW = 10;
   var BAR_ROUNDS = 120; // bar charts show at most this many recent rounds
-  var PHASE_ORDER = ["generate", "score", "publish", "fetch", "train", "checkpoint", "idle"];
+  var PHASE_ORDER = ["generate", "score", "publish", "fetch", "verify", "train", "checkpoint", "idle"];
   var PHASE_COLORS = {
-    generate: "#2563eb", score: "#10b981", publish: "#f59e0b", fetch: "#8b5cf6",
+    generate: "#2563eb", score: "#10b981", publish: "#f59e0b", fetch: "#8b5cf6", verify: "#a855f7",
     train: "#ef4444", checkpoint: "#64748b", idle: "#cbd5e1"
   };
   var EXTRA_COLORS = ["#0ea5e9", "#d946ef", "#84cc16", "#f97316", "#14b8a6"];

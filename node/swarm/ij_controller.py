@@ -1,14 +1,14 @@
 """Controllers that choose the local/external split (I/J) of a SAPO node, round by round.
 
 Each round a node trains on ``I`` local rollout groups and ``J`` groups taken from other peers,
-with ``I + J = total`` fixed.  A controller (:class:`IJPolicy`) says which ``J`` to use next round
+with ``I + J = total`` fixed.  A controller (:class:`IJController`) says which ``J`` to use next round
 (``current_j()``; the round loop asks for the split ``split() -> (I, J)``, which keeps at least one local
 group under an adaptive controller) and learns from what the round produced (``update(obs)``).
 
-Three controllers are provided (``make_ij_policy(name, total, initial_j, **kwargs)``):
+Three controllers are provided (``make_ij_controller(name, total, initial_j, **kwargs)``):
 
 ``fixed``
-    ``J`` never changes.  The paper's splits (8/0, 6/2, 4/4, 2/6) are fixed policies.
+    ``J`` never changes.  The paper's splits (8/0, 6/2, 4/4, 2/6) are fixed ones.
 
 ``ema``  (params ``alpha`` = 2.0, ``ema_beta`` = 0.9)
     The rule from the SAPO thesis/notes, exactly::
@@ -91,26 +91,27 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from node.learn.choices import IJ_POLICIES
+from node.learn.groups import Group, Selection, mean_abs_advantage, mean_reward
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "RoundObservation",
-    "IJPolicy",
-    "FixedPolicy",
-    "EMAPolicy",
-    "UsefulnessPolicy",
-    "POLICY_NAMES",
-    "make_ij_policy",
+    "IJController",
+    "FixedController",
+    "EMAController",
+    "UsefulnessController",
+    "CONTROLLER_NAMES",
+    "make_ij_controller",
 ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoundObservation:
-    """What one training round produced, as seen by the I/J controller."""
+    """What one training round produced, as seen by the I/J controller (`of` builds it from the round)."""
 
     round: int
-    # mean reward of this round's local groups (all G completions of the I local tasks); NaN if I = 0
+    # mean reward of this round's local groups (all G completions of the I local tasks); 0 if I = 0
     reward_mean: float
     num_local: int  # local groups actually used in training
     num_external: int  # external groups actually used in training
@@ -120,9 +121,18 @@ class RoundObservation:
     external_adv_abs_mean: float  # mean |advantage| over external groups used (0 if none)
     local_adv_abs_mean: float  # mean |advantage| over local groups used (zero-advantage ones are dropped first)
 
+    @classmethod
+    def of(cls, r: int, local: list[Group], selection: Selection) -> RoundObservation:
+        """Round `r`'s observation: the groups we sampled (`local`) and what was selected out of all on offer."""
+        return cls(round=r, reward_mean=mean_reward(local), num_local=len(selection.local),
+                   num_external=len(selection.external), external_available=selection.external_available,
+                   local_signal_frac=selection.local_signal_frac, external_signal_frac=selection.external_signal_frac,
+                   external_adv_abs_mean=mean_abs_advantage(selection.external),
+                   local_adv_abs_mean=mean_abs_advantage(selection.local))
+
 
 @runtime_checkable
-class IJPolicy(Protocol):
+class IJController(Protocol):
     name: str
 
     def current_j(self) -> int:
@@ -199,7 +209,7 @@ class _Base:
         return int(_clip(_round_half_up(self.j), 0, self.total))
 
     def split(self) -> tuple[int, int]:
-        """(I, J) for the next round, I + J = total. An adaptive policy keeps at least one local group: this
+        """(I, J) for the next round, I + J = total. An adaptive controller keeps at least one local group: this
         node always contributes to the swarm, and its own groups are where its reward is measured."""
         j = min(self.current_j(), max(self.total - 1, 0))
         return self.total - j, j
@@ -207,7 +217,8 @@ class _Base:
     def update(self, obs: RoundObservation) -> None:
         r = int(obs.round)
         if self.last_round is not None and r <= self.last_round:
-            log.warning("%s ij policy: ignoring observation for round %d (last seen %d)", self.name, r, self.last_round)
+            log.warning("%s I/J controller: ignoring observation for round %d (last seen %d)", self.name, r,
+                        self.last_round)
             return
         self.last_round = r
         self.updates += 1
@@ -240,9 +251,9 @@ class _Base:
         if not isinstance(d, dict):
             raise ValueError(f"state_dict must be a dict, got {type(d).__name__}")
         if d.get("name") != self.name:
-            raise ValueError(f"state_dict is for ij policy {d.get('name')!r}, not {self.name!r}")
+            raise ValueError(f"state_dict is for I/J controller {d.get('name')!r}, not {self.name!r}")
         if int(d.get("total", -1)) != self.total:
-            raise ValueError(f"state_dict has total={d.get('total')!r}, this policy has total={self.total}")
+            raise ValueError(f"state_dict has total={d.get('total')!r}, this controller has total={self.total}")
         j = d.get("j")
         if not _finite(j):
             raise ValueError(f"state_dict has invalid j={j!r}")
@@ -259,7 +270,7 @@ class _Base:
 # ----------------------------------------------------------------------------- fixed
 
 
-class FixedPolicy(_Base):
+class FixedController(_Base):
     """J never changes."""
 
     name = "fixed"
@@ -276,7 +287,7 @@ class FixedPolicy(_Base):
 # ----------------------------------------------------------------------------- ema
 
 
-class EMAPolicy(_Base):
+class EMAController(_Base):
     """J <- clip(J + alpha * (r - EMA(r)), 0, total); see the module docstring."""
 
     name = "ema"
@@ -314,7 +325,7 @@ class EMAPolicy(_Base):
 # ----------------------------------------------------------------------------- usefulness
 
 
-class UsefulnessPolicy(_Base):
+class UsefulnessController(_Base):
     """Move J toward total * u_ext / (u_ext + u_loc), capped by availability, with a reward-drop guard."""
 
     name = "usefulness"
@@ -425,9 +436,11 @@ class UsefulnessPolicy(_Base):
 
 # ----------------------------------------------------------------------------- factory
 
-_REGISTRY: dict[str, Callable[..., _Base]] = {cls.name: cls for cls in (FixedPolicy, EMAPolicy, UsefulnessPolicy)}
-POLICY_NAMES: tuple[str, ...] = IJ_POLICIES  # what --ij-policy accepts (node/learn/choices.py); each one is
-# in _REGISTRY (tests/swarm/test_ij_policy.py builds every name)
+_REGISTRY: dict[str, Callable[..., _Base]] = {
+    cls.name: cls for cls in (FixedController, EMAController, UsefulnessController)
+}
+CONTROLLER_NAMES: tuple[str, ...] = IJ_POLICIES  # what --ij-policy accepts (node/learn/choices.py); each one is
+# in _REGISTRY (tests/swarm/test_ij_controller.py builds every name)
 _PARAMS: dict[str, tuple[str, ...]] = {
     "fixed": (),
     "ema": ("alpha", "ema_beta"),
@@ -435,14 +448,14 @@ _PARAMS: dict[str, tuple[str, ...]] = {
 }
 
 
-def make_ij_policy(name: str, total: int, initial_j: int, **kwargs: Any) -> IJPolicy:
+def make_ij_controller(name: str, total: int, initial_j: int, **kwargs: Any) -> IJController:
     """Build an I/J controller.  ``total`` = I + J (fixed), ``initial_j`` = J for the first round.
 
     Raises ValueError for an unknown name, an unknown or out-of-range parameter, or a bad split.
     """
     key = str(name).strip().lower()
     if key not in _REGISTRY:
-        raise ValueError(f"unknown ij policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+        raise ValueError(f"unknown I/J controller {name!r}; choose one of {', '.join(CONTROLLER_NAMES)}")
     if isinstance(total, bool) or not isinstance(total, int) or total < 0:
         raise ValueError(f"total (I + J) must be a non-negative int, got {total!r}")
     if isinstance(initial_j, bool) or not isinstance(initial_j, int) or not 0 <= initial_j <= total:
@@ -450,5 +463,5 @@ def make_ij_policy(name: str, total: int, initial_j: int, **kwargs: Any) -> IJPo
     unknown = sorted(set(kwargs) - set(_PARAMS[key]))
     if unknown:
         allowed = ", ".join(_PARAMS[key]) or "none"
-        raise ValueError(f"unknown parameter(s) {', '.join(unknown)} for ij policy {key!r} (allowed: {allowed})")
+        raise ValueError(f"unknown parameter(s) {', '.join(unknown)} for I/J controller {key!r} (allowed: {allowed})")
     return _REGISTRY[key](total, initial_j, **kwargs)
