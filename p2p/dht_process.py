@@ -9,6 +9,7 @@ by `bootstrap.main` (the DHT-only peer).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from functools import partial
@@ -152,21 +153,60 @@ def keep_valid_subkeys_in(dht: hivemind.DHT, timeout: float = 10.0) -> bool:
     return bool(dht.run_coroutine(_keep_valid_subkeys, return_future=True).result(timeout))
 
 
-async def _routing_peers(_dht: hivemind.DHT, node: Any) -> list[str]:
+async def routing_peers_in_dht(_dht: hivemind.DHT, node: Any) -> list[str]:
     """Runs inside the DHT process: peer ids currently in the routing table (not replacements)."""
     return [str(pid) for bucket in node.protocol.routing_table.buckets for pid in bucket.nodes_to_peer_id.values()]
 
 
 def routing_peers(dht: hivemind.DHT, timeout: float = 10.0) -> list[str]:
     """Blocking: peer ids in `dht`'s routing table (for status counters)."""
-    return dht.run_coroutine(_routing_peers, return_future=True).result(timeout)
+    return dht.run_coroutine(routing_peers_in_dht, return_future=True).result(timeout)
 
 
 async def _visible_maddrs(_dht: hivemind.DHT, node: Any) -> list[Any]:
     return await node.get_visible_maddrs()
 
 
-def visible_maddrs(dht: hivemind.DHT, timeout: float = 10.0) -> list[Any]:
-    """Blocking: our multiaddrs as p2pd reports them; unlike hivemind's get_visible_maddrs it cannot wait forever
-    on a stalled daemon (a restart on a loaded host once hung there with no message)."""
-    return dht.run_coroutine(_visible_maddrs, return_future=True).result(timeout)
+# --- the same, awaited on the parent's event loop (p2p.transport): nothing blocks it, nothing waits in a thread
+
+
+async def ask(dht: hivemind.DHT, fn: Any, timeout: float) -> Any:
+    """Await `fn` run inside `dht`'s process, at most `timeout` seconds (asyncio.TimeoutError after)."""
+    future = dht.run_coroutine(fn, return_future=True)
+    try:
+        return await asyncio.wait_for(future, timeout)
+    except BaseException:
+        future.cancel()
+        raise
+
+
+async def wait_ready(dht: hivemind.DHT, timeout: float, poll_s: float = 0.25) -> None:
+    """Wait until `dht` has started (its error if it failed; TimeoutError after `timeout`). hivemind only
+    offers a blocking wait: it runs in short slices, so a cancelled wait leaves no thread blocked for long
+    (a stop during start-up; asyncio's exit waits for its executor's threads)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            await loop.run_in_executor(None, dht.wait_until_ready, min(poll_s, max(0.0, deadline - loop.time())))
+            return
+        except TimeoutError:
+            if loop.time() >= deadline:
+                raise TimeoutError(f"the DHT peer did not start within {timeout:.0f} s") from None
+
+
+async def settle(dht: hivemind.DHT, timeout: float = 10.0) -> list[Any]:
+    """A started node's DHT: tied to this process (`_die_with_parent`), keeping only valid subkeys; returns
+    our multiaddrs as p2pd reports them (unlike hivemind's get_visible_maddrs, bounded: a restart on a
+    loaded host once hung there with no message)."""
+    try:
+        await ask(dht, partial(_die_with_parent, parent_pid=os.getpid()), timeout)
+    except Exception as e:
+        logger.warning("could not tie the DHT process to this one: %s: %s", type(e).__name__, e)
+    await ask(dht, _keep_valid_subkeys, timeout)
+    return await ask(dht, _visible_maddrs, timeout)
+
+
+async def stop_dht(dht: hivemind.DHT) -> None:
+    """Shut `dht` down (hivemind: a few seconds' grace, then SIGTERM), off the event loop."""
+    await asyncio.get_running_loop().run_in_executor(None, dht.shutdown)
