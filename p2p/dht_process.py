@@ -28,6 +28,23 @@ from p2p.wire import WireCaps
 logger = logging.getLogger(__name__)
 
 
+class DhtProcess(hivemind.DHT):
+    """hivemind's DHT, whose forked process starts with signal handling of its own. Forked from a running
+    asyncio loop, it would inherit the loop's handlers: SIGTERM a no-op that wakes the *parent's* loop
+    (through the inherited wakeup fd), so `terminate()` did nothing and a node whose DHT missed its
+    shutdown grace period waited forever at exit. Its parent decides when it ends: SIGTERM kills it (as
+    hivemind's shutdown expects), SIGINT and SIGHUP (a terminal's, sent to the whole group) are ignored."""
+
+    def run(self) -> None:
+        import signal
+
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for sig in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        super().run()
+
+
 def start_dht(
     identity: Identity,
     p2p_identity: Path,
@@ -55,7 +72,7 @@ def start_dht(
     )
     if announce_maddrs:
         kwargs["announce_maddrs"] = announce_maddrs
-    return hivemind.DHT(
+    return DhtProcess(
         initial_peers=initial_peers or None,
         start=True,
         await_ready=False,
@@ -153,14 +170,25 @@ def keep_valid_subkeys_in(dht: hivemind.DHT, timeout: float = 10.0) -> bool:
     return bool(dht.run_coroutine(_keep_valid_subkeys, return_future=True).result(timeout))
 
 
-async def routing_peers_in_dht(_dht: hivemind.DHT, node: Any) -> list[str]:
+async def _routing_peers(_dht: hivemind.DHT, node: Any) -> list[str]:
     """Runs inside the DHT process: peer ids currently in the routing table (not replacements)."""
     return [str(pid) for bucket in node.protocol.routing_table.buckets for pid in bucket.nodes_to_peer_id.values()]
 
 
+async def live_peers_in_dht(_dht: hivemind.DHT, node: Any, ping_below: int = 8) -> int:
+    """Runs inside the DHT process: peers in the routing table; in a table of fewer than `ping_below`, only
+    those that answer a ping. hivemind drops a peer from its table only when a request to it fails, so the
+    table of a quiet peer whose few neighbours all left never empties; each failed ping drops one."""
+    peers = [pid for bucket in node.protocol.routing_table.buckets for pid in bucket.nodes_to_peer_id.values()]
+    if len(peers) >= ping_below:
+        return len(peers)
+    answers = await asyncio.gather(*(node.protocol.call_ping(pid) for pid in peers), return_exceptions=True)
+    return sum(1 for a in answers if a is not None and not isinstance(a, BaseException))
+
+
 def routing_peers(dht: hivemind.DHT, timeout: float = 10.0) -> list[str]:
     """Blocking: peer ids in `dht`'s routing table (for status counters)."""
-    return dht.run_coroutine(routing_peers_in_dht, return_future=True).result(timeout)
+    return dht.run_coroutine(_routing_peers, return_future=True).result(timeout)
 
 
 async def _visible_maddrs(_dht: hivemind.DHT, node: Any) -> list[Any]:

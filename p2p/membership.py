@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -40,8 +41,8 @@ class Backoff:
     """Seconds between join attempts: first_s, doubling up to max_s, each +-jitter (peers started together
     do not probe together)."""
 
-    first_s: float = 2.0
-    max_s: float = 60.0
+    first_s: float = 1.0
+    max_s: float = 30.0  # a probe is one TCP connect: cheap enough to keep the wait for a swarm short
     jitter: float = 0.1
 
     def delay(self, tries: int, rng: random.Random) -> float:
@@ -98,8 +99,8 @@ async def probe(maddr: str, timeout: float) -> Optional[str]:
         _, writer = await asyncio.wait_for(asyncio.open_connection(*target), timeout)
     except asyncio.TimeoutError:
         return f"no answer within {timeout:.0f} s"
-    except OSError as e:
-        return (e.strerror or str(e) or type(e).__name__).lower()
+    except OSError as e:  # asyncio's message names the address again: the errno's says it all
+        return os.strerror(e.errno).lower() if e.errno else str(e) or type(e).__name__
     writer.close()
     with contextlib.suppress(Exception):
         await asyncio.wait_for(writer.wait_closed(), 1.0)

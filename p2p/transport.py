@@ -24,7 +24,7 @@ from typing import Optional
 import hivemind
 from hivemind.utils import get_dht_time
 
-from p2p.dht_process import ask, get_many_in_dht, routing_peers_in_dht, settle, start_dht, stop_dht, store_from_file, \
+from p2p.dht_process import ask, get_many_in_dht, live_peers_in_dht, settle, start_dht, stop_dht, store_from_file, \
     unlink_quietly, validator_rejections_in_dht, wait_ready
 from p2p.identity import KEY_FILENAME, Identity, IdentityError, libp2p_identity_path
 from p2p.pow import DEFAULT_POW_DIFFICULTY, MAX_POW_DIFFICULTY, work_tier
@@ -141,12 +141,13 @@ class SwarmTransport:
         return self._dht is not None and self._dht.is_alive()
 
     async def routing_peer_count(self, timeout: float) -> Optional[int]:
-        """Peers in our routing table; None without a DHT or without an answer within `timeout`."""
+        """Live peers in our routing table (a small table is pinged: `live_peers_in_dht`); None without a DHT
+        or without an answer within `timeout`."""
         dht = self._dht
         if dht is None or not dht.is_alive():
             return None
         try:
-            return len(await ask(dht, routing_peers_in_dht, timeout))
+            return await ask(dht, live_peers_in_dht, timeout)
         except Exception as e:  # asyncio.TimeoutError included
             logger.debug("routing table not read: %s: %s", type(e).__name__, e)
             return None
