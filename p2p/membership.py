@@ -160,7 +160,12 @@ class Membership:
         await self.transport.shutdown()
 
     async def _first_join(self) -> None:
-        if not self.peers or self.require_peers:  # strict: no answer is an error, as before this module
+        if not self.peers:  # the first peer of a swarm: up, and solo until a peer joins it
+            await self.transport.start()
+            self._set(SOLO, error="no peer has joined yet")
+            logger.info("first peer of swarm %r: waiting for peers to join", self.transport.config.swarm)
+            return
+        if self.require_peers:  # strict: no answer is an error, as before this module
             await self.transport.start()
             self._set(JOINED)
             return
@@ -228,7 +233,7 @@ class Membership:
         await asyncio.sleep(delay)
         st.tries += 1
         if self.transport.alive and await self.transport.routing_peer_count(self.probe_timeout_s):
-            self._joined_again("a peer reached this one")
+            self._joined_again(": a peer reached this one")
             return
         if not self.peers:
             error = None if self.transport.alive else await self._restart_alone()
@@ -237,7 +242,7 @@ class Membership:
             return
         error = await self._try_join()
         if error is None:
-            self._joined_again(f"through {', '.join(self.peers)}")
+            self._joined_again(f" through {', '.join(self.peers)}")
             return
         st.last_error = error
         logger.debug("join attempt %d failed: %s", st.tries, error)
@@ -255,8 +260,8 @@ class Membership:
 
     def _joined_again(self, how: str) -> None:
         st = self.state
-        logger.info("joined the swarm %s after %d tries (solo since %s): sharing from the next round", how,
-                    st.tries, clock_time(st.since))
+        logger.info("joined the swarm%s (solo since %s, %d tries): sharing from the next round", how,
+                    clock_time(st.since), st.tries)
         self._set(JOINED)
 
     def _set(self, state: str, error: str = "", since: Optional[float] = None) -> None:

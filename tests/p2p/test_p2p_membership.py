@@ -113,12 +113,17 @@ async def test_require_peers_keeps_the_strict_start(tmp_path):
 
 
 async def test_a_stop_during_the_first_join_returns_at_once(tmp_path):
-    """A blackholed address (no answer, no refusal) would hold the first join for the probe timeout: a stop
-    ends it instead."""
-    m = member(tmp_path, ["/ip4/10.255.255.1/tcp/4001/p2p/QmPKxbjj7f9tqZ8Mq6eLzpFzkbwkaERA87VSuqF2aPhrV4"])
-    m.probe_timeout_s = 60.0
-    stopped = asyncio.Event()
-    asyncio.get_running_loop().call_later(0.5, stopped.set)
-    await asyncio.wait_for(m.start(stopped), 10.0)
-    assert not m.joined and m._task is None  # no background task was left behind
-    await m.close()
+    """An address that accepts TCP but never speaks libp2p: the probe answers and the DHT peer's start then
+    waits on the handshake (up to its timeouts, tens of seconds). A stop ends the join instead, and shuts
+    down the half-started DHT peer."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # connections complete in the kernel's backlog and are never served
+        m = member(tmp_path, [f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}/p2p/"
+                              "QmPKxbjj7f9tqZ8Mq6eLzpFzkbwkaERA87VSuqF2aPhrV4"])
+        stopped = asyncio.Event()
+        asyncio.get_running_loop().call_later(1.0, stopped.set)
+        await asyncio.wait_for(m.start(stopped), 15.0)
+        assert not m.joined and m._task is None  # no background task was left behind
+        assert not m.transport.alive
+        await m.close()
