@@ -59,7 +59,7 @@ def swarm_settings(cfg: NodeConfig) -> SwarmSettings:
     has_state = (run_dir / METRICS_FILE).exists() or (run_dir / CHECKPOINTS_DIR).exists()
     return SwarmSettings(
         swarm=cfg.swarm, model=cfg.model, files=SwarmFiles.in_dir(run_dir), create_identity=not has_state,
-        seed=cfg.seed, peers=tuple(cfg.peers), host_maddrs=tuple(cfg.host_maddrs),
+        seed=cfg.seed, peers=tuple(cfg.peers), require_peers=cfg.require_peers, host_maddrs=tuple(cfg.host_maddrs),
         announce_maddrs=tuple(cfg.announce_maddrs), client_mode=cfg.client_mode, window=cfg.window,
         net_timeout_s=cfg.net_timeout, verify_budget_s=cfg.verify_budget_s, verify_budget_mb=cfg.verify_budget_mb,
         fetch_max=cfg.fetch_max, pow_difficulty=cfg.pow_difficulty, identity_tier=cfg.identity_tier, ban_s=cfg.ban_s,
@@ -84,15 +84,15 @@ def check_fits_the_wire(cfg: NodeConfig) -> None:
                           f"groups (got {cfg.num_local})")
 
 
-def build_exchange(cfg: NodeConfig, mix: TaskMix) -> Exchange:
-    """The swarm: a Silo without --peers or --swarm-start, else the Hivemind DHT. Call it before any CUDA
-    work: hivemind's DHT forks a process."""
+def build_exchange(cfg: NodeConfig, mix: TaskMix, stop: StopRequest | None = None) -> Exchange:
+    """The swarm: a Silo without --peers or --swarm-start, else the Hivemind DHT (its identity minted here the
+    first time: p2p.pow.MintStopped if `stop` is requested meanwhile). It joins at the node's start."""
     if not cfg.swarm_enabled:
         return Silo()
     check_fits_the_wire(cfg)
     from node.swarm.dht_exchange import DhtExchange
 
-    return DhtExchange.create(swarm_settings(cfg), mix)
+    return DhtExchange.create(swarm_settings(cfg), mix, stop)
 
 
 def build_node(cfg: NodeConfig, mix: TaskMix, model: torch.nn.Module, tokenizer, exchange: Exchange,

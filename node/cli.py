@@ -3,7 +3,12 @@
 Stopping (docs/OPERATING.md): SIGINT, SIGTERM, SIGHUP and losing the console (stderr's reader gone) all
 ask for a graceful stop: the round in progress is abandoned at the next safe point, the last completed
 round is checkpointed, exit 0. Repeats within REPEAT_WINDOW_S are the same request (a terminal's Ctrl-C
-and a launcher forwarding it arrive together); a third signal, or one after the window, aborts.
+and a launcher forwarding it arrive together); a third signal, or one after the window, aborts. A stop
+during start-up (minting the key's proof of work, loading or converting the model, joining the swarm, the
+starting weights' evaluation) ends it within seconds, exit 0: nothing is half-written.
+
+Failures a user can meet (bad flags, a busy run dir, a swarm that refuses to start) are one line on the
+console with what to do; their traceback, if any, goes to node.log (debug level), never to the console.
 """
 
 from __future__ import annotations
@@ -15,9 +20,9 @@ import signal
 import sys
 import time
 
-from node.learn.stop import StopRequest
+from node.learn.stop import StartupStopped, StopRequest, until_stopped
 from node.ops.config import ConfigError, NodeConfig, build_parser, load_config  # noqa: F401 (build_parser: the parser of sapo-node)
-from node.ops.metrics import METRICS_FILE, setup_logging
+from node.ops.metrics import METRICS_FILE, log_traceback, setup_logging
 from node.ops.quick_exit import exit_without_teardown
 from node.ops.runlock import RunDirBusy, RunDirLock
 from node.ops.stacks import install_stack_dumps
@@ -37,6 +42,7 @@ class StopSignals:
         self.first_at: float | None = None
         self.count = 0
         self.saved_round = lambda: -1  # set once the node exists: names the checkpoint an abort keeps
+        self.starting = ""  # what start-up is doing (a stop then ends it, with no round to abandon)
         self._owner = os.getpid()  # handlers act only in this process, never in a forked child
 
     def __call__(self, signame: str) -> None:
@@ -44,9 +50,12 @@ class StopSignals:
         self.count += 1
         if self.first_at is None:
             self.first_at = now
-            log.warning("%s: stopping at a safe point: the round in progress is abandoned (redone on resume), "
-                        "the last completed round is checkpointed. Press Ctrl-C again after %.0f s to abort.",
-                        signame, REPEAT_WINDOW_S)
+            if self.starting:
+                log.warning("%s: stopping start-up (%s): exiting within seconds", signame, self.starting)
+            else:
+                log.warning("%s: stopping at a safe point: the round in progress is abandoned (redone on resume), "
+                            "the last completed round is checkpointed. Press Ctrl-C again after %.0f s to abort.",
+                            signame, REPEAT_WINDOW_S)
             self.stop.set(signame)
         elif now - self.first_at <= REPEAT_WINDOW_S and self.count < 3:
             log.info("%s again within %.0f s: same stop request, still stopping", signame, REPEAT_WINDOW_S)
@@ -161,24 +170,42 @@ def main(argv: list[str] | None = None) -> int:
     threads = configure_threads(cfg)
     from node import build
     from node.learn.model_io import ModelLoadError, load_model, pick_device
+    from p2p.pow import MintStopped
 
+    signals.starting = "setting up this node's swarm identity" if cfg.swarm_enabled else "starting"
     try:
-        exchange = build.build_exchange(cfg, mix)  # before any CUDA work: hivemind's DHT forks a process
+        exchange = build.build_exchange(cfg, mix, stop)  # mints the key's proof of work the first time
     except ConfigError as exc:  # flags that only a swarm refuses
         return fail(str(exc))
-    except Exception as exc:
-        return fail(f"cannot join the swarm: {exc}", 1)
+    except MintStopped:
+        return stopped_in_start_up(stop, "minting the key's proof of work; what was tried is kept for the next start")
+    except Exception as exc:  # an unreadable identity file, a swarm setting p2p refuses
+        log_traceback("the swarm could not be set up")
+        return fail(f"cannot set up the swarm: {exc}", 1)
+    join_errors: tuple[type[Exception], ...] = ()
+    if cfg.swarm_enabled:
+        from p2p.transport import TransportError  # hivemind: a silo never imports it
+
+        join_errors = (TransportError,)
 
     missing = missing_device(cfg.device)
     if missing:
         return fail(missing)
     device = pick_device(cfg.device)
     log.info("loading model %s on %s (%d CPU threads)", cfg.model, device, threads)
+    signals.starting = "loading the model"
     try:
-        model, tokenizer = load_model(cfg.model, device)
+        model, tokenizer = until_stopped(stop, load_model, cfg.model, device)
+    except StartupStopped:
+        return stopped_in_start_up(stop, "loading the model")
     except ModelLoadError as exc:
         return fail(str(exc), 1)
+    signals.starting = "building the node"
     node = build.build_node(cfg, mix, model, tokenizer, exchange, device, stop=stop)
+    if stop.is_set():
+        node.engine.close()
+        return stopped_in_start_up(stop, "building the node")
+    signals.starting = ""  # from here on the round loop stops itself (joining and the start evaluation too)
     signals.saved_round = lambda: node.persistence.saved_round
     log.info("task mix %s: %s | I=%d J=%d G=%d | run dir %s", mix.name, ", ".join(mix.datasets),
              cfg.num_local, cfg.num_external, cfg.generations, run_dir)
@@ -186,15 +213,36 @@ def main(argv: list[str] | None = None) -> int:
              f"LoRA rank {cfg.lora_rank}" if cfg.lora_rank else "full fine-tuning", node.precision)
     try:
         asyncio.run(_serve(node, cfg, signals))
+    except join_errors as exc:  # --require-peers with no answer, or this machine's side (a port in use)
+        log_traceback("the swarm could not be joined")
+        return fail(f"cannot join the swarm: {exc}; {join_fix(str(exc))}", 1)
     except Exception as exc:  # one clear line on the console, the traceback in node.log
-        log.exception("node stopped on an error")
-        return fail(f"{type(exc).__name__}: {exc}", 1)
+        log_traceback("node stopped on an error")
+        return fail(f"{type(exc).__name__}: {exc} (the traceback is in {run_dir / 'node.log'})", 1)
     finally:
         # Everything is written and released: a repeat arriving now has nothing left to stop. Ignored, not
         # handled, because interpreter shutdown resets Python-level handlers to the default (death by signal).
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
     return 0
+
+
+def stopped_in_start_up(stop: StopRequest, what: str) -> int:
+    """A stop before the first round: nothing to checkpoint, a clean exit."""
+    log.info("stopped during start-up (%s) after %s: no round was started; start again to go on", what,
+             stop.reason)
+    return 0
+
+
+def join_fix(message: str) -> str:
+    """What to do about a swarm that did not start, from what failed."""
+    low = message.lower()
+    if "already in use" in low or "failed to listen" in low or "cannot assign" in low:
+        return "another process holds that address: choose another port in --host-maddrs, or stop that process"
+    if "already taken by another peer" in low:
+        return "another node runs with this run dir's libp2p identity (p2p.identity): stop it or use another --run-dir"
+    return ("check that the peers in --peers run and are reachable from here (address, port, firewall), or leave "
+            "out --require-peers to train in silo until one answers")
 
 
 async def _serve(node, cfg: NodeConfig, signals: StopSignals) -> None:

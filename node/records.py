@@ -108,6 +108,8 @@ def round_record(*, r: int, timer: PhaseTimer, local: list[Group], external: lis
         "verified_batches": exchange.round_verified,
         "verify_bytes": exchange.round_verify_bytes,
         "verify_s": round(exchange.round_verify_s, 4),
+        "swarm_state": exchange.round_swarm_state,  # joined, solo (waiting for peers: nothing shared) or silo
+        **({"solo_since": exchange.round_solo_since} if exchange.round_solo_since is not None else {}),
         "external_sources": _count_sources(selection.external),
         "publisher": publisher[:SOURCE_PREFIX] or None,  # this peer as the others' external_sources name it
         "loss": stats.loss,
@@ -144,6 +146,7 @@ def log_line(rec: dict[str, Any]) -> str:
         f"dropped {rec['dropped_zero_adv_local'] + rec['dropped_zero_adv_external']} | "
         f"loss {rec['loss']:+.4f} clip {rec['clip_frac']:.3f} | gen {p.get('generate', 0):.1f}s "
         f"train {p.get('train', 0):.1f}s swarm {rec['swarm_io_s']:.2f}s"
+        + (" | solo: waiting for peers" if rec.get("swarm_state") == "solo" else "")
     )
 
 
@@ -157,6 +160,7 @@ def status_snapshot(*, swarm: str, model: str, live: LiveState, exchange: Exchan
     return {
         **exchange.identity_info(),
         "swarm": swarm,
+        "membership": exchange.swarm_state(),  # joined, solo ("solo: waiting for peers since ...") or silo
         "model": model,
         "version": __version__,
         "round": live.round,

@@ -9,6 +9,7 @@ by `bootstrap.main` (the DHT-only peer).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from functools import partial
@@ -25,6 +26,23 @@ from p2p.validators import DEFAULT_PRESENCE_SHARDS, SapoRecordValidator, keep_va
 from p2p.wire import WireCaps
 
 logger = logging.getLogger(__name__)
+
+
+class DhtProcess(hivemind.DHT):
+    """hivemind's DHT, whose forked process starts with signal handling of its own. Forked from a running
+    asyncio loop, it would inherit the loop's handlers: SIGTERM a no-op that wakes the *parent's* loop
+    (through the inherited wakeup fd), so `terminate()` did nothing and a node whose DHT missed its
+    shutdown grace period waited forever at exit. Its parent decides when it ends: SIGTERM kills it (as
+    hivemind's shutdown expects), SIGINT and SIGHUP (a terminal's, sent to the whole group) are ignored."""
+
+    def run(self) -> None:
+        import signal
+
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for sig in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        super().run()
 
 
 def start_dht(
@@ -54,7 +72,7 @@ def start_dht(
     )
     if announce_maddrs:
         kwargs["announce_maddrs"] = announce_maddrs
-    return hivemind.DHT(
+    return DhtProcess(
         initial_peers=initial_peers or None,
         start=True,
         await_ready=False,
@@ -157,6 +175,17 @@ async def _routing_peers(_dht: hivemind.DHT, node: Any) -> list[str]:
     return [str(pid) for bucket in node.protocol.routing_table.buckets for pid in bucket.nodes_to_peer_id.values()]
 
 
+async def live_peers_in_dht(_dht: hivemind.DHT, node: Any, ping_below: int = 8) -> int:
+    """Runs inside the DHT process: peers in the routing table; in a table of fewer than `ping_below`, only
+    those that answer a ping. hivemind drops a peer from its table only when a request to it fails, so the
+    table of a quiet peer whose few neighbours all left never empties; each failed ping drops one."""
+    peers = [pid for bucket in node.protocol.routing_table.buckets for pid in bucket.nodes_to_peer_id.values()]
+    if len(peers) >= ping_below:
+        return len(peers)
+    answers = await asyncio.gather(*(node.protocol.call_ping(pid) for pid in peers), return_exceptions=True)
+    return sum(1 for a in answers if a is not None and not isinstance(a, BaseException))
+
+
 def routing_peers(dht: hivemind.DHT, timeout: float = 10.0) -> list[str]:
     """Blocking: peer ids in `dht`'s routing table (for status counters)."""
     return dht.run_coroutine(_routing_peers, return_future=True).result(timeout)
@@ -166,7 +195,46 @@ async def _visible_maddrs(_dht: hivemind.DHT, node: Any) -> list[Any]:
     return await node.get_visible_maddrs()
 
 
-def visible_maddrs(dht: hivemind.DHT, timeout: float = 10.0) -> list[Any]:
-    """Blocking: our multiaddrs as p2pd reports them; unlike hivemind's get_visible_maddrs it cannot wait forever
-    on a stalled daemon (a restart on a loaded host once hung there with no message)."""
-    return dht.run_coroutine(_visible_maddrs, return_future=True).result(timeout)
+# --- the same, awaited on the parent's event loop (p2p.transport): nothing blocks it, nothing waits in a thread
+
+
+async def ask(dht: hivemind.DHT, fn: Any, timeout: float) -> Any:
+    """Await `fn` run inside `dht`'s process, at most `timeout` seconds (asyncio.TimeoutError after)."""
+    future = dht.run_coroutine(fn, return_future=True)
+    try:
+        return await asyncio.wait_for(future, timeout)
+    except BaseException:
+        future.cancel()
+        raise
+
+
+async def wait_ready(dht: hivemind.DHT, timeout: float, poll_s: float = 0.25) -> None:
+    """Wait until `dht` has started (its error if it failed; TimeoutError after `timeout`). hivemind only
+    offers a blocking wait: it runs in short slices, so a cancelled wait leaves no thread blocked for long
+    (a stop during start-up; asyncio's exit waits for its executor's threads)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            await loop.run_in_executor(None, dht.wait_until_ready, min(poll_s, max(0.0, deadline - loop.time())))
+            return
+        except TimeoutError:
+            if loop.time() >= deadline:
+                raise TimeoutError(f"the DHT peer did not start within {timeout:.0f} s") from None
+
+
+async def settle(dht: hivemind.DHT, timeout: float = 10.0) -> list[Any]:
+    """A started node's DHT: tied to this process (`_die_with_parent`), keeping only valid subkeys; returns
+    our multiaddrs as p2pd reports them (unlike hivemind's get_visible_maddrs, bounded: a restart on a
+    loaded host once hung there with no message)."""
+    try:
+        await ask(dht, partial(_die_with_parent, parent_pid=os.getpid()), timeout)
+    except Exception as e:
+        logger.warning("could not tie the DHT process to this one: %s: %s", type(e).__name__, e)
+    await ask(dht, _keep_valid_subkeys, timeout)
+    return await ask(dht, _visible_maddrs, timeout)
+
+
+async def stop_dht(dht: hivemind.DHT) -> None:
+    """Shut `dht` down (hivemind: a few seconds' grace, then SIGTERM), off the event loop."""
+    await asyncio.get_running_loop().run_in_executor(None, dht.shutdown)

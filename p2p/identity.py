@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import os
 from pathlib import Path
+from typing import Callable
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -53,17 +54,18 @@ class Identity:
         return cls(key, mint_pow(public, pow_difficulty))
 
     @classmethod
-    def load_or_create(cls, path: Path, create: bool, pow_difficulty: int = 0,
-                       pow_path: Path | None = None) -> Identity:
+    def load_or_create(cls, path: Path, create: bool, pow_difficulty: int = 0, pow_path: Path | None = None,
+                       should_stop: Callable[[], bool] | None = None) -> Identity:
         """Load the key at `path`; create it (mode 0600) only if missing and `create` is True.
 
         Its proof-of-work nonce lives in `pow_path` (default: beside it, `identity.pow`); minted once, or
         again only when the stored one is too weak for `pow_difficulty` (the swarm raised its difficulty).
+        A mint asks `should_stop` as it goes: p2p.pow.MintStopped when it says yes (the key stays).
         """
         identity = cls._load_or_create_key(Path(path), create)
         pow_path = Path(path).parent / POW_FILENAME if pow_path is None else Path(pow_path)
         try:
-            identity.pow_nonce = load_or_mint_pow(pow_path, identity.public_key_bytes, pow_difficulty)
+            identity.pow_nonce = load_or_mint_pow(pow_path, identity.public_key_bytes, pow_difficulty, should_stop)
         except PowError as e:
             raise IdentityError(str(e)) from e
         return identity

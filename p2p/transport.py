@@ -24,10 +24,10 @@ from typing import Optional
 import hivemind
 from hivemind.utils import get_dht_time
 
+from p2p.dht_process import ask, get_many_in_dht, live_peers_in_dht, settle, start_dht, stop_dht, store_from_file, \
+    unlink_quietly, validator_rejections_in_dht, wait_ready
 from p2p.config import TransportConfig
-from p2p.dht_process import die_with_parent, get_many_in_dht, keep_valid_subkeys_in, start_dht, store_from_file, \
-    unlink_quietly, validator_rejections_in_dht, visible_maddrs
-from p2p.identity import KEY_FILENAME, Identity
+from p2p.identity import KEY_FILENAME, Identity, IdentityError
 from p2p.pow import work_tier
 from p2p.presence import FetchStats, PresenceSampler, PublisherChooser, UniformChooser
 from p2p.validators import batch_key, owner_of_subkey, owner_subkey, presence_keys_for
@@ -71,25 +71,47 @@ class SwarmTransport:
         return self._dht
 
     async def start(self) -> None:
+        """One attempt to start the DHT peer through the initial peers (TransportError when it fails).
+        Interruptible: cancelled (a stop during start-up), it shuts the half-started peer down. Waits on the
+        event loop, each bounded, never a thread left blocked: a stop must not wait for a start timeout."""
         cfg = self.config
         Path(cfg.identity_dir).mkdir(parents=True, exist_ok=True)
-        dht = start_dht(
-            self.identity, Path(cfg.p2p_identity_file), cfg.swarm, cfg.initial_peers, cfg.host_maddrs,
-            cfg.announce_maddrs, cfg.client_mode, cfg.caps, cfg.pow_difficulty, cfg.presence_shards,
-        )  # fmt: skip
-        self._dht = dht
-        loop = asyncio.get_running_loop()
+        try:  # forked here, on the event loop's thread: the DHT process's death signal follows this thread
+            dht = start_dht(
+                self.identity, Path(cfg.p2p_identity_file), cfg.swarm, cfg.initial_peers, cfg.host_maddrs,
+                cfg.announce_maddrs, cfg.client_mode, cfg.caps, cfg.pow_difficulty, cfg.presence_shards,
+            )  # fmt: skip
+        except IdentityError as e:
+            raise TransportError(str(e)) from e
         try:
-            await loop.run_in_executor(None, dht.wait_until_ready, cfg.start_timeout_s)
-            await loop.run_in_executor(None, die_with_parent, dht)
-            await loop.run_in_executor(None, keep_valid_subkeys_in, dht)
-            maddrs = await loop.run_in_executor(None, visible_maddrs, dht)
-        except Exception as e:
-            await self.shutdown()
+            await wait_ready(dht, cfg.start_timeout_s)
+            maddrs = await settle(dht)
+        except BaseException as e:  # CancelledError included
+            await stop_dht(dht)
+            if not isinstance(e, Exception):
+                raise
             hint = f" (initial peers: {cfg.initial_peers})" if cfg.initial_peers else ""
             raise TransportError(f"could not start the DHT peer{hint}: {type(e).__name__}: {e}") from e
+        self._dht = dht
         self._maddrs = [str(m) for m in maddrs]
         logger.info("DHT peer %s up at %s", self.identity.peer_name, self._maddrs)
+
+    @property
+    def alive(self) -> bool:
+        """The DHT peer is started and its process runs."""
+        return self._dht is not None and self._dht.is_alive()
+
+    async def routing_peer_count(self, timeout: float) -> Optional[int]:
+        """Live peers in our routing table (a small table is pinged: `live_peers_in_dht`); None without a DHT
+        or without an answer within `timeout`."""
+        dht = self._dht
+        if dht is None or not dht.is_alive():
+            return None
+        try:
+            return await ask(dht, live_peers_in_dht, timeout)
+        except Exception as e:  # asyncio.TimeoutError included
+            logger.debug("routing table not read: %s: %s", type(e).__name__, e)
+            return None
 
     @property
     def work_tier(self) -> int:
@@ -113,8 +135,8 @@ class SwarmTransport:
         me = self.identity.public_key_bytes
         presence = encode_presence(PresenceRecord(WIRE_VERSION, cfg.swarm, me, round, time.time()), self.identity)
         homes = presence_keys_for(cfg.swarm, me, self.identity.pow_nonce, cfg.pow_difficulty, cfg.presence_shards)
-        if not self.dht.is_alive():
-            logger.error("publish of round %d skipped: the DHT process is dead", round)
+        if not self.alive:  # solo (p2p.membership) or the DHT process died: the membership task restarts it
+            logger.debug("publish of round %d skipped: no DHT peer", round)
             return False
         spill = self._spill(signed_batch)
 
@@ -169,8 +191,8 @@ class SwarmTransport:
         """
         chooser = chooser or UniformChooser()
         stats = self.last_fetch = FetchStats()
-        if not self.dht.is_alive():
-            logger.error("fetch skipped: the DHT process is dead")
+        if not self.alive:
+            logger.debug("fetch skipped: no DHT peer")
             return []
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -226,7 +248,10 @@ class SwarmTransport:
         """
         loop = asyncio.get_running_loop()
         timeout = self.config.fetch_timeout_s if deadline is None else max(0.0, deadline - loop.time())
-        future = self.dht.run_coroutine(partial(get_many_in_dht, keys=keys), return_future=True)
+        dht = self._dht
+        if dht is None:  # shut down meanwhile (p2p.membership restarts it): no answer
+            return None
+        future = dht.run_coroutine(partial(get_many_in_dht, keys=keys), return_future=True)
         try:
             found = await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
@@ -258,5 +283,6 @@ class SwarmTransport:
 
     async def shutdown(self) -> None:
         dht, self._dht = self._dht, None
+        self._maddrs = []
         if dht is not None:
-            await asyncio.get_running_loop().run_in_executor(None, dht.shutdown)
+            await stop_dht(dht)

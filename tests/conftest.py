@@ -138,14 +138,14 @@ TINY = ["--tasks", "smoke", "--num-local", "2", "--num-external", "4", "--genera
 class Proc:
     """A subprocess in its own session (so its DHT process and p2pd can be killed with it); output to a file."""
 
-    def __init__(self, args: list[str], out: Path):
+    def __init__(self, args: list[str], out: Path, **env: str):
         self.out = out
         self.dumps_stacks = args[:2] == ["-m", "node.cli"]  # sapo-node registers SIGUSR1 (faulthandler)
         self._fh = open(out, "ab")
         if forkserver.usable():  # the same process, started from a preloaded interpreter (tests/forkserver.py)
-            self.p = forkserver.spawn(args, REPO, node_env(), out)
+            self.p = forkserver.spawn(args, REPO, node_env(**env), out)
         else:
-            self.p = subprocess.Popen([sys.executable, *args], cwd=REPO, env=node_env(), stdout=self._fh,
+            self.p = subprocess.Popen([sys.executable, *args], cwd=REPO, env=node_env(**env), stdout=self._fh,
                                       stderr=subprocess.STDOUT, start_new_session=True)
 
     def alive(self) -> bool:

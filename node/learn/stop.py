@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:  # torch is imported where it is used: the CLIs import this module before any model work
     import torch
@@ -92,3 +92,32 @@ def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
     return list(max(lists, key=len)) if lists else [model]
+
+
+class StartupStopped(Exception):
+    """A stop was requested while the node was starting (a model loading or converting): nothing to save."""
+
+
+def until_stopped(stop: StopRequest, fn: Callable[..., Any], *args: Any, poll_s: float = 0.1) -> Any:
+    """fn(*args) in a daemon thread, this thread waiting on it until it returns (its result, or its error) or
+    `stop` is requested (StartupStopped: the thread is left to die with the process). For start-up work with
+    no safe point of its own: loading a model from disk or converting it takes a minute on a slow disk, and a
+    stop must not wait for it. Only for work whose half-done state nothing reads (the conversion writes
+    into a temporary directory renamed at its end: node/learn/model_io.py)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn(*args)
+        except BaseException as exc:  # handed to the waiting thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=run, name="start-up", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        if stop.is_set():
+            raise StartupStopped(stop.reason)
+        worker.join(poll_s)  # signal handlers run in this (the main) thread meanwhile
+    if "error" in box:
+        raise box["error"]
+    return box["result"]

@@ -110,6 +110,8 @@ class NodeConfig:
     name: str = opt("", "display name in logs (default: from the public key)")
     # swarm
     peers: list = opt([], "multiaddrs of peers to join (none = silo, or first peer with --swarm-start)")
+    require_peers: bool = opt(False, "exit when no --peers answers at start (default: train in silo meanwhile "
+                                     "and join when one answers; docs/OPERATING.md)")
     swarm: str = opt("sapo-default", "swarm name; DHT keys are namespaced by it")
     host_maddrs: list = opt(["/ip4/0.0.0.0/tcp/0"], "libp2p listen multiaddrs")
     announce_maddrs: list = opt([], "multiaddrs to announce (public IP)")

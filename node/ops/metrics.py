@@ -13,6 +13,7 @@ import orjson
 
 METRICS_FILE = "metrics.jsonl"
 LOG_FILE = "node.log"
+TRACE_LOGGER = "sapo.trace"  # tracebacks of failures the console tells in one line: node.log only
 
 
 def read_records(path: str | Path, partial_ok: bool = False) -> list[dict[str, Any]]:
@@ -86,12 +87,20 @@ def setup_logging(run_dir: Path, level: str = "INFO", name: str = "",
         root.removeHandler(handler)
     file_handler = logging.FileHandler(run_dir / LOG_FILE, encoding="utf-8")
     console = ConsoleHandler(sys.stderr, on_console_lost)
+    console.setLevel(level.upper())  # TRACE_LOGGER's debug lines pass the root's level, not the console's
     for handler in (file_handler, console):
         handler.setFormatter(fmt)
         root.addHandler(handler)
     root.setLevel(level.upper())
+    logging.getLogger(TRACE_LOGGER).setLevel(logging.DEBUG)
     for noisy in ("hivemind", "httpx", "urllib3", "transformers", "asyncio"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+def log_traceback(message: str) -> None:
+    """The exception being handled, traceback and all, into node.log at debug level (whatever --log-level
+    says); the console states the failure in one line elsewhere."""
+    logging.getLogger(TRACE_LOGGER).debug(message, exc_info=True)
 
 
 class MetricsWriter:

@@ -102,6 +102,9 @@ def format_progress_line(rec: Mapping[str, Any]) -> str:
         parts.append(f"phase {_clean(phase, 12)}")
     if _isnum(round_s):
         parts.append(f"{round_s:.1f}s")
+    membership = rec.get("membership")
+    if rec.get("swarm_state") == "solo" or isinstance(membership, Mapping) and membership.get("state") == "solo":
+        parts.append("solo: waiting for peers")
     ev = rec if "eval_accuracy" in rec else rec.get("eval")
     if isinstance(ev, Mapping):
         for key, label in (("eval", "held-out"), ("eval_unseen", "unseen")):

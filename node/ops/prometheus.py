@@ -152,6 +152,14 @@ def render_metrics(snap: Mapping[str, Any], kind: str = "node") -> str:
 
     m.add_fields("counter", snap.get("totals"), TOTALS)
 
+    membership = as_dict(snap.get("membership"))
+    if membership.get("state") in ("joined", "solo"):
+        m.add("sapo_swarm_solo", "gauge", "1 while the node trains solo, waiting for peers (p2p.membership).",
+              int(membership["state"] == "solo"))
+        if membership["state"] == "solo":
+            m.add("sapo_swarm_solo_since_timestamp_seconds", "gauge", "Unix time since which the node is solo.",
+                  num(membership.get("since")))
+
     peers = snap.get("peers")
     if isinstance(peers, dict):
         m.add("sapo_known_peers", "gauge", "Number of peers this node has heard from.", len(peers))

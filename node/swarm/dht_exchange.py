@@ -1,15 +1,18 @@
-"""`DhtExchange`: the node's exchange over the Hivemind DHT (`p2p.transport` moves the bytes)."""
+"""`DhtExchange`: the node's exchange over the Hivemind DHT (`p2p.transport` moves the bytes, `p2p.membership`
+keeps the peer in its swarm: a node whose peers do not answer trains solo meanwhile)."""
 
 from __future__ import annotations
 
 import asyncio
 
 from node.learn.groups import Group
+from node.learn.stop import StopRequest
 from node.learn.tasks import TaskMix
 from node.swarm.exchange import Received
 from node.swarm.settings import SwarmSettings
 from node.swarm.verify import SignedExchange, VerifyConfig, make_batch
 from p2p.identity import Identity
+from p2p.membership import Membership, on_stop_event
 from p2p.pow import tier_difficulty
 from p2p.transport import SwarmTransport, TransportConfig
 
@@ -19,18 +22,24 @@ DHT_PEER = "dht"  # records our DHT validator refused before they could reach th
 class DhtExchange(SignedExchange):
     """Publish and fetch through the Hivemind DHT (`p2p.transport`)."""
 
-    def __init__(self, transport: SwarmTransport, mix: TaskMix, verify_cfg: VerifyConfig, model_name: str):
+    def __init__(self, transport: SwarmTransport, mix: TaskMix, verify_cfg: VerifyConfig, model_name: str,
+                 require_peers: bool = False, stop: StopRequest | None = None):
         super().__init__(transport.identity, mix, verify_cfg, model_name)
         self.transport = transport
-        self._dht_rejections: dict[str, int] = {}  # cumulative counts already reported
+        self.membership = Membership(transport, require_peers)
+        self.stop = stop  # a stop during start() ends the join at once
+        self._sharing = True  # this round publishes and fetches: decided at its publish (a join counts from the
+        self._dht_rejections: dict[str, int] = {}  # next round); cumulative counts already reported
 
     @classmethod
-    def create(cls, settings: SwarmSettings, mix: TaskMix) -> DhtExchange:
-        """Our identity (minted at our work tier the first time), a transport and a verifier, from the settings."""
+    def create(cls, settings: SwarmSettings, mix: TaskMix, stop: StopRequest | None = None) -> DhtExchange:
+        """Our identity (minted at our work tier the first time; p2p.pow.MintStopped on a stop), a transport and
+        a verifier, from the settings."""
         files = settings.files
         identity = Identity.load_or_create(
             files.identity_key, create=settings.create_identity, pow_path=files.pow,
-            pow_difficulty=tier_difficulty(settings.pow_difficulty, settings.identity_tier))
+            pow_difficulty=tier_difficulty(settings.pow_difficulty, settings.identity_tier),
+            should_stop=stop.is_set if stop is not None else None)
         budget = max(1.0, settings.net_timeout_s / 2)
         tcfg = TransportConfig(identity_dir=files.identity_key.parent, p2p_identity_file=files.p2p_identity,
                                swarm=settings.swarm, initial_peers=list(settings.peers),
@@ -38,19 +47,31 @@ class DhtExchange(SignedExchange):
                                client_mode=settings.client_mode, fetch_timeout_s=budget, publish_timeout_s=budget,
                                pow_difficulty=settings.pow_difficulty, fetch_max=settings.fetch_max)
         vcfg = VerifyConfig.from_settings(settings, max_age_s=tcfg.record_ttl_s)
-        return cls(SwarmTransport(tcfg, identity), mix, vcfg, settings.model)
+        return cls(SwarmTransport(tcfg, identity), mix, vcfg, settings.model, settings.require_peers, stop)
 
     async def start(self) -> None:
-        await self.transport.start()
+        """Join (p2p.membership): solo with a retry in the background when no initial peer answers."""
+        await self.membership.start(on_stop_event(self.stop.on_set) if self.stop is not None else None)
+
+    def swarm_state(self) -> dict:
+        return self.membership.state.to_dict()
 
     def identity_info(self) -> dict:
         return {**super().identity_info(), "maddrs": self.transport.visible_maddrs()}
 
     async def publish(self, round_: int, groups: list[Group]) -> None:
+        state = self.membership.state
+        self._sharing = self.transport.alive
+        self.stats.round_swarm_state = state.state
+        self.stats.round_solo_since = state.since if state.state == "solo" else None
+        if not self._sharing:
+            return
         data = make_batch(self.identity, self.swarm, round_, self.model_name, groups)
         await self.transport.publish(round_, data)
 
     async def fetch(self, round_: int) -> Received:
+        if not self._sharing:  # solo this round: nothing to fetch, the verifier still starts its round
+            return Received()
         # the bandit is the publisher chooser: banned publishers are never fetched (its reputation vetoes them),
         # and a flood cannot make us receive more than we would verify. DHT-level refusals (counted in the DHT
         # process) are read alongside the fetch, within its budget
@@ -70,4 +91,4 @@ class DhtExchange(SignedExchange):
         return groups
 
     async def close(self) -> None:
-        await self.transport.shutdown()
+        await self.membership.close()

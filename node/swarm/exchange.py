@@ -36,6 +36,8 @@ class ExchangeStats:
     round_verified: int = 0  # batches judged in the last round (within its verify budget)
     round_verify_bytes: int = 0
     round_verify_s: float = 0.0
+    round_swarm_state: str = "joined"  # what the last round ran as: joined, solo (shared nothing: p2p.membership)
+    round_solo_since: float | None = None  # or silo; when solo, since when (Unix time)
 
     def row(self, peer: str) -> str:
         """The row that counts this peer: its own, or OTHERS once MAX_PEERS rows are taken."""
@@ -92,6 +94,8 @@ class Exchange(Protocol):
 
     def identity_info(self) -> dict: ...
 
+    def swarm_state(self) -> dict: ...  # {"state": joined | solo | silo, "since", "message", ...} (/status)
+
     async def publish(self, round_: int, groups: list[Group]) -> None: ...
 
     async def fetch(self, round_: int) -> Received:
@@ -110,7 +114,7 @@ class Silo:
     """No swarm: nothing published, nothing received (the paper's I/0 baseline)."""
 
     def __init__(self) -> None:
-        self.stats = ExchangeStats()
+        self.stats = ExchangeStats(round_swarm_state="silo")
         self.reputation = Reputation()  # stays empty
 
     async def start(self) -> None:
@@ -118,6 +122,9 @@ class Silo:
 
     def identity_info(self) -> dict:
         return {"peer_id": "silo", "public_key": "", "maddrs": []}
+
+    def swarm_state(self) -> dict:
+        return {"state": "silo", "message": "silo"}
 
     async def publish(self, round_: int, groups: list[Group]) -> None:
         return None

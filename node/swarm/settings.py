@@ -42,6 +42,7 @@ class SwarmSettings:
     create_identity: bool = True  # False: a missing key is an error (a run dir that already holds state)
     seed: int = 0  # the verification order's shuffle (the bandit's: seed + 1)
     peers: tuple[str, ...] = ()  # multiaddrs to join; none: the first peer of a new swarm
+    require_peers: bool = False  # no answer from them at start: exit (else solo, joining in the background)
     host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
     announce_maddrs: tuple[str, ...] = ()
     client_mode: bool = False  # behind NAT: not dialable

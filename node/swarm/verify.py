@@ -306,6 +306,9 @@ class SignedExchange:
     def identity_info(self) -> dict:
         return {"peer_id": self.identity.peer_name, "public_key": self.identity.public_key_hex, "maddrs": []}
 
+    def swarm_state(self) -> dict:
+        return {"state": "joined", "message": "joined"}
+
     def _verify_all(self, records: list[tuple[bytes | None, bytes]]) -> list[Group]:
         """Verify within this round's budgets, in a fair order; groups come back in the records' order.
 

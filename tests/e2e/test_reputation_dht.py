@@ -38,7 +38,7 @@ class LyingExchange(DhtExchange):
         lies = [Group(task=g.task, responses=g.responses, rewards=[r + 1.0 for r in g.rewards]) for g in groups]
         await super().publish(round_, lies)
 
-build.build_exchange = lambda cfg, mix: LyingExchange.create(build.swarm_settings(cfg), mix)
+build.build_exchange = lambda cfg, mix, stop=None: LyingExchange.create(build.swarm_settings(cfg), mix, stop)
 sys.exit(cli.main(sys.argv[1:]))
 """
 

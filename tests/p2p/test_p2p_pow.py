@@ -62,3 +62,49 @@ def test_a_mint_takes_about_two_to_the_difficulty_hashes():
         tries.append(n + 1)
     assert 2 ** 7 < sum(tries) / len(tries) < 2 ** 9, sum(tries) / len(tries)
     assert check_pow(bytes(32), mint_pow(bytes(32), 16), 16)  # and near the default's difficulty too
+
+
+def test_a_stopped_mint_goes_on_where_it_stopped_and_finds_the_same_nonce(tmp_path):
+    """The search is deterministic (nonces 0, 1, 2, ...): a stopped mint keeps how far it got, and the next
+    mint of that key starts there and finds the nonce an uninterrupted mint finds."""
+    from p2p.pow import CHUNK, MintStopped, load_or_mint_pow
+
+    key = next(k for k in (bytes([i]) * 32 for i in range(256))
+               if int.from_bytes(mint_pow(k, 14), "big") > 2 * CHUNK)  # a key whose nonce lies past 2 chunks
+    straight = mint_pow(key, 14)
+    path = tmp_path / POW_FILENAME
+    asked = []
+    with pytest.raises(MintStopped) as stopped:
+        load_or_mint_pow(path, key, 14, should_stop=lambda: asked.append(1) or len(asked) >= 2)
+    assert stopped.value.next_counter == 2 * CHUNK and not path.exists()
+    assert (tmp_path / f"{POW_FILENAME}.progress").read_text().split() == [key.hex(), "14", str(2 * CHUNK)]
+    assert load_or_mint_pow(path, key, 14) == straight
+    assert not (tmp_path / f"{POW_FILENAME}.progress").exists()
+    # progress of another key, or of fewer bits than asked... is for another search: it starts at 0
+    from p2p.pow import _tried
+
+    (tmp_path / "p").write_text(f"{key.hex()} 14 {2 * CHUNK}\n")
+    assert _tried(tmp_path / "p", key, 16) == 2 * CHUNK  # a nonce that failed 14 bits fails 16
+    assert _tried(tmp_path / "p", key, 12) == 0
+    assert _tried(tmp_path / "p", bytes(32), 14) == 0
+
+
+def test_the_mint_estimate_comes_from_the_measured_rate(caplog):
+    """What a long mint says: the rate it measured, the mean time at that rate and the 1-in-20 time (3x), then
+    progress at least every 10 s."""
+    import logging
+
+    from p2p.pow import MintMeter
+
+    now = [100.0]
+    meter = MintMeter(24, 0, clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="p2p.pow")
+    meter.tick(100_000)  # before the rate is measured: silent
+    now[0] += 0.8
+    meter.tick(800_000)  # 1.0 M hashes/s
+    now[0] += 10.0
+    meter.tick(10_800_000)
+    first, progress = (r.getMessage() for r in caplog.records)
+    assert "1.00 M hashes/s measured on this machine, so about 17 s on average" in first
+    assert "1 mint in 20 takes over 50 s" in first
+    assert progress.startswith("proof of work: 10.8 M hashes tried (64% of the average 16.8 M) in 11 s")

@@ -291,6 +291,20 @@
     $("peer-empty").style.display = keys.length ? "none" : "";
   }
 
+  // joined, silo, or "solo: waiting for peers since <local time>" while no peer answers (p2p/membership.py)
+  function renderMembership(m) {
+    var el = $("v-swarm");
+    if (!el) return;
+    m = (m && typeof m === "object") ? m : {};
+    var text = typeof m.state === "string" ? m.state : "–";
+    if (m.state === "solo") {
+      text = "solo: waiting for peers" + (isNum(m.since) ? " since " + new Date(m.since * 1000).toLocaleString() : "");
+    }
+    el.textContent = text;
+    el.title = m.state === "solo" && m.last_error ? "last try: " + String(m.last_error) : "";
+    el.dataset.state = typeof m.state === "string" ? m.state : "";
+  }
+
   function renderIdentity(s) {
     setText("i-peer-id", s.peer_id || "–");
     setText("i-pubkey", s.public_key || "–");
@@ -315,6 +329,7 @@
     setText("v-reward", fmt(s.last_reward));
     setText("v-ma", fmt(s.reward_ma));
     setText("v-peers", s.peers ? String(Object.keys(s.peers).length) : "–");
+    renderMembership(s.membership);
     setText("v-banned", s.reputation && isNum(s.reputation.banned) ? String(s.reputation.banned) : "–");
     setText("v-tokens", fmtInt(totals.tokens_generated));
     setText("v-groups", fmtInt(totals.groups_local) + " / " + fmtInt(totals.groups_external));
