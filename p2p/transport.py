@@ -73,6 +73,7 @@ class SwarmTransport:
     async def start(self) -> None:
         cfg = self.config
         Path(cfg.identity_dir).mkdir(parents=True, exist_ok=True)
+        assert cfg.p2p_identity_file is not None  # TransportConfig.__post_init__ fills it in
         dht = start_dht(
             self.identity, Path(cfg.p2p_identity_file), cfg.swarm, cfg.initial_peers, cfg.host_maddrs,
             cfg.announce_maddrs, cfg.client_mode, cfg.caps, cfg.pow_difficulty, cfg.presence_shards,

@@ -9,6 +9,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from node import __version__
@@ -155,7 +156,7 @@ LORA_LR_SCALE = 10.0  # LoRA Without Regret (Thinking Machines, 2025): LoRA's be
 
 def default_lr(lora_rank: int) -> float:
     """The learning rate when none is given: the full fine-tuning default, x LORA_LR_SCALE with LoRA."""
-    lr = NodeConfig.__dataclass_fields__["lr"].default
+    lr = float(NodeConfig.__dataclass_fields__["lr"].default)  # type: ignore[arg-type]  # a float default
     return float(f"{lr * LORA_LR_SCALE:.6g}") if lora_rank > 0 else lr
 
 
@@ -321,7 +322,7 @@ def build_parser(prog: str = "sapo-node") -> argparse.ArgumentParser:
     return parser
 
 
-def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> NodeConfig:
+def load_config(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> NodeConfig:
     """Merge the four sources; raises ConfigError (or SystemExit from argparse) with one clear line."""
     env = os.environ if env is None else env
     args = vars(build_parser().parse_args(argv))
