@@ -136,6 +136,7 @@ class NodeEvaluation:
                 log.error("collapse guard: %s, but the restore point cannot be loaded (%s): training on from "
                           "these weights, learning rate now %.3g", verdict.reason, exc, self.trainer.lr)
                 return False
+            assert verdict.restored_to is not None  # a restore names the round it goes back to
             record.update(guard_reason=verdict.reason, guard_restored_to=verdict.restored_to)
             self.live.last_guard = {"round": r, "reason": verdict.reason, "restored_to": verdict.restored_to}
             log.warning("collapse guard: %s; restored %s, learning rate now %.3g", verdict.reason,

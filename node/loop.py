@@ -117,11 +117,11 @@ class SapoNode:
     async def run(self) -> int:
         """Runs rounds until cfg.rounds (in total) or a stop request; returns the rounds completed now."""
         loop = asyncio.get_running_loop()
-        self._stop_event = asyncio.Event()
+        self._stop_event = stop_event = asyncio.Event()
 
         def wake_network_waits() -> None:  # any thread; the loop may already be gone (late console loss)
             try:
-                loop.call_soon_threadsafe(self._stop_event.set)
+                loop.call_soon_threadsafe(stop_event.set)
             except RuntimeError:
                 pass
 

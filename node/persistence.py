@@ -176,7 +176,9 @@ class Persistence:
 
     def load_adapter(self, path: str) -> None:
         """--lora-init: adapter weights from another run's checkpoint (not its optimizer or round)."""
-        ckpt = load_from(path, map_location=self.device)
+        if self.adapter is None:  # the config refuses --lora-init without --lora-rank
+            raise CheckpointError("--lora-init needs a LoRA adapter (--lora-rank >= 1)")
+        ckpt = load_from(Path(path), map_location=self.device)
         self.check_identity(ckpt.meta, f"--lora-init {ckpt.path}")
         self.adapter.load_state_dict(ckpt.model)
         log.info("adapter initialised from %s (round %d)", ckpt.path, ckpt.round)

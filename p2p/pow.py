@@ -148,16 +148,16 @@ def mint_pow(public_key: bytes, difficulty: int, should_stop: Callable[[], bool]
     meter = MintMeter(difficulty, start) if difficulty >= LOG_FROM_BITS else None
     counter = start
     while True:
-        for counter in range(counter, counter + CHUNK):
-            nonce = counter.to_bytes(NONCE_LEN, "big")
+        for candidate in range(counter, counter + CHUNK):
+            nonce = candidate.to_bytes(NONCE_LEN, "big")
             h = prefix.copy()
             h.update(nonce)
             d = h.digest()
             if d[:full_bytes] == zeros and (rest_bits == 0 or d[full_bytes] < limit):
                 if meter is not None:
-                    meter.done(counter + 1)
+                    meter.done(candidate + 1)
                 return nonce
-        counter += 1
+        counter += CHUNK  # the next chunk's first nonce: every nonce below it was tried
         if should_stop is not None and should_stop():
             raise MintStopped(counter)
         if meter is not None:

@@ -76,6 +76,7 @@ class SwarmTransport:
         event loop, each bounded, never a thread left blocked: a stop must not wait for a start timeout."""
         cfg = self.config
         Path(cfg.identity_dir).mkdir(parents=True, exist_ok=True)
+        assert cfg.p2p_identity_file is not None  # TransportConfig.__post_init__ fills it in
         try:  # forked here, on the event loop's thread: the DHT process's death signal follows this thread
             dht = start_dht(
                 self.identity, Path(cfg.p2p_identity_file), cfg.swarm, cfg.initial_peers, cfg.host_maddrs,

@@ -289,7 +289,8 @@ def _require(cond: bool, what: str) -> None:
 
 def _name(obj: dict[str, Any], key: str, caps: WireCaps) -> str:
     v = obj.get(key)
-    _require(isinstance(v, str) and 0 < len(v) <= caps.max_name_chars, f"{key} must be a non-empty short string")
+    if not (isinstance(v, str) and 0 < len(v) <= caps.max_name_chars):
+        raise WireError("schema", f"{key} must be a non-empty short string")
     return v
 
 
@@ -301,7 +302,8 @@ def decode_signed(data: bytes, caps: WireCaps = WireCaps(), pow_difficulty: int 
     _require(_is_round(obj.get("round")), f"round must be an int in [0, {MAX_ROUND}]")
     _require(_in_range(obj.get("created_at"), 0, MAX_TIMESTAMP), "created_at must be a finite time in range")
     raw_groups = obj.get("groups")
-    _require(isinstance(raw_groups, list), "groups must be a list")
+    if not isinstance(raw_groups, list):
+        raise WireError("schema", "groups must be a list")
     for g in raw_groups:
         _check_group_schema(g, caps)
     # caps (schema is known to hold from here on)

@@ -200,7 +200,7 @@ def bindings(args, model, tok, mix) -> dict:
         for b, eng in engines.items():
             torch.manual_seed(100 + i)
             got = []
-            wall, cpu = _timed(lambda: got.extend(eng.sample(batch, args.generations, scfg)))
+            wall, cpu = _timed(lambda: got.extend(eng.sample(batch, args.generations, scfg)))  # noqa: B023 (run at once)
             if i >= 0:
                 runs[b]["wall"].append(wall)
                 runs[b]["cpu"].append(cpu)
@@ -220,10 +220,10 @@ def bindings(args, model, tok, mix) -> dict:
     sync_s: dict = {b: {"full_wall": [], "full_cpu": [], "lora_wall": [], "lora_cpu": []} for b in names}
     for _ in range(args.repeats):
         for b in names:
-            w, c = _timed(lambda: engines[b].sync(model))
+            w, c = _timed(lambda: engines[b].sync(model))  # noqa: B023 (run at once)
             sync_s[b]["full_wall"].append(w)
             sync_s[b]["full_cpu"].append(c)
-            w, c = _timed(lambda: lora_engines[b].sync(adapter.model))
+            w, c = _timed(lambda: lora_engines[b].sync(adapter.model))  # noqa: B023 (run at once)
             sync_s[b]["lora_wall"].append(w)
             sync_s[b]["lora_cpu"].append(c)
     out["sync"] = {b: {k: statistics.median(v) for k, v in d.items()} for b, d in sync_s.items()}

@@ -223,9 +223,9 @@ def generation_section(args, model, tok, prompts, scfg, max_new, device) -> dict
     node_tokens.clear(), bare_tokens.clear()
     t_node, t_unshared, t_bare, cpu_node, cpu_unshared = [], [], [], [], []
     for i in range(args.repeats):  # interleaved so drift hits all alike
-        t_node += timed(lambda _: node_gen(i), 1, cpu_node)
-        t_unshared += timed(lambda _: node_gen(i, False, unshared_tokens), 1, cpu_unshared)
-        t_bare += timed(lambda _: bare_gen(i), 1)
+        t_node += timed(lambda _, i=i: node_gen(i), 1, cpu_node)
+        t_unshared += timed(lambda _, i=i: node_gen(i, False, unshared_tokens), 1, cpu_unshared)
+        t_bare += timed(lambda _, i=i: bare_gen(i), 1)
     node_tps = sum(node_tokens) / sum(t_node)
     bare_tps = sum(bare_tokens) / sum(t_bare)
     print("\n## 2. generation throughput (tokens/s)")

@@ -22,7 +22,7 @@ else
   echo "[setup] installing torch==2.13.0"
   pip install -q torch==2.13.0
 fi
-if ! python -c "import node, hivemind, reasoning_gym, pytest_timeout, xdist" 2>/dev/null \
+if ! python -c "import node, hivemind, reasoning_gym, pytest_timeout, xdist, mypy" 2>/dev/null \
    || [ pyproject.toml -nt "$VENV/.sapo-installed" ]; then
   echo "[setup] installing the node and its dependencies"
   pip install -q -e ".[dev]"

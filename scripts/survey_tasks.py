@@ -91,7 +91,7 @@ def main() -> None:
         def show(rec):
             brief = rec.get("error") or " ".join(f"{k}={rec[k]}" for k in ("pass1", "pass8", "baseline",
                                                                            "distinct_correct", "s_per_task"))
-            print(f"{time.time() - t0:7.0f}s {rec['key']}: {brief}", flush=True)
+            print(f"{time.time() - t0:7.0f}s {rec['key']}: {brief}", flush=True)  # noqa: B023 (this stage's)
 
         run_cells(model, tok, cells, args.log, on_record=show, engine=engine)
 

@@ -104,7 +104,8 @@ def run_python(argv: list[str], timeout: float = 240, env: dict | None = None) -
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait(30)
-            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, out.read_bytes(), err.read_bytes())
+            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, out.read_bytes(),
+                                            err.read_bytes()) from None
         return subprocess.CompletedProcess([sys.executable, *argv], child.returncode,
                                            out.read_text(errors="replace"), err.read_text(errors="replace"))
 

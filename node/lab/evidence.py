@@ -6,6 +6,7 @@ scripts/solo_evidence.py."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +50,8 @@ def heldout_evidence(rows: Sequence[dict], n_boot: int = 10000, seed: int = 0, k
     out["by_dataset"] = {}
     for name in datasets:
         sel = [i for i, d in enumerate(per_task) if d == name]
-        gain = paired_task_gain([first[f"{key}_scores"][i] for i in sel], [scores[i] for i in sel], n_boot, seed)
+        gain: dict[str, Any] = paired_task_gain([first[f"{key}_scores"][i] for i in sel], [scores[i] for i in sel],
+                                                n_boot, seed)
         gain["distinct_answers_last"] = len({answers[i] for i in sel if i < len(answers) and answers[i]}) / len(sel)
         ds_base = last.get(f"{key}_baseline/{name}")
         if ds_base is not None:

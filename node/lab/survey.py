@@ -299,7 +299,7 @@ def stage_cells(stage: str, names: list[str], records: dict[str, dict[str, Any]]
     direct = {n: records.get(Cell(n, "easiest", "direct", temperature, SCREEN_TASKS).key()) for n in names}
     if stage == "rescreen":
         return [Cell(n, "easiest", "reason", temperature, SCREEN_TASKS) for n in names
-                if passed_screen(records, n, temperature=temperature) is False and "error" not in direct[n]]
+                if passed_screen(records, n, temperature=temperature) is False and "error" not in (direct[n] or {})]
     passed = [n for n in names if passed_screen(records, n, temperature=temperature)
               or passed_screen(records, n, "reason", temperature)]
     if stage == "harder-screen":

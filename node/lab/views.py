@@ -49,6 +49,11 @@ def restrict(runs: Sequence[Run], keep: Callable[[Run, PeerSeries], bool]) -> li
     return [r for r in cut if r.peers]
 
 
+def family_runs(runs: Sequence[Run], family: str) -> list[Run]:
+    """The runs cut down to the peers of one model family."""
+    return restrict(runs, lambda r, p: peer_model(r, p) == family)
+
+
 def heldout_view(runs: Sequence[Run], summary: dict) -> dict[str, dict]:
     """Per configuration that evaluated: held-out accuracy per seed of these runs, and each configuration
     against the report's baseline, seeds paired, exactly as `summarize` compares whole swarms; the training
@@ -84,7 +89,7 @@ def family_summary(runs: Sequence[Run], summary: dict) -> dict:
     families = model_families(runs)
     if not families:
         return {}
-    per = {f: heldout_view(restrict(runs, lambda r, p, f=f: peer_model(r, p) == f), summary) for f in families}
+    per = {f: heldout_view(family_runs(runs, f), summary) for f in families}
     for cfg in summary["configs"]:
         for key in HOLM_KEYS:
             tests = {f: per[f][cfg][f"{key}_vs_base"] for f in families if f"{key}_vs_base" in per[f].get(cfg, {})}

@@ -95,7 +95,7 @@ def mean_reward(groups: list[Group]) -> float:
 
 def mean_abs_advantage(groups: list[Group]) -> float:
     """The mean |group-relative advantage| over every completion of `groups` (0 for none)."""
-    values = []
+    values: list[float] = []
     for g in groups:
         values.extend(abs(a) for a in group_advantages(torch.tensor(g.rewards, dtype=torch.float64)).tolist())
     return sum(values) / len(values) if values else 0.0

@@ -120,7 +120,7 @@ class CollapseGuard:
         if not self.cfg.enabled:
             return Verdict("keep", lr_scale=s.lr_scale)
         reason = self._worse_than_best(e, best) if best is not None else ""
-        if not reason:  # a collapse is never a restore point, however its accuracy compares
+        if best is None or not reason:  # a collapse is never a restore point, however its accuracy compares
             if s.lost_restore_point and collapsed(e, self.cfg.margin):
                 return Verdict("keep", lr_scale=s.lr_scale)  # still the weights the failed restore left
             if best is None or e.accuracy > best.accuracy:

@@ -115,9 +115,11 @@ class Adapter:
     """One peer's adapter on a `LoraBase`: what it trains, saves and loads; `activate` before model work."""
 
     def __init__(self, base: LoraBase, name: str):
+        if base.model is None:
+            raise ValueError("an adapter is made by LoraBase.adapter, which wraps the base first")
         self.base = base
         self.name = name
-        self.model = base.model
+        self.model: torch.nn.Module = base.model
         self._params = dict(self._named())
         self.activate()
 

@@ -153,7 +153,7 @@ def sample_groups(
     prompt_len = enc["input_ids"].shape[1]
     generated = sequences[:, prompt_len:].cpu()
     groups = []
-    for p, prompt in enumerate(prompts):
+    for p in range(len(prompts)):
         ids = [int(t) for t, m in zip(enc["input_ids"][p].tolist(), enc["attention_mask"][p].tolist()) if m]
         comp, lps, texts, ents = [], [], [], []
         for g in range(group_size):

@@ -90,8 +90,9 @@ def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer's blocks: the longest ModuleList (decoder layers in every causal LM we load)."""
     import torch
 
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else [model]
+    lists: list[Any] = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    sizes = [len(m) for m in lists]
+    return list(lists[sizes.index(max(sizes))]) if lists else [model]  # the first of the longest
 
 
 class StartupStopped(Exception):

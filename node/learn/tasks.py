@@ -377,7 +377,7 @@ def eval_tasks(mix: TaskMix, size: int, unseen: bool = False) -> list[Task]:
         counts[i] += 1
     tasks = []
     for name, count in zip(names, counts):
-        config, found = mix.datasets[name].get("config", {}), []
+        config, found = mix.datasets[name].get("config", {}), list[Task]()
         for index in range(EVAL_INDEX_START, DATASET_SIZE):
             if len(found) == count:
                 break

@@ -120,7 +120,7 @@ class CheckpointStore:
         abandoned copy of the same round), not deleted: a newest checkpoint that failed to load only for a
         passing reason (memory, I/O) can still be recovered from there by hand."""
         for path in self._complete_dirs():
-            if round_of(path) <= round_:
+            if (round_of(path) or 0) <= round_:  # a complete dir's name always gives its round
                 break
             dest = self.dir / ABANDONED_DIR / path.name
             dest.parent.mkdir(exist_ok=True)
@@ -130,8 +130,8 @@ class CheckpointStore:
                         path.name, dir_name(round_), dest)
 
     def _complete_dirs(self) -> list[Path]:
-        dirs = [p for p in self.dir.glob(f"{PREFIX}*") if p.is_dir() and round_of(p) is not None]
-        return sorted(dirs, key=round_of, reverse=True)
+        rounds = {p: r for p in self.dir.glob(f"{PREFIX}*") if p.is_dir() and (r := round_of(p)) is not None}
+        return sorted(rounds, key=rounds.__getitem__, reverse=True)
 
     def _prune(self) -> None:
         for stale in self._complete_dirs()[self.keep:]:

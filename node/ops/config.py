@@ -9,6 +9,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from node import __version__
@@ -163,14 +164,13 @@ LORA_LR_SCALE = 10.0  # LoRA Without Regret (Thinking Machines, 2025): LoRA's be
 
 def default_lr(lora_rank: int) -> float:
     """The learning rate when none is given: the full fine-tuning default, x LORA_LR_SCALE with LoRA."""
-    lr = NodeConfig.__dataclass_fields__["lr"].default
+    lr = float(NodeConfig.__dataclass_fields__["lr"].default)  # type: ignore[arg-type]  # a float default
     return float(f"{lr * LORA_LR_SCALE:.6g}") if lora_rank > 0 else lr
 
 
 # The CPU recipe: what a node on a CPU learns with when nothing else is set, and a GPU node on a small
-# packaged model (README "Defaults"). Its learning rate and KL weight are the winners of the pre-registered
-# sweep of docs/RESULTS.md section 7b (6 settings x 3 seeds x 5 peers, 30 rounds, none collapsed): lr 2e-4
-# with beta 0.04, mean final held-out accuracy 0.703 (the next best, lr 2e-4 with beta 0, 0.687). Both are
+# packaged model (README "Defaults"). Its learning rate and KL weight were chosen by a pre-registered sweep:
+# docs/RESULTS.md (the CPU recipe's experiment) has its design and figures. Both are
 # LoRA values (the KL reference is the base with the adapter off, no second model): a run with --lora-rank 0
 # gets the full fine-tuning rate and no KL term. A GPU node on any other model keeps the paper's setup.
 RECIPES: dict[str, dict[str, Any]] = {
@@ -330,7 +330,7 @@ def build_parser(prog: str = "sapo-node") -> argparse.ArgumentParser:
     return parser
 
 
-def load_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> NodeConfig:
+def load_config(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> NodeConfig:
     """Merge the four sources; raises ConfigError (or SystemExit from argparse) with one clear line."""
     env = os.environ if env is None else env
     args = vars(build_parser().parse_args(argv))

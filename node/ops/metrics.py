@@ -136,7 +136,8 @@ class MetricsWriter:
         metrics.orphaned.jsonl (kept, never deleted) so metrics.jsonl has each round once."""
         if not self.path.exists():
             return 0
-        keep, orphaned = [], []
+        keep: list[bytes] = []
+        orphaned: list[bytes] = []
         for line in self.path.read_bytes().splitlines():
             try:
                 rec = orjson.loads(line)

@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence, TextIO
+from typing import Any, Iterable, Mapping, Sequence, TextIO, TypeGuard
 
 import orjson
 
@@ -39,7 +39,7 @@ _CLEAR_EOL = "\x1b[K"
 _HOME_CLEAR = "\x1b[H\x1b[2J"
 
 
-def _isnum(x: Any) -> bool:
+def _isnum(x: Any) -> TypeGuard[float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 

@@ -163,15 +163,15 @@ def render_metrics(snap: Mapping[str, Any], kind: str = "node") -> str:
     peers = snap.get("peers")
     if isinstance(peers, dict):
         m.add("sapo_known_peers", "gauge", "Number of peers this node has heard from.", len(peers))
-        for key, p in peers.items():
-            p = as_dict(p)
-            if isinstance(p.get("name"), str):
+        for key, raw in peers.items():
+            info = as_dict(raw)
+            if isinstance(info.get("name"), str):
                 m.add("sapo_peer_info", "gauge", "Peer public key to self-reported name (constant 1).", 1,
-                      {"peer": key, "name": p["name"]})
+                      {"peer": key, "name": info["name"]})
             m.add("sapo_peer_last_round", "gauge", "Last round announced by a peer.",
-                  num(p.get("last_round")), {"peer": key})
+                  num(info.get("last_round")), {"peer": key})
             m.add("sapo_peer_last_seen_timestamp_seconds", "gauge", "Unix time a peer was last seen.",
-                  num(p.get("last_seen")), {"peer": key})
+                  num(info.get("last_seen")), {"peer": key})
 
     groups = as_dict(snap.get("groups"))
     for key, count in as_dict(groups.get("accepted")).items():
@@ -185,13 +185,13 @@ def render_metrics(snap: Mapping[str, Any], kind: str = "node") -> str:
     # reputation: aggregate gauges, and per peer only the bounded table /status lists (label cardinality)
     rep = as_dict(snap.get("reputation"))
     m.add_fields("gauge", rep, REPUTATION)
-    for key, p in as_dict(rep.get("peers")).items():
-        p = as_dict(p)
+    for key, raw in as_dict(rep.get("peers")).items():
+        info = as_dict(raw)
         m.add("sapo_publisher_score", "gauge",
               "Reputation score of the publishers listed in /status (bans, the worst and the best few).",
-              num(p.get("score")), {"peer": key})
+              num(info.get("score")), {"peer": key})
         m.add("sapo_publisher_banned_until_timestamp_seconds", "gauge",
-              "Unix time at which a listed publisher's ban ends.", num(p.get("banned_until")), {"peer": key})
+              "Unix time at which a listed publisher's ban ends.", num(info.get("banned_until")), {"peer": key})
     m.add_fields("gauge", snap.get("verify"), VERIFY)
 
     if "healthy" in snap:

@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 import threading
+from types import FrameType
 
 DUMP_BEGIN = "--- stack dump on SIGUSR1"
 DUMP_END = "--- end of stack dump"
@@ -39,9 +40,10 @@ def read_stacks() -> list[tuple[int, list[tuple[str, int, str]]]]:
     collecting = gc.isenabled()
     gc.disable()
     try:
-        stacks = []
-        for ident, frame in sys._current_frames().items():
+        stacks: list[tuple[int, list[tuple[str, int, str]]]] = []
+        for ident, top in sys._current_frames().items():
             calls = []
+            frame: FrameType | None = top
             while frame is not None:
                 code = frame.f_code
                 calls.append((code.co_filename, frame.f_lineno, code.co_name))

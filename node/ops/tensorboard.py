@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeGuard
 
 import orjson
 
@@ -75,7 +75,7 @@ LAYOUT = {"held-out": {
         "Multiline", ["eval/unseen_accuracy", "eval/unseen_constant_answer_baseline"]]}}
 
 
-def _number(v: Any) -> bool:
+def _number(v: Any) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -116,7 +116,7 @@ class TensorBoardLog:
     def __init__(self, run_dir: Path, enabled: bool = True):
         self.dir = Path(run_dir) / TB_DIR
         self.enabled = enabled
-        self._writer = None
+        self._writer: Any = None  # tensorboardX's EventsWriter, while enabled
 
     def rebuild(self, metrics_path: Path) -> int:
         """A fresh event file holding every round of metrics.jsonl; returns the rounds written."""

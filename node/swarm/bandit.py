@@ -173,8 +173,8 @@ class PublisherBandit:
         a candidate until it is tried, even when the rotation reads other shards); none that is banned."""
         explore_min = max(1, math.floor(limit * self.cfg.explore_share))
         with self._lock:
-            proven = sorted(((r.mean, k) for k, r in self._table.items() if self._proven(r)), key=lambda mk: -mk[0])
-            proven = [k for _, k in proven[:max(0, limit - explore_min)]]
+            ranked = sorted(((r.mean, k) for k, r in self._table.items() if self._proven(r)), key=lambda mk: -mk[0])
+            proven = [k for _, k in ranked[:max(0, limit - explore_min)]]
             head = sorted(self._queue, key=self._queue_order)[:limit - len(proven)]
             self._asked = set(head)
         return [p for p in proven + head if self.reputation is None or self.reputation.allowed(p)]
@@ -216,21 +216,21 @@ class PublisherBandit:
         never-tried keys of higher work `tiers` first."""
         explore_min = max(1, math.floor(k * self.cfg.explore_share))
         with self._lock:
-            recs = {pub: self._table.get(pub) for pub in candidates}
+            recs = {pub: rec for pub in candidates if (rec := self._table.get(pub)) is not None}  # tried ones
             now = self.round
         keys = list(candidates)
         self.rng.shuffle(keys)  # ties broken at random
-        proven = sorted((p for p in keys if self._proven(recs[p])), key=lambda p: -recs[p].mean)
+        proven = sorted((p for p in keys if self._proven(recs.get(p))), key=lambda p: -recs[p].mean)
         exploit = proven[:max(0, k - explore_min)]
         slots = k - len(exploit)
         with self._lock:
-            self._enqueue([p for p in keys if recs[p] is None], tiers or {})
-            queued = sorted((p for p in keys if recs[p] is None and p in self._queue), key=self._queue_order)
-            turned_away = [p for p in keys if recs[p] is None and p not in self._queue]
+            self._enqueue([p for p in keys if p not in recs], tiers or {})
+            queued = sorted((p for p in keys if p not in recs and p in self._queue), key=self._queue_order)
+            turned_away = [p for p in keys if p not in recs and p not in self._queue]
         # keys a full queue turned away still get a slot the queued ones leave free
         new = queued + sorted(turned_away, key=lambda p: -(tiers or {}).get(p, 0))
-        retry = sorted((p for p in keys if recs[p] is not None and not self._proven(recs[p])
-                        and recs[p].next_try <= now), key=lambda p: (recs[p].fails_in_row, -recs[p].mean))
+        retry = sorted((p for p in keys if p in recs and not self._proven(recs[p]) and recs[p].next_try <= now),
+                       key=lambda p: (recs[p].fails_in_row, -recs[p].mean))
         n_retry = min(len(retry), max(1, slots // 4), slots)
         n_new = min(len(new), slots - n_retry)
         n_retry = min(len(retry), slots - n_new)  # what the new keys leave over

@@ -254,7 +254,7 @@ class _Base:
             raise ValueError(f"state_dict is for I/J controller {d.get('name')!r}, not {self.name!r}")
         if int(d.get("total", -1)) != self.total:
             raise ValueError(f"state_dict has total={d.get('total')!r}, this controller has total={self.total}")
-        j = d.get("j")
+        j: Any = d.get("j")
         if not _finite(j):
             raise ValueError(f"state_dict has invalid j={j!r}")
         self.j = _clip(float(j), 0.0, float(self.total))

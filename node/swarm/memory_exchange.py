@@ -23,9 +23,9 @@ class MemoryBoard:
         self.newest[publisher] = max(self.newest.get(publisher, -1), round_)
 
     def window(self, exclude: bytes, window: int,
-               allowed: Callable[[bytes], bool]) -> list[tuple[bytes, bytes]]:
+               allowed: Callable[[bytes], bool]) -> list[tuple[bytes | None, bytes]]:
         """Every other publisher's last `window` rounds, skipping those `allowed` refuses (not fetched)."""
-        out = []
+        out: list[tuple[bytes | None, bytes]] = []
         for (pub, r), data in sorted(self.records.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             if pub != exclude and r > self.newest[pub] - window and allowed(pub):
                 out.append((pub, data))

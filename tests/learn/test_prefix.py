@@ -122,7 +122,7 @@ def test_auto_picks_shared_for_llama_and_plain_for_a_model_without_a_cache(tiny6
     assert not supports_prefix_sharing(wrapped, tok.pad_token_id)
     assert Trainer(wrapped, tok.pad_token_id, TrainConfig()).shared_prefix is False
     with pytest.raises(ValueError, match="cannot be shared"):
-        Trainer(wrapped, tok.pad_token_id, TrainConfig(prefix_sharing="on")).shared_prefix
+        _ = Trainer(wrapped, tok.pad_token_id, TrainConfig(prefix_sharing="on")).shared_prefix
 
 
 def gemma64(vocab: int, window: int) -> torch.nn.Module:

@@ -58,7 +58,7 @@ def test_j_external_groups_are_a_uniform_sample_without_replacement():
 @pytest.mark.parametrize("num_local, num_external", [(4, 0), (1, 3), (0, 4)])
 def test_counts_never_exceed_the_targets(num_local, num_external):
     rng = random.Random(3)
-    for trial in range(50):
+    for _ in range(50):
         local = [group(i, [rng.choice([0.0, 1.0]) for _ in range(4)]) for i in range(rng.randint(0, 6))]
         external = [group(i, [rng.choice([0.0, 1.0]) for _ in range(4)], source=f"{i:064x}")
                     for i in range(rng.randint(0, 9))]

@@ -64,15 +64,15 @@ def make_engine(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenize
         if device != "cpu":
             log.info("rollout engine auto: torch (the model is on %s)", device)
             return TorchEngine(model, tokenizer, logp_exact)
-    engine = None
+    engine: RolloutEngine | None = None
     try:
         if name in ("llama", "auto"):
             from node.learn.engines.llama import LlamaEngine
 
-            engine = LlamaEngine(model, tokenizer, model_name, weight_type, llama_binding)
-            engine.sync(model)  # a model llama.cpp cannot load shows here, while falling back is still free
-            log.info("rollout engine %s: llama.cpp through %s", name, engine.api.label)
-            return engine
+            llama = engine = LlamaEngine(model, tokenizer, model_name, weight_type, llama_binding)
+            llama.sync(model)  # a model llama.cpp cannot load shows here, while falling back is still free
+            log.info("rollout engine %s: llama.cpp through %s", name, llama.api.label)
+            return llama
         if name == "vllm":
             from node.learn.engines.vllm import VllmEngine
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,6 +29,8 @@ class _Api:
     """What both bindings share: the batch is filled and decoded the same way in either."""
 
     name = ""
+    label = ""  # which package and version, for the log
+    lib: Any  # the binding's module of llama.cpp functions
     auto_weights = ""  # what --engine-weights auto means here ("": bf16 on a CPU with native bf16, else f16)
     lora_on_top = True  # can apply a LoRA adapter on top of the weights (else LoRA is merged into them)
     _callbacks: dict[str, object] = {}  # per binding: llama.cpp keeps the callback's address for the process
@@ -84,6 +87,28 @@ class _Api:
 
     def free_context(self, ctx) -> None:
         self.lib.llama_free(ctx)
+
+    # what each binding does its own way
+    def _logits(self, ctx) -> Any:
+        raise NotImplementedError
+
+    def clear(self, ctx) -> None:
+        raise NotImplementedError
+
+    def seq_cp(self, ctx, src: int, dst: int) -> None:
+        raise NotImplementedError
+
+    def load_adapter(self, model, path: Path) -> Any:
+        raise NotImplementedError
+
+    def apply_adapter(self, ctx, adapter) -> None:
+        raise NotImplementedError
+
+    def free_adapter(self, adapter) -> None:
+        raise NotImplementedError
+
+    def free_model(self, model) -> None:
+        raise NotImplementedError
 
 
 class SourceApi(_Api):
