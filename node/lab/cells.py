@@ -1,5 +1,5 @@
 """Experiment cells that resume and are committed as they finish: the runner behind the scripts that run a
-pre-registered design cell by cell (scripts/recipe_sweep.py, scripts/sharing_pays.py).
+pre-registered design cell by cell (scripts/research/recipe_sweep.py, scripts/research/sharing_pays.py).
 
 A cell is one `sapo-experiment` command (one configuration, one seed). A cell whose copy is in the data dir
 is done and skipped; any other runs (sapo-experiment resumes it from its checkpoints), and when it finishes

@@ -63,7 +63,7 @@ def test_constant_answer_baseline_is_the_best_fixed_answer_per_dataset(tiny):
     result = held_out.run(model, tok, Prompter(tok, PRESETS["smoke"]), max_new_tokens=4)
     record = result.to_record()
     assert record["eval_baseline"] == constant_answer_baseline(held_out.tasks)
-    # per task, in the set's order, so two evaluations pair task by task (scripts/solo_evidence.py)
+    # per task, in the set's order, so two evaluations pair task by task (scripts/research/solo_evidence.py)
     assert record["eval_datasets"] == [t.spec.dataset for t in held_out.tasks]
     assert len(record["eval_scores"]) == len(record["eval_answers"]) == 4
     assert sum(record["eval_scores"]) / 4 == pytest.approx(record["eval_accuracy"], abs=1e-3)

@@ -12,7 +12,6 @@ import os
 import pickle
 import random
 import statistics
-import sys
 import tempfile
 import time
 from functools import partial
@@ -26,7 +25,6 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from conftest import LOOPBACK, transport, prefix_of, reasons, smoke_group, sources, start_bootstrap, start_node, \
     stop_all, wait_for
 from conftest import live_metrics as rounds
-from conftest import REPO
 from helpers_learning import check_records
 from node.learn.tasks import PRESETS
 from node.swarm.bandit import PublisherBandit
@@ -39,9 +37,7 @@ from p2p.validators import DEFAULT_PRESENCE_SHARDS, RECORD_SIG_MAGIC, SapoRecord
     key_id_bytes, owner_subkey, presence_key, presence_shard, record_message, tier_shards
 from p2p.wire import HEADER_LEN, MAX_ROUND, WIRE_VERSION, PresenceRecord, RolloutBatch, WireGroup, \
     canonical_json, encode_presence, encode_signed, seal
-
-sys.path.insert(0, str(REPO / "scripts"))
-from bench_sybil import Attacker  # noqa: E402  (one Sybil attacker for the benchmark and this test)
+from scripts.bench.sybil import Attacker  # one Sybil attacker for the benchmark and this test
 
 POW = int(os.environ["SAPO_POW_DIFFICULTY"])  # tests/conftest.py: low, so that hundreds of keys are cheap
 pytestmark = pytest.mark.timeout(600)
