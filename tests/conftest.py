@@ -23,8 +23,7 @@ from p2p.wire import TaskSpecWire, WireGroup
 
 import forkserver
 from scripts.bench import procs
-from scripts.bench.procs import LOOPBACK, NO_EVAL, Proc, live_metrics, node_env, prefix_of, start_bootstrap, \
-    start_node, stop_all  # noqa: F401 (the tests import them from here)
+from scripts.bench.procs import LOOPBACK, NO_EVAL, Proc, node_env
 from ci_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks: loud skips in CI)
 
 
@@ -65,6 +64,9 @@ torch.set_num_threads(TORCH_THREADS)
 forkserver.SERVER_ENV = dict(os.environ)  # the suite's environment, offline, whatever a test patches later
 # the swarms' processes start from the preloaded interpreter where it runs
 procs.SPAWN = lambda args, cwd, env, out: forkserver.spawn(args, cwd, env, out) if forkserver.usable() else None
+# the real-swarm helpers the tests import from here (scripts/bench/procs.py)
+live_metrics, prefix_of, stop_all = procs.live_metrics, procs.prefix_of, procs.stop_all
+start_bootstrap, start_node = procs.start_bootstrap, procs.start_node
 
 REPO = Path(__file__).resolve().parents[1]
 
