@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import forkserver
+from ci_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks: loud skips in CI)
 from node.learn.groups import Prompter, local_group, score_responses
 from node.learn.model_io import load_model
 from node.learn.sampling import SamplingConfig, sample_groups
@@ -20,11 +22,8 @@ from node.learn.tasks import PRESETS, TaskSampler
 from p2p.identity import Identity
 from p2p.transport import SwarmTransport, TransportConfig
 from p2p.wire import TaskSpecWire, WireGroup
-
-import forkserver
 from scripts.bench import procs
 from scripts.bench.procs import LOOPBACK, NO_EVAL, Proc, node_env
-from ci_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks: loud skips in CI)
 
 
 def pytest_collection_modifyitems(config, items):

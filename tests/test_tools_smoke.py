@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, node_env, run_python, run_node
+from conftest import REPO, node_env, run_node, run_python
 
 DATA = REPO / "docs" / "data"
 TINY = ["--model", "tiny-random", "--tasks", "smoke"]

@@ -19,10 +19,11 @@ import signal
 import statistics
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Sequence, TypeVar
+from typing import TypeVar
 
 from node.ops.checkpoint import export_weights
 from node.ops.metrics import read_records

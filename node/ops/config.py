@@ -7,9 +7,9 @@ import math
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any
 
 from node import __version__

@@ -35,12 +35,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+from node.lab.evidence import paired_task_gain
 from node.learn.engines import make_engine
 from node.learn.groups import Prompter, local_group, score_responses
 from node.learn.model_io import load_model
 from node.learn.sampling import SamplingConfig
 from node.learn.tasks import TaskSampler, resolve_mix
-from node.lab.evidence import paired_task_gain
 
 
 def parity(args, model, tok, mix) -> dict:

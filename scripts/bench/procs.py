@@ -12,8 +12,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from node.ops.metrics import read_records
 from p2p.identity import KEY_FILENAME, Identity

@@ -21,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from node.ops.metrics import read_records
 
 REPO = Path(__file__).resolve().parents[2]

@@ -25,9 +25,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import resource
 import json
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -37,15 +37,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from node.ops.config import load_config
-from node.swarm.exchange import Silo
-from node.learn.groups import Prompter, local_group, to_sequences
 from node.build import build_node
 from node.learn.choices import MIXED_PRECISION
+from node.learn.groups import Prompter, local_group, to_sequences
 from node.learn.model_io import load_model, pick_device
 from node.learn.sampling import SamplingConfig, sample_groups
 from node.learn.tasks import TaskSampler, resolve_mix
 from node.learn.trainer import TrainConfig, Trainer
+from node.ops.config import load_config
+from node.swarm.exchange import Silo
 
 
 def timed(fn, repeats: int, cpu: list[float] | None = None) -> list[float]:

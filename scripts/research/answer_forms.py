@@ -18,7 +18,6 @@ from pathlib import Path
 
 import orjson
 
-
 from node.learn.tasks import Task, eval_tasks, read_answer, resolve_mix, score
 
 REPO = Path(__file__).resolve().parents[2]

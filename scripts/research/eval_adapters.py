@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-
 from node.learn import precision
 from node.learn.evaluate import HeldOutEval
 from node.learn.groups import Prompter

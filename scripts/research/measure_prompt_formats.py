@@ -17,8 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from node.learn.evaluate import greedy_texts
 from node.learn import precision
+from node.learn.evaluate import greedy_texts
 from node.learn.formats import FORMATS, apply_format, stop_token_ids
 from node.learn.groups import Prompter, score_responses
 from node.learn.model_io import load_model

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-
 from node.learn.content import content_key
 from node.learn.evaluate import EvalSet, evaluate
 from node.learn.groups import Prompter

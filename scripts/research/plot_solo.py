@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 from node.lab.stats import moving_average
 from node.ops.metrics import read_records
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from node.lab.cells import Cell, add_deadline_args, deadline_of, part_of, run_cells
 from node.lab.runs import last_evaluation
-from node.ops.metrics import read_records
 from node.learn.guard import EvalSummary, collapsed
+from node.ops.metrics import read_records
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -35,7 +35,6 @@ import shlex
 import sys
 from pathlib import Path
 
-
 from node.lab.cells import ADAPTER, Cell, add_deadline_args, cell_status, deadline_of, part_of, run_cells
 from node.lab.runspec import slug
 from node.learn.packaged import PACKAGED, is_installed

@@ -20,7 +20,6 @@ import json
 import sys
 from pathlib import Path
 
-
 from node.lab.evidence import heldout_evidence
 from node.ops.metrics import read_records
 

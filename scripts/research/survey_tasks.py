@@ -18,8 +18,8 @@ most useful first:
 from __future__ import annotations
 
 import argparse
-import resource
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -27,10 +27,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+from node.lab.survey import (
+    EASIEST_OVERRIDES,
+    FORMATS,
+    SCREEN_TASKS,
+    STAGES,
+    PresetRule,
+    choose_preset,
+    load_records,
+    run_cells,
+    stage_cells,
+    summarize,
+)
 from node.learn import gym
-
-from node.lab.survey import (EASIEST_OVERRIDES, FORMATS, SCREEN_TASKS, STAGES, PresetRule, choose_preset,
-                             load_records, run_cells, stage_cells, summarize)
 
 OUT = Path(__file__).resolve().parents[2] / "docs" / "data" / "survey"
 # composite needs a list of datasets; arc_agi / rearc / codeio read big data files: tried, not special-cased

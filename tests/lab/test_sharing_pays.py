@@ -13,9 +13,8 @@ import pytest
 from node.lab.cells import Cell, Deadline, cell_status, clock_time, done_fraction, run_cells, unfinished
 from node.lab.experiment import build_parser
 from node.lab.runspec import peer_plan
-from node.ops.checkpoint import load_from
 from node.ops import config
-
+from node.ops.checkpoint import load_from
 from scripts.research import sharing_pays as pays
 
 
