@@ -14,13 +14,14 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from node import __version__
 from node.ops.status import ThreadedStatusServer, start_status_server_in_thread
-from p2p.files import write_atomically
 from p2p.dht_process import die_with_parent, keep_valid_subkeys_in, routing_peers, start_dht
+from p2p.files import write_atomically
 from p2p.identity import KEY_FILENAME, Identity, IdentityError, libp2p_identity_path
 from p2p.pow import DEFAULT_POW_DIFFICULTY, MAX_POW_DIFFICULTY
 
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
@@ -78,7 +79,7 @@ def serve_status(host: str, port: int, snapshot: Callable[[], dict[str, Any]]) -
     return start_status_server_in_thread(snapshot, host, port, kind="bootstrap")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not 0 <= args.pow_difficulty <= MAX_POW_DIFFICULTY:
         print(f"sapo-bootstrap: --pow-difficulty must be in [0, {MAX_POW_DIFFICULTY}] (got {args.pow_difficulty})",
@@ -122,7 +123,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return {"peer_id": peer_id, "maddrs": maddrs, "swarm": args.swarm, "uptime_s": time.time() - started,
                 "started_at": started, "version": __version__, **counter.status()}
 
-    status: Optional[ThreadedStatusServer] = None
+    status: ThreadedStatusServer | None = None
     if args.status_port is not None:
         try:
             status = serve_status(args.status_host, args.status_port, snapshot)

@@ -26,8 +26,7 @@ from node.learn.trainer import TrainConfig, Trainer
 from node.loop import SapoNode
 from node.ops.checkpoint import CHECKPOINTS_DIR
 from node.ops.config import ConfigError, NodeConfig
-from node.ops.metrics import METRICS_FILE
-from node.ops.metrics import MetricsWriter
+from node.ops.metrics import METRICS_FILE, MetricsWriter
 from node.ops.tensorboard import TensorBoardLog
 from node.persistence import Persistence, weights_base
 from node.records import NodeTotals

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from node.learn.evaluate import EvalResult, HeldOutEval
 from node.learn.guard import START_ROUND, CollapseGuard, EvalSummary, weights_name

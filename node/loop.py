@@ -25,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -47,8 +48,15 @@ from node.ops.live import LiveState, PhaseTimer
 from node.ops.metrics import MetricsWriter, peak_memory_mb
 from node.ops.tensorboard import TensorBoardLog
 from node.persistence import Persistence
-from node.records import NodeTotals, QuietRounds, log_line, remember_round, round_record, status_snapshot, \
-    tokens_generated
+from node.records import (
+    NodeTotals,
+    QuietRounds,
+    log_line,
+    remember_round,
+    round_record,
+    status_snapshot,
+    tokens_generated,
+)
 from node.swarm.exchange import Exchange
 from node.swarm.ij_controller import IJController, RoundObservation
 

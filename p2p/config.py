@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from p2p.identity import libp2p_identity_path
 from p2p.pow import DEFAULT_POW_DIFFICULTY, MAX_POW_DIFFICULTY
@@ -27,7 +26,7 @@ class TransportConfig:
     record_ttl_s: float = 600.0
     start_timeout_s: float = 60.0
     create_identity: bool = True  # False: a missing key is an error (a run dir that already has state)
-    p2p_identity_file: Optional[Path] = None  # hivemind's libp2p key; None: `p2p.identity` in identity_dir
+    p2p_identity_file: Path | None = None  # hivemind's libp2p key; None: `p2p.identity` in identity_dir
     caps: WireCaps = field(default_factory=WireCaps)
     pow_difficulty: int = DEFAULT_POW_DIFFICULTY  # swarm-wide: keys with less work are refused
     presence_shards: int = DEFAULT_PRESENCE_SHARDS  # swarm-wide: part of the key layout

@@ -21,8 +21,8 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 from p2p.transport import SwarmTransport, TransportError
 
@@ -58,7 +58,7 @@ class MembershipState:
     since: float = field(default_factory=time.time)  # when this state began (Unix time)
     tries: int = 0  # join attempts since the peer went solo
     last_error: str = ""
-    next_try_at: Optional[float] = None  # Unix time of the next attempt (solo)
+    next_try_at: float | None = None  # Unix time of the next attempt (solo)
 
     def message(self) -> str:
         if self.state == SOLO:
@@ -76,7 +76,7 @@ def clock_time(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t))
 
 
-def tcp_target(maddr: str) -> Optional[tuple[str, int]]:
+def tcp_target(maddr: str) -> tuple[str, int] | None:
     """(host, port) of a /ip4, /ip6 or /dns multiaddr over TCP; None for other transports (QUIC, relays)."""
     parts = maddr.strip("/").split("/")
     pairs = dict(zip(parts[0::2], parts[1::2]))
@@ -89,7 +89,7 @@ def tcp_target(maddr: str) -> Optional[tuple[str, int]]:
         return None
 
 
-async def probe(maddr: str, timeout: float) -> Optional[str]:
+async def probe(maddr: str, timeout: float) -> str | None:
     """None when a TCP connection to the peer's address opens within `timeout` (or when the address is not
     one a TCP connect can test), else what went wrong, in a few words."""
     target = tcp_target(maddr)
@@ -112,14 +112,14 @@ class Membership:
 
     def __init__(self, transport: SwarmTransport, require_peers: bool = False, backoff: Backoff = Backoff(),
                  probe_timeout_s: float = 3.0, watch_every_s: float = 10.0, alone_after: int = 2,
-                 remind_every_s: float = 600.0, rng: Optional[random.Random] = None):
+                 remind_every_s: float = 600.0, rng: random.Random | None = None):
         self.transport = transport
         self.require_peers = require_peers
         self.backoff, self.probe_timeout_s, self.watch_every_s = backoff, probe_timeout_s, watch_every_s
         self.alone_after, self.remind_every_s = alone_after, remind_every_s
         self.rng = rng or random.Random()
         self.state = MembershipState()
-        self._task: Optional[asyncio.Task] = None
+        self._task: asyncio.Task | None = None
         self._empty_looks = 0
         self._reminded_at = 0.0
 
@@ -131,7 +131,7 @@ class Membership:
     def joined(self) -> bool:
         return self.state.state == JOINED
 
-    async def start(self, stopped: Optional[asyncio.Event] = None) -> None:
+    async def start(self, stopped: asyncio.Event | None = None) -> None:
         """The first join, then the background task. Returns at once when `stopped` is set (a stop during
         start-up: the half-started DHT peer is shut down). TransportError when the node should exit: no
         answer with require_peers, a start that failed on this machine's side, or no DHT without peers."""
@@ -177,7 +177,7 @@ class Membership:
         logger.warning("no initial peer answered (%s): training in silo and retrying in the background; %s "
                        "(or pass --require-peers to exit instead)", error, CHECK)
 
-    async def _try_join(self) -> Optional[str]:
+    async def _try_join(self) -> str | None:
         """Probe the initial peers; if one answers, (re)start the DHT peer through them. None once joined,
         else what failed. A failure on this machine's side raises TransportError (retrying cannot fix it)."""
         answers = await asyncio.gather(*(probe(m, self.probe_timeout_s) for m in self.peers))
@@ -250,7 +250,7 @@ class Membership:
             self._reminded_at = time.time()
             logger.info("still %s (%d tries; last: %s)", st.message(), st.tries, error)
 
-    async def _restart_alone(self) -> Optional[str]:
+    async def _restart_alone(self) -> str | None:
         """A first peer (no --peers) whose DHT process stopped: start it again, alone."""
         try:
             await self.transport.start()
@@ -264,7 +264,7 @@ class Membership:
                     clock_time(st.since), st.tries)
         self._set(JOINED)
 
-    def _set(self, state: str, error: str = "", since: Optional[float] = None) -> None:
+    def _set(self, state: str, error: str = "", since: float | None = None) -> None:
         self.state = MembershipState(state=state, since=time.time() if since is None else since, last_error=error)
         self._reminded_at = time.time()
 

@@ -16,8 +16,9 @@ import logging
 import math
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Optional, Protocol
+from typing import Any, Protocol
 
 from p2p.config import TransportConfig
 from p2p.pow import MAX_TIER, work_tier
@@ -32,7 +33,7 @@ MAX_WAVE_SHARDS = 8  # shards asked in one search at most (a replica answers all
 TIER_SCAN_ROUNDS = 8  # every shard of a tier >= 1 is read at least once in this many fetches (PROTOCOL §7)
 
 # key -> {publisher key -> envelope bytes}, or None when the search timed out or failed
-GetMany = Callable[[list[str], float], Awaitable[Optional[dict[str, dict[bytes, bytes]]]]]
+GetMany = Callable[[list[str], float], Awaitable[dict[str, dict[bytes, bytes]] | None]]
 
 
 @dataclass
@@ -70,7 +71,7 @@ class PublisherChooser(Protocol):
         """Does this candidate count toward the presence sample?"""
         ...
 
-    def choose(self, candidates: dict[bytes, int], k: int, tiers: Optional[dict[bytes, int]] = None) -> list[bytes]:
+    def choose(self, candidates: dict[bytes, int], k: int, tiers: dict[bytes, int] | None = None) -> list[bytes]:
         """At most k of the candidates (publisher -> announced round) to fetch; `tiers`: their work tiers."""
         ...
 
@@ -91,7 +92,7 @@ class UniformChooser:
     def fresh(self, publisher: bytes) -> bool:
         return True
 
-    def choose(self, candidates: dict[bytes, int], k: int, tiers: Optional[dict[bytes, int]] = None) -> list[bytes]:
+    def choose(self, candidates: dict[bytes, int], k: int, tiers: dict[bytes, int] | None = None) -> list[bytes]:
         return random.sample(list(candidates), min(k, len(candidates)))
 
     def missing(self, publisher: bytes, round: int) -> None:

@@ -19,14 +19,23 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Optional
 
 import hivemind
 from hivemind.utils import get_dht_time
 
-from p2p.dht_process import ask, get_many_in_dht, live_peers_in_dht, settle, start_dht, stop_dht, store_from_file, \
-    unlink_quietly, validator_rejections_in_dht, wait_ready
 from p2p.config import TransportConfig
+from p2p.dht_process import (
+    ask,
+    get_many_in_dht,
+    live_peers_in_dht,
+    settle,
+    start_dht,
+    stop_dht,
+    store_from_file,
+    unlink_quietly,
+    validator_rejections_in_dht,
+    wait_ready,
+)
 from p2p.identity import KEY_FILENAME, Identity, IdentityError
 from p2p.pow import work_tier
 from p2p.presence import FetchStats, PresenceSampler, PublisherChooser, UniformChooser
@@ -52,13 +61,13 @@ class FetchedRecord:
 class SwarmTransport:
     """One peer's view of the swarm: publish own batches, fetch a bounded sample of others' batches."""
 
-    def __init__(self, config: TransportConfig, identity: Optional[Identity] = None) -> None:
+    def __init__(self, config: TransportConfig, identity: Identity | None = None) -> None:
         self.config = config
         self.identity = identity or Identity.load_or_create(
             Path(config.identity_dir) / KEY_FILENAME, create=config.create_identity,
             pow_difficulty=config.pow_difficulty,
         )
-        self._dht: Optional[hivemind.DHT] = None
+        self._dht: hivemind.DHT | None = None
         self._maddrs: list[str] = []
         self.sampler = PresenceSampler(config, self.identity.public_key_bytes)
         self._subkey = owner_subkey(self.identity.public_key_bytes)
@@ -102,7 +111,7 @@ class SwarmTransport:
         """The DHT peer is started and its process runs."""
         return self._dht is not None and self._dht.is_alive()
 
-    async def routing_peer_count(self, timeout: float) -> Optional[int]:
+    async def routing_peer_count(self, timeout: float) -> int | None:
         """Live peers in our routing table (a small table is pinged: `live_peers_in_dht`); None without a DHT
         or without an answer within `timeout`."""
         dht = self._dht
@@ -184,8 +193,8 @@ class SwarmTransport:
             f.write(value)
         return path
 
-    async def fetch(self, max_bytes: Optional[int] = None,
-                    chooser: Optional[PublisherChooser] = None) -> list[FetchedRecord]:
+    async def fetch(self, max_bytes: int | None = None,
+                    chooser: PublisherChooser | None = None) -> list[FetchedRecord]:
         """At most `fetch_max` new batches among a bounded sample, chosen by `chooser` (uniform by default),
         which also decides whom to skip before any batch is fetched (`PublisherChooser.allowed`). Records beyond
         `max_bytes` in total are dropped. Partial results on timeout; never raises on network trouble.
@@ -238,8 +247,8 @@ class SwarmTransport:
         """Fetch already-fetched batches again (benchmarks measure every sample as a fresh round)."""
         self.sampler.fetched.clear()
 
-    async def _get_many(self, keys: list[str], deadline: Optional[float] = None,
-                        missing: bool = False) -> Optional[dict[str, dict[bytes, bytes]]]:
+    async def _get_many(self, keys: list[str], deadline: float | None = None,
+                        missing: bool = False) -> dict[str, dict[bytes, bytes]] | None:
         """key -> {publisher key -> envelope bytes} for the keys found, in one DHT search; None when the
         search timed out or failed (so a caller can tell "not there" from "no answer"). With `missing`,
         a key that was not found maps to {} (the search completed: evidence that nothing is stored).

@@ -23,15 +23,26 @@ import struct
 from collections import Counter
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time, get_logger
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from p2p.identity import SIGNATURE_LEN, Identity
 from p2p.pow import TIER_BITS, work_tier
-from p2p.wire import KIND_BATCH, KIND_PRESENCE, MAX_PRESENCE_BYTES, MAX_ROUND, WIRE_VERSION, WireCaps, WireError, \
-    envelope_version, open_envelope, parse_payload_json, ENVELOPE_VERSION
+from p2p.wire import (
+    ENVELOPE_VERSION,
+    KIND_BATCH,
+    KIND_PRESENCE,
+    MAX_PRESENCE_BYTES,
+    MAX_ROUND,
+    WIRE_VERSION,
+    WireCaps,
+    WireError,
+    envelope_version,
+    open_envelope,
+    parse_payload_json,
+)
 
 logger = get_logger(__name__)
 

@@ -64,7 +64,7 @@ def learned(run_dir: Path) -> list[dict[str, Any]]:
     return [{k: v for k, v in row.items() if k in KEYS or k.startswith(PREFIXES)} for row in rows]
 
 
-def digest(value: Any, h: "hashlib._Hash | None" = None) -> str:
+def digest(value: Any, h: hashlib._Hash | None = None) -> str:
     """sha256 over a (nested) state dict's keys and tensor bytes, in a fixed order."""
     import torch
 

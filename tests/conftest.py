@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
+import forkserver
+from ci_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks: loud skips in CI)
 from node.learn.groups import Prompter, local_group, score_responses
 from node.learn.model_io import load_model
 from node.learn.sampling import SamplingConfig, sample_groups
 from node.learn.tasks import PRESETS, TaskSampler
-from node.ops.metrics import read_records
-from p2p.identity import KEY_FILENAME, Identity
+from p2p.identity import Identity
 from p2p.transport import SwarmTransport, TransportConfig
 from p2p.wire import TaskSpecWire, WireGroup
-
-import forkserver
-from ci_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks: loud skips in CI)
+from scripts.bench import procs
+from scripts.bench.procs import LOOPBACK, NO_EVAL, Proc, node_env
 
 
 def pytest_collection_modifyitems(config, items):
@@ -51,8 +51,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Nodes and bootstrap peers started by tests mint their keys at a low proof-of-work difficulty (seconds
 # at the default on a shared CI core); tests that check the proof of work set their own.
 os.environ.setdefault("SAPO_POW_DIFFICULTY", "8")
-# The CPU recipe (docs/CONFIGURATION.md, "Defaults") changes what an unset flag means on a CPU; tests name what they
-# need and run on the paper's defaults otherwise. tests/ops/test_recipe.py checks the recipe itself.
+# The CPU recipe (README "Defaults") changes what an unset flag means on a CPU; tests name what they need
+# and run on the paper's defaults otherwise. tests/ops/test_recipe.py checks the recipe itself.
 os.environ.setdefault("SAPO_RECIPE", "none")
 # Each pytest-xdist worker computes in-process (tests/learn, ...) with its share of the cores: torch's default
 # of one thread per core gives 2 workers 4 threads on 2 cores, and the waiting threads spin. Measured on
@@ -61,20 +61,13 @@ os.environ.setdefault("SAPO_RECIPE", "none")
 TORCH_THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 torch.set_num_threads(TORCH_THREADS)
 forkserver.SERVER_ENV = dict(os.environ)  # the suite's environment, offline, whatever a test patches later
+# the swarms' processes start from the preloaded interpreter where it runs
+procs.SPAWN = lambda args, cwd, env, out: forkserver.spawn(args, cwd, env, out) if forkserver.usable() else None
+# the real-swarm helpers the tests import from here (scripts/bench/procs.py)
+live_metrics, prefix_of, stop_all = procs.live_metrics, procs.prefix_of, procs.stop_all
+start_bootstrap, start_node = procs.start_bootstrap, procs.start_node
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def node_env(**extra: str) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", SAPO_THREADS="1")
-    env.update(extra)
-    return env
-
-
-def live_metrics(run_dir: Path) -> list[dict]:
-    """Round records of a run that may still be writing: no file yet -> [], a half-written line skipped."""
-    path = run_dir / "metrics.jsonl"
-    return read_records(path, partial_ok=True) if path.exists() else []
 
 
 def free_port() -> int:
@@ -115,11 +108,6 @@ def run_node(*args: str, timeout: float = 240, **env: str) -> subprocess.Complet
     return run_python(["-m", "node.cli", *args], timeout, node_env(**env))
 
 
-# Node runs that do not test the evaluation skip it: two evaluations (after round 0 and the last round) would
-# cost more than a short run's rounds. A test that wants one passes --eval-every again (the last flag wins).
-NO_EVAL = ["--eval-every", "0"]
-
-
 @pytest.fixture
 def tiny_args():
     """A fast solo configuration on the tiny random model."""
@@ -127,95 +115,9 @@ def tiny_args():
             "--max-new-tokens", "8", "--seed", "3", *NO_EVAL]
 
 
-# ---------------------------------------------------------------- real swarms: bootstrap and node subprocesses
+# ------------------------------------------- real swarms: bootstrap and node subprocesses (scripts/bench/procs.py)
 
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-MANY_ROUNDS = "100000"
-FETCH_TIMEOUT_S = 30.0  # bare transports in tests: see transport()  # never reached: the test stops peers with SIGTERM
-TINY = ["--tasks", "smoke", "--num-local", "2", "--num-external", "4", "--generations", "4",
-        "--max-new-tokens", "8", "--rounds", MANY_ROUNDS, *NO_EVAL]
-
-
-class Proc:
-    """A subprocess in its own session (so its DHT process and p2pd can be killed with it); output to a file."""
-
-    def __init__(self, args: list[str], out: Path, **env: str):
-        self.out = out
-        self.dumps_stacks = args[:2] == ["-m", "node.cli"]  # sapo-node registers SIGUSR1 (faulthandler)
-        self._fh = open(out, "ab")
-        if forkserver.usable():  # the same process, started from a preloaded interpreter (tests/forkserver.py)
-            self.p = forkserver.spawn(args, REPO, node_env(**env), out)
-        else:
-            self.p = subprocess.Popen([sys.executable, *args], cwd=REPO, env=node_env(**env), stdout=self._fh,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.p.poll() is None
-
-    def text(self) -> str:
-        return self.out.read_text(errors="replace")
-
-    def stop(self, timeout: float = 60) -> int:
-        """SIGTERM, wait; returns the exit code."""
-        if self.alive():
-            self.p.send_signal(signal.SIGTERM)
-        try:
-            return self.p.wait(timeout)
-        finally:
-            self.cleanup()
-
-    def session_alive(self) -> bool:
-        """Is any process of this session (the node, its DHT process, p2pd) still there?"""
-        try:
-            os.killpg(self.p.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-
-    def cleanup(self) -> None:
-        if self.alive():
-            self.p.kill()
-            self.p.wait(30)
-        try:  # whatever is left of the session (an orphaned DHT process or p2pd)
-            os.killpg(self.p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self._fh.close()
-
-
-def start_bootstrap(tmp: Path, swarm: str) -> tuple[Proc, list[str]]:
-    maddrs_file = tmp / "boot-maddrs.txt"
-    proc = Proc(["-m", "bootstrap.main", "--host-maddrs", LOOPBACK, "--identity-dir", str(tmp / "boot"),
-                 "--swarm", swarm, "--maddrs-file", str(maddrs_file), "--log-interval", "5"], tmp / "boot.out")
-    deadline = time.monotonic() + 60
-    while not maddrs_file.exists():
-        if not proc.alive():
-            raise AssertionError(f"bootstrap exited early:\n{proc.text()}")
-        if time.monotonic() > deadline:
-            proc.cleanup()
-            raise AssertionError("bootstrap maddrs file never appeared")
-        time.sleep(0.1)
-    return proc, maddrs_file.read_text().split()
-
-
-def start_node(run_dir: Path, peers: list[str], swarm: str, *extra: str, model: str = "tiny-random",
-               seed: int = 0, host: str = LOOPBACK) -> Proc:
-    args = ["-m", "node.cli", "--model", model, *TINY, "--seed", str(seed), "--swarm", swarm,
-            "--run-dir", str(run_dir), "--host-maddrs", host, "--peers", *peers, *extra]
-    return Proc(args, run_dir.parent / f"{run_dir.name}.out")
-
-
-def prefix_of(run_dir: Path, timeout: float = 60) -> str:
-    """The 16-hex-char key prefix metrics use in external_sources (identity file appears at startup)."""
-    path = run_dir / KEY_FILENAME
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.1)
-    time.sleep(0.2)  # written atomically? be safe against a half-written file
-    return Identity.load_or_create(path, create=False).public_key_hex[:16]
-
-
+FETCH_TIMEOUT_S = 30.0  # bare transports in tests: see transport()
 def sources(records: list[dict]) -> set[str]:
     return {src for r in records for src in r.get("external_sources", {})}
 
@@ -260,19 +162,6 @@ async def stored_eventually(store, what: str, attempts: int = 5) -> None:
             return
         await asyncio.sleep(1.0)
     raise AssertionError(f"{what}: valid record not stored after {attempts} attempts")
-
-
-def stop_all(procs: list[Proc]) -> list[int]:
-    codes = []
-    for p in procs:
-        if p.alive():
-            p.p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            codes.append(p.p.wait(60))
-        finally:
-            p.cleanup()
-    return codes
 
 
 def smoke_group(seed: int, index_shift: int = 0, claimed=None) -> WireGroup:

@@ -146,8 +146,8 @@ def _preload() -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
     import transformers.generation.utils  # noqa: F401
-    import transformers.models.llama.modeling_llama  # noqa: F401
     import transformers.models.gemma3.modeling_gemma3  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
 

@@ -3,7 +3,7 @@ evaluation path (prompt, greedy decoding, answer extraction, scoring) without a 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

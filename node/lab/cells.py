@@ -1,5 +1,5 @@
 """Experiment cells that resume and are committed as they finish: the runner behind the scripts that run a
-pre-registered design cell by cell (scripts/recipe_sweep.py, scripts/sharing_pays.py).
+pre-registered design cell by cell (scripts/research/recipe_sweep.py, scripts/research/sharing_pays.py).
 
 A cell is one `sapo-experiment` command (one configuration, one seed). A cell whose copy is in the data dir
 is done and skipped; any other runs (sapo-experiment resumes it from its checkpoints), and when it finishes
@@ -19,10 +19,11 @@ import signal
 import statistics
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Sequence, TypeVar
+from typing import TypeVar
 
 from node.ops.checkpoint import export_weights
 from node.ops.metrics import read_records

@@ -1,7 +1,7 @@
 """Issue 19's solo test: held-out accuracy of one run at its first and last evaluation, paired task by task
 (the held-out set is fixed and every evaluation row lists its per-task scores), with bootstrap CIs of the
 gain and of the margin over the constant-answer baseline, overall and per dataset. Used by
-scripts/solo_evidence.py."""
+scripts/research/solo_evidence.py."""
 
 from __future__ import annotations
 

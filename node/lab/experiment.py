@@ -41,11 +41,11 @@ from pathlib import Path
 
 from node import __version__
 from node.cli import REPEAT_WINDOW_S
-from node.ops.quick_exit import exit_without_teardown
-from node.ops.runlock import RunDirBusy, RunDirLock
 from node.lab.runs import read_run_json
 from node.lab.runspec import PRESETS, RunSpec, node_learning_settings, peer_plan, recipe_env, slug
 from node.learn.stop import RoundAbandoned, StopRequest
+from node.ops.quick_exit import exit_without_teardown
+from node.ops.runlock import RunDirBusy, RunDirLock
 
 log = logging.getLogger("sapo.experiment")
 

@@ -87,20 +87,21 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from node import __version__
 from node.lab.figures import (
     fig_cumulative,
-    fig_j_trajectory,
-    fig_learning_health,
-    fig_paired_seeds,
-    fig_ma_band,
     fig_families,
     fig_focus,
+    fig_j_trajectory,
+    fig_learning_health,
+    fig_ma_band,
+    fig_paired_seeds,
     fig_per_agent,
 )
 from node.lab.runs import PeerSeries, Run, load_runs

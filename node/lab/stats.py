@@ -7,7 +7,7 @@ Definitions are in `node.lab.report`'s docstring, which is also what the report 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

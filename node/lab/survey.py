@@ -4,7 +4,7 @@ RL with verifiable rewards turns what a model sometimes does into what it does f
 worth training on only where sampled pass@k is well above greedy pass@1 and guessing a fixed answer pays
 little. A *cell* is (dataset, config level, prompt format, temperature, number of tasks); each is
 measured on the dataset's held-out tasks (`tasks.eval_tasks`, the reserved index range) and appended as
-one JSON line, so an interrupted survey resumes where it stopped (`scripts/survey_tasks.py`).
+one JSON line, so an interrupted survey resumes where it stopped (`scripts/research/survey_tasks.py`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import json
 import signal
 import statistics
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -293,7 +294,7 @@ def passed_screen(records: dict[str, dict[str, Any]], name: str, fmt: str = "dir
 
 def stage_cells(stage: str, names: list[str], records: dict[str, dict[str, Any]], n_tasks: int,
                 temperature: float, screen_formats: tuple[str, ...] = ("direct",)) -> list[Cell]:
-    """The cells of one stage, given what earlier stages recorded (see scripts/survey_tasks.py)."""
+    """The cells of one stage, given what earlier stages recorded (see scripts/research/survey_tasks.py)."""
     if stage == "screen":
         return [Cell(n, "easiest", fmt, temperature, SCREEN_TASKS) for fmt in screen_formats for n in names]
     direct = {n: records.get(Cell(n, "easiest", "direct", temperature, SCREEN_TASKS).key()) for n in names}

@@ -4,7 +4,8 @@ table. Kept apart from `report` (which writes the files) so that each stays shor
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

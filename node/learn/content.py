@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 SPLIT_TAG = "sapo-unseen-v1"  # part of the hashed text: a new split gets a new tag, never a silent change
 _PLUS_MINUS = re.compile(r"-?\d+(?:[+-]\d+)*")

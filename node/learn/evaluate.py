@@ -23,7 +23,6 @@ from node.learn.kvcache import CommonPrefix, generate_positions, left_padded
 from node.learn.stop import StopRequest
 from node.learn.tasks import Task, TaskMix, eval_tasks, extract_answer, score
 
-
 log = logging.getLogger(__name__)
 
 MAX_ANSWER_CHARS = 40  # answers kept per task in metrics.jsonl (enough to tell a collapse)

@@ -49,7 +49,7 @@ class EvalSummary:
     distinct_gold: float  # the same share for the gold answers
 
     @classmethod
-    def from_record(cls, r: int, rec: dict[str, Any], prefix: str = "eval") -> "EvalSummary | None":
+    def from_record(cls, r: int, rec: dict[str, Any], prefix: str = "eval") -> EvalSummary | None:
         """From a metrics record; None when the round ran no evaluation (or an old one without the fields).
         prefix "start": round 0's record's evaluation of the starting weights (r = START_ROUND)."""
         keys = tuple(f"{prefix}_{k}" for k in ("accuracy", "baseline", "distinct_answers", "distinct_gold"))

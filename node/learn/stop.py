@@ -10,8 +10,9 @@ checkpoint the last *completed* round and redo the abandoned one on resume.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where it is used: the CLIs import this module before any model work
     import torch

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from node.learn.content import CONTENT_KEYS, is_reserved
 from node.learn import gym
+from node.learn.content import CONTENT_KEYS, is_reserved
 
 # Every dataset is created with this size; items depend only on (seed, index), so any index below it is
 # regenerable by any node (see docs/PROTOCOL.md).
@@ -39,7 +39,7 @@ class TaskSpec:
     index: int
 
     @staticmethod
-    def make(dataset: str, config: dict[str, Any], seed: int, index: int) -> "TaskSpec":
+    def make(dataset: str, config: dict[str, Any], seed: int, index: int) -> TaskSpec:
         return TaskSpec(dataset, _freeze(config), int(seed), int(index))
 
     def config_dict(self) -> dict[str, Any]:

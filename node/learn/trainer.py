@@ -19,8 +19,8 @@ import torch
 
 from node.learn.grpo import external_weight, grpo_loss
 from node.learn.lora import Adapter
-from node.learn.sampling import Sequence
 from node.learn.prefix import PREFIX_SHARING, micro_batches, supports_prefix_sharing
+from node.learn.sampling import Sequence
 from node.learn.stop import RoundAbandoned, StopRequest
 
 

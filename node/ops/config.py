@@ -7,14 +7,21 @@ import math
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any
 
 from node import __version__
-from node.learn.choices import ENGINE_WEIGHTS, ENGINES, EXTERNAL_LOSSES, IJ_POLICIES, LOSS_TYPES, MIXED_PRECISION, \
-    PREFIX_SHARING
+from node.learn.choices import (
+    ENGINE_WEIGHTS,
+    ENGINES,
+    EXTERNAL_LOSSES,
+    IJ_POLICIES,
+    LOSS_TYPES,
+    MIXED_PRECISION,
+    PREFIX_SHARING,
+)
 from node.learn.packaged import PACKAGED
 
 if sys.version_info >= (3, 11):

@@ -20,9 +20,10 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence, TextIO, TypeGuard
+from typing import Any, TextIO, TypeGuard
 
 import orjson
 
@@ -164,7 +165,7 @@ class ProgressPrinter:
             self.stream.flush()
         self._live_shown = False
 
-    def __enter__(self) -> "ProgressPrinter":
+    def __enter__(self) -> ProgressPrinter:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -7,7 +7,8 @@ Pure functions of the snapshot dict, so that /metrics can be tested without a se
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PHASES = ("generate", "score", "publish", "fetch", "verify", "train", "checkpoint", "idle")

@@ -23,8 +23,9 @@ import inspect
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -128,7 +129,7 @@ class StatusServer:
     async def stop(self) -> None:
         await self._runner.cleanup()
 
-    async def __aenter__(self) -> "StatusServer":
+    async def __aenter__(self) -> StatusServer:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -18,8 +18,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, TypeGuard
+from typing import Any, TypeGuard
 
 import orjson
 

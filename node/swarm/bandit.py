@@ -50,7 +50,6 @@ from dataclasses import dataclass
 
 from node.swarm.reputation import Reputation
 
-
 STRONG = 4  # failures in a row a ghost or a caught copy counts: parked 8 rounds at once
 
 

@@ -14,7 +14,6 @@ from typing import Any, Protocol
 from node.learn.groups import Group
 from node.swarm.reputation import Reputation
 
-
 MAX_PEERS = 512  # per-peer rows kept; later peers are counted together under OTHERS
 OTHERS = "others"
 

@@ -87,8 +87,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from node.learn.choices import IJ_POLICIES
 from node.learn.groups import Group, Selection, mean_abs_advantage, mean_reward

@@ -32,8 +32,20 @@ from node.swarm.exchange import ExchangeStats, Received
 from node.swarm.reputation import PENALTIES, Reputation, ReputationConfig
 from node.swarm.settings import SwarmSettings
 from p2p.identity import Identity, peer_name_of
-from p2p.wire import MIN_LOGP_MEAN, WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireError, WireGroup, \
-    canonical_json, check_group_caps, decode_signed, encode_signed, open_envelope
+from p2p.wire import (
+    MIN_LOGP_MEAN,
+    WIRE_VERSION,
+    RolloutBatch,
+    TaskSpecWire,
+    WireCaps,
+    WireError,
+    WireGroup,
+    canonical_json,
+    check_group_caps,
+    decode_signed,
+    encode_signed,
+    open_envelope,
+)
 
 log = logging.getLogger("sapo.swarm")
 

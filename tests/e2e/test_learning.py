@@ -19,7 +19,6 @@ must only rise clearly; requiring it above the baseline too failed a correct run
 
 from __future__ import annotations
 
-
 import pytest
 
 from conftest import live_metrics, prefix_of, run_node, run_python, sources

@@ -14,8 +14,18 @@ import urllib.request
 import pytest
 from hivemind.p2p import P2P, PeerID
 
-from conftest import Proc, await_for, free_port, live_metrics, prefix_of, run_node, start_node, stop_all, transport, \
-    wait_for
+from conftest import (
+    Proc,
+    await_for,
+    free_port,
+    live_metrics,
+    prefix_of,
+    run_node,
+    start_node,
+    stop_all,
+    transport,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from test_node_solo import read_rounds
 
 from conftest import run_node
 from node.build import build_node
@@ -15,7 +16,6 @@ from node.learn.tasks import resolve_mix
 from node.ops.checkpoint import CheckpointError, CheckpointStore, export_weights
 from node.ops.config import load_config
 from node.swarm.exchange import Silo
-from test_node_solo import read_rounds
 
 CPU = torch.device("cpu")
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--checkpoint-every", "1"]

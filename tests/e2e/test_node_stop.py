@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(600)
 # and a GRPO update in every round.
 ARGS = ["--model", "tiny-random", "--tasks", "smoke", "--generations", "6", "--num-local", "3",
         "--max-new-tokens", "128", "--seed", "4", "--checkpoint-every", "10", *NO_EVAL]
-HANG_GUARD_S = 120  # not a speed target (scripts/bench_stop.py measures that): only "it did not hang"
+HANG_GUARD_S = 120  # not a speed target (scripts/bench/stop.py measures that): only "it did not hang"
 
 
 def start(run_dir: Path, *extra: str, **popen) -> subprocess.Popen:

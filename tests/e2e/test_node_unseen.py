@@ -5,8 +5,8 @@ import pytest
 
 from conftest import run_node
 from node.learn.tasks import PRESETS, eval_tasks
-from node.ops.progress import main as progress_main
 from node.ops.metrics import read_records
+from node.ops.progress import main as progress_main
 from tbread import read_scalars
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from conftest import (
     TINY,
     Proc,
@@ -21,7 +22,6 @@ from conftest import (
     wait_for,
 )
 from conftest import live_metrics as rounds
-
 from p2p.identity import KEY_FILENAME, Identity
 
 pytestmark = pytest.mark.timeout(600)

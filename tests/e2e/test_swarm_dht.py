@@ -19,17 +19,38 @@ from pathlib import Path
 import pytest
 from hivemind.utils import get_dht_time
 
-from conftest import Proc, await_for, free_port, prefix_of, reasons, smoke_group, sources, start_bootstrap, \
-    start_node, stop_all, stored_eventually, transport, wait_for
+from conftest import (
+    Proc,
+    await_for,
+    free_port,
+    prefix_of,
+    reasons,
+    smoke_group,
+    sources,
+    start_bootstrap,
+    start_node,
+    stop_all,
+    stored_eventually,
+    transport,
+    wait_for,
+)
 from conftest import live_metrics as rounds
-from p2p.dht_process import store_from_file
 from helpers_learning import check_records
 from node.ops.stacks import DUMP_END
+from p2p.dht_process import store_from_file
 from p2p.identity import KEY_FILENAME, Identity
 from p2p.transport import SwarmTransport
 from p2p.validators import DEFAULT_PRESENCE_SHARDS, batch_key, owner_subkey, presence_key, presence_shard
-from p2p.wire import HEADER_LEN, WIRE_VERSION, PresenceRecord, RolloutBatch, TaskSpecWire, WireGroup, encode_presence, \
-    encode_signed
+from p2p.wire import (
+    HEADER_LEN,
+    WIRE_VERSION,
+    PresenceRecord,
+    RolloutBatch,
+    TaskSpecWire,
+    WireGroup,
+    encode_presence,
+    encode_signed,
+)
 
 pytestmark = pytest.mark.timeout(600)
 

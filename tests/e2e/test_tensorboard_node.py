@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import run_node
-from node.ops.tensorboard import scalars
 from node.ops.metrics import read_records
+from node.ops.tensorboard import scalars
 from tbread import read_scalars, read_scalars_with_tensorboard
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import live_metrics as rounds
 from conftest import prefix_of, reasons, sources, start_bootstrap, start_node, stop_all, wait_for
 from helpers_learning import check_records
-from conftest import live_metrics as rounds
 from node.learn.packaged import is_installed
 
 pytestmark = [

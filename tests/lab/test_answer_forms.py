@@ -1,13 +1,7 @@
-"""scripts/answer_forms.py: equation answers are found, and read as their result with the node's own scorer."""
+"""scripts/research/answer_forms.py: equation answers are found, and read as their result with the node's own scorer."""
 
-import importlib.util
-
-from conftest import REPO
 from node.learn.tasks import eval_tasks, resolve_mix, score
-
-spec = importlib.util.spec_from_file_location("answer_forms", REPO / "scripts" / "answer_forms.py")
-answer_forms = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(answer_forms)
+from scripts.research import answer_forms
 
 
 def test_equations_read_as_their_result():

@@ -57,15 +57,15 @@ def test_solo_evidence_script_reports_the_bar(tmp_path):
     rows = [_eval_row(0, [0.0] * 100, ["1"] * 100, datasets),
             _eval_row(99, [1.0] * 35 + [0.0] * 15 + [1.0] * 40 + [0.0] * 10, [str(i) for i in range(100)], datasets)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = subprocess.run([sys.executable, str(ROOT / "scripts/solo_evidence.py"), str(tmp_path), "--boot", "2000",
-                          "--json", str(tmp_path / "ev.json")], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "scripts.research.solo_evidence", str(tmp_path), "--boot", "2000",
+                          "--json", str(tmp_path / "ev.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "issue 19 point 3" in out.stdout and json.loads((tmp_path / "ev.json").read_text())["meets_bar"] is True
     assert "unseen" not in out.stdout  # no unseen set logged: none reported
     empty = tmp_path / "empty"
     empty.mkdir()
-    bad = subprocess.run([sys.executable, str(ROOT / "scripts/solo_evidence.py"), str(empty)], capture_output=True,
-                         text=True, timeout=120)
+    bad = subprocess.run([sys.executable, "-m", "scripts.research.solo_evidence", str(empty)], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "no " in bad.stderr
 
 
@@ -91,8 +91,8 @@ def test_solo_evidence_script_reports_the_unseen_bar(tmp_path):
             _eval_row(99, [1.0] * 100, [str(i) for i in range(100)], datasets)
             | _eval_row(99, [1.0] * 30 + [0.0] * 70, [str(i) for i in range(100)], datasets, "eval_unseen")]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = subprocess.run([sys.executable, str(ROOT / "scripts/solo_evidence.py"), str(tmp_path), "--boot", "2000",
-                          "--json", str(tmp_path / "ev.json")], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "scripts.research.solo_evidence", str(tmp_path), "--boot", "2000",
+                          "--json", str(tmp_path / "ev.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     ev = json.loads((tmp_path / "ev.json").read_text())
     assert ev["unseen"]["overall"]["gain"] == pytest.approx(0.3) and ev["unseen_meets_bar"] is True
@@ -130,8 +130,8 @@ def test_a_collapsed_last_evaluation_does_not_meet_the_bar(tmp_path):
         run = tmp_path / name
         run.mkdir()
         (run / "metrics.jsonl").write_text(json.dumps(first) + "\n" + json.dumps(row(9, respond)) + "\n")
-        out = subprocess.run([sys.executable, str(ROOT / "scripts/solo_evidence.py"), str(run), "--boot", "2000",
-                              "--json", str(run / "ev.json")], capture_output=True, text=True, timeout=120)
+        out = subprocess.run([sys.executable, "-m", "scripts.research.solo_evidence", str(run), "--boot", "2000",
+                              "--json", str(run / "ev.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert out.returncode == 0, out.stderr
         verdicts[name] = json.loads((run / "ev.json").read_text())
     collapsed = verdicts["collapsed"]

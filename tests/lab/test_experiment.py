@@ -5,13 +5,13 @@ import signal
 import subprocess
 import sys
 import time
+
 import pytest
 
 from conftest import NO_EVAL, REPO, live_metrics, node_env, run_python
 from helpers_learning import check_records
-from tbread import read_scalars
-
 from node.lab.experiment import SIMD_FLAGS
+from tbread import read_scalars
 
 TINY = ["--model", "tiny-random", "--tasks", "smoke", "--generations", "4", "--max-new-tokens", "8",
         "--seeds", "0", "--peers", "2", "--threads", "1"]

@@ -12,8 +12,8 @@ import torch
 from conftest import live_metrics, run_python
 from node.lab.experiment import build_parser, main
 from node.lab.runspec import RunSpec, node_learning_settings, parse_peer_args, recipe_env
-from node.ops.config import load_config
 from node.ops.checkpoint import CheckpointStore
+from node.ops.config import load_config
 from p2p.identity import KEY_FILENAME, Identity
 
 FAST = ["--tasks", "smoke", "--generations", "4", "--max-new-tokens", "8", "--threads", "1", "--mode", "memory",

@@ -1,15 +1,8 @@
-"""The recipe sweep's pre-registered rule (scripts/recipe_sweep.py, docs/experiments/cpu-recipe.md)."""
-
-import importlib.util
-import sys
-from pathlib import Path
+"""The recipe sweep's pre-registered rule (scripts/research/recipe_sweep.py, docs/experiments/cpu-recipe.md)."""
 
 import orjson
 
-spec = importlib.util.spec_from_file_location("recipe_sweep", Path(__file__).parents[2] / "scripts/recipe_sweep.py")
-sweep = importlib.util.module_from_spec(spec)
-sys.modules["recipe_sweep"] = sweep  # dataclasses look their module up
-spec.loader.exec_module(sweep)
+from scripts.research import recipe_sweep as sweep
 
 
 def rows(*specs):

@@ -1,8 +1,7 @@
-"""The cells of RESULTS section 8 (scripts/sharing_pays.py) and the resumable cell runner they share with the
+"""The cells of RESULTS section 8 (scripts/research/sharing_pays.py) and the resumable cell runner they share with the
 recipe sweep (node/lab/cells.py)."""
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -14,12 +13,9 @@ import pytest
 from node.lab.cells import Cell, Deadline, cell_status, clock_time, done_fraction, run_cells, unfinished
 from node.lab.experiment import build_parser
 from node.lab.runspec import peer_plan
-from node.ops.checkpoint import load_from
 from node.ops import config
-
-spec = importlib.util.spec_from_file_location("sharing_pays", Path(__file__).parents[2] / "scripts/sharing_pays.py")
-pays = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(pays)
+from node.ops.checkpoint import load_from
+from scripts.research import sharing_pays as pays
 
 
 def cells_of(experiment, **kw):

@@ -7,8 +7,16 @@ import json
 import pytest
 import torch
 
-from node.lab.survey import (SCREEN_TASKS, Cell, append_record, easiest_config, load_records, run_cells, stage_cells,
-                             summarize)
+from node.lab.survey import (
+    SCREEN_TASKS,
+    Cell,
+    append_record,
+    easiest_config,
+    load_records,
+    run_cells,
+    stage_cells,
+    summarize,
+)
 from node.learn.evaluate import constant_answer_baseline
 from node.learn.model_io import load_model
 from node.learn.tasks import EVAL_INDEX_START, PRESETS, eval_tasks, resolve_mix

@@ -6,18 +6,16 @@ import orjson
 import pytest
 import torch
 
+from conftest import tiny_gemma3
 from node.build import build_node
 from node.learn.evaluate import HeldOutEval, constant_answer_baseline, evaluate, greedy_texts
 from node.learn.groups import Prompter, collapse_metrics, local_group
 from node.learn.model_io import load_model
 from node.learn.sampling import SamplingConfig, sample_groups
-from node.learn.tasks import (DATASET_SIZE, EVAL_INDEX_START, PRESETS, TaskSampler, TaskSpec, eval_tasks,
-                              is_eval_index)
+from node.learn.tasks import DATASET_SIZE, EVAL_INDEX_START, PRESETS, TaskSampler, TaskSpec, eval_tasks, is_eval_index
 from node.ops.config import load_config
 from node.ops.metrics import MetricsWriter
 from node.swarm.exchange import Silo
-
-from conftest import tiny_gemma3
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +61,7 @@ def test_constant_answer_baseline_is_the_best_fixed_answer_per_dataset(tiny):
     result = held_out.run(model, tok, Prompter(tok, PRESETS["smoke"]), max_new_tokens=4)
     record = result.to_record()
     assert record["eval_baseline"] == constant_answer_baseline(held_out.tasks)
-    # per task, in the set's order, so two evaluations pair task by task (scripts/solo_evidence.py)
+    # per task, in the set's order, so two evaluations pair task by task (scripts/research/solo_evidence.py)
     assert record["eval_datasets"] == [t.spec.dataset for t in held_out.tasks]
     assert len(record["eval_scores"]) == len(record["eval_answers"]) == 4
     assert sum(record["eval_scores"]) / 4 == pytest.approx(record["eval_accuracy"], abs=1e-3)
@@ -261,10 +259,10 @@ def test_common_prompt_prefix_runs_once_with_the_same_next_token_scores(tiny):
 def test_a_finished_row_leaves_the_batch_and_the_others_decode_as_with_generate(tiny):
     """greedy_rows drops a row (and its cache rows) once it stops; every row's tokens are still the ones
     `generate` gives it, also for the rows that go on after others have left."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from node.learn.evaluate import greedy_rows
     from node.learn.kvcache import CommonPrefix, left_padded
-
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     _, tok = tiny
     torch.manual_seed(0)  # large weights: the tiny-random model answers every prompt with the same token

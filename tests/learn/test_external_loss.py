@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
+from test_grpo import make_batch, reference_loss
 
 from node.learn.choices import EXTERNAL_LOSSES
 from node.learn.grpo import external_weight, group_advantages, grpo_loss, keeps_external, weighs_external
-from test_grpo import make_batch, reference_loss
 
 
 def reference_weighted_loss(logp, old, adv, lengths, weights, loss_type, max_len, beta=0.0, ref=None):
@@ -109,16 +109,16 @@ def tiny():
 def received(groups):
     """`groups` as another peer receives them: signed into a batch (with their mean log-probs), verified and
     re-scored by the receiver (rewards forced back to the fixture's, as the random model earns none)."""
-    from node.swarm.verify import Verifier, VerifyConfig, make_batch as sign_batch
-    from node.swarm.exchange import ExchangeStats
-    from node.swarm.reputation import Reputation
-    from node.swarm.bandit import PublisherBandit
-    from p2p.identity import Identity
     import random
 
-    from node.learn.tasks import PRESETS
-
     from node.learn.groups import Group, score_responses
+    from node.learn.tasks import PRESETS
+    from node.swarm.bandit import PublisherBandit
+    from node.swarm.exchange import ExchangeStats
+    from node.swarm.reputation import Reputation
+    from node.swarm.verify import Verifier, VerifyConfig
+    from node.swarm.verify import make_batch as sign_batch
+    from p2p.identity import Identity
 
     honest = [Group(g.task, g.responses, score_responses(g.task, g.responses), sampled=g.sampled) for g in groups]
     data = sign_batch(Identity.generate(), "mem", 0, "tiny", honest)
@@ -144,10 +144,10 @@ def test_published_log_probs_reach_the_receiver_and_weigh_its_update(tiny):
     assert all(s.behaviour_mean_logp is None for s in by_rule["sapo"] + by_rule["positive"])
     assert all(s.behaviour_mean_logp is not None for s in by_rule["is"] + by_rule["ftis"])
 
-    from node.learn.trainer import TrainConfig, Trainer
     import copy
 
     from node.learn.sampling import token_logprobs
+    from node.learn.trainer import TrainConfig, Trainer
 
     seqs = by_rule["is"]
     logp, mask = token_logprobs(model, seqs, tok.pad_token_id, 1.0)  # pi_old: the model before the step

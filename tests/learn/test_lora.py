@@ -7,13 +7,12 @@ import copy
 import pytest
 import torch
 
+from conftest import tiny_signal_groups
 from node.learn.groups import to_sequences
 from node.learn.lora import LoraBase, LoraSettings, attach, base_fingerprint
 from node.learn.sampling import SamplingConfig, sample_groups, token_logprobs
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.learn.trainer import TrainConfig, Trainer
-
-from conftest import tiny_signal_groups
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ import torch
 from node.learn import packaged
 from node.learn.formats import CHATML, COMPLETION, GEMMA_CHAT, ChatFormat, apply_format, format_for, stop_token_ids
 from node.learn.groups import Group, Prompter, local_group, to_sequences
-from node.learn.packaged import PACKAGED, ModelLoadError, PackagedModel, model_path
 from node.learn.model_io import load_model
+from node.learn.packaged import PACKAGED, ModelLoadError, PackagedModel, model_path
 from node.learn.sampling import SamplingConfig, sample_groups
 from node.learn.tasks import PRESETS, TaskSampler
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import node.learn.precision as precision
-from node.learn.engines.llama import _draw
 from node.learn.engines.gguf_export import base_model, lora_deltas, stochastic_bf16, write_model
+from node.learn.engines.llama import _draw
 from node.learn.groups import Prompter, local_group, to_sequences
 from node.learn.model_io import load_model
 from node.learn.sampling import SamplingConfig, sample_groups

@@ -6,14 +6,13 @@ import types
 import pytest
 import torch
 
+from conftest import tiny_gemma3, tiny_signal_groups
 from node.learn.groups import Group, Prompter, to_sequences
 from node.learn.model_io import load_model
-from node.learn.sampling import SamplingConfig, Sequence, sample_groups, token_logprobs
 from node.learn.prefix import micro_batches, plan_units, split_completions, supports_prefix_sharing, token_budget
+from node.learn.sampling import SamplingConfig, Sequence, sample_groups, token_logprobs
 from node.learn.tasks import PRESETS, TaskSampler
 from node.learn.trainer import TrainConfig, Trainer
-
-from conftest import tiny_gemma3, tiny_signal_groups
 
 
 @pytest.fixture(scope="module")

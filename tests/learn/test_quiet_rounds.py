@@ -3,8 +3,8 @@
 import logging
 
 import node.loop as round_loop
-from node.records import QUIET_ROUNDS
 from conftest import tiny_memory_node
+from node.records import QUIET_ROUNDS
 
 
 async def test_rounds_without_an_update_are_named_once_per_stretch(tmp_path, caplog, monkeypatch):

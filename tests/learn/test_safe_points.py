@@ -6,12 +6,11 @@ import threading
 import pytest
 import torch
 
+from conftest import tiny_signal_groups
 from node.learn.groups import to_sequences
 from node.learn.sampling import SamplingConfig, sample_groups
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.learn.trainer import TrainConfig, Trainer
-
-from conftest import tiny_signal_groups
 
 
 class StopAfter(StopRequest):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from node.ops.config import ConfigError, load_config
 from node.learn.tasks import PRESETS, TaskError, TaskSampler, TaskSpec, extract_answer, regenerate, resolve_mix, score
+from node.ops.config import ConfigError, load_config
 
 
 def test_spec_regenerates_the_same_question_and_answer():

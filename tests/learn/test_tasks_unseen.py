@@ -9,8 +9,17 @@ import pytest
 
 from node.learn.content import arithmetic_key, content_key, key_fraction
 from node.learn.groups import Group, score_responses
-from node.learn.tasks import (EVAL_INDEX_START, PRESETS, TaskError, TaskSampler, TaskSpec, eval_tasks, regenerate,
-                              resolve_mix, validate_mix)
+from node.learn.tasks import (
+    EVAL_INDEX_START,
+    PRESETS,
+    TaskError,
+    TaskSampler,
+    TaskSpec,
+    eval_tasks,
+    regenerate,
+    resolve_mix,
+    validate_mix,
+)
 from node.swarm.exchange import ExchangeStats
 from node.swarm.verify import Verifier, VerifyConfig, make_batch
 from p2p.identity import Identity

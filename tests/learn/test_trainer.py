@@ -5,11 +5,10 @@ import copy
 import pytest
 import torch
 
+from conftest import tiny_signal_groups
 from node.learn.groups import Group, to_sequences
 from node.learn.sampling import token_logprobs
 from node.learn.trainer import TrainConfig, Trainer
-
-from conftest import tiny_signal_groups
 
 
 @pytest.fixture(scope="module")

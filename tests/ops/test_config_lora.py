@@ -5,7 +5,6 @@ import pytest
 
 from node.ops.config import LORA_LR_SCALE, ConfigError, default_lr, load_config
 
-
 NO_RECIPE = {"SAPO_RECIPE": "none"}  # the built-in defaults, without the CPU recipe
 
 def test_lora_scales_the_default_learning_rate_only_when_none_is_given(tmp_path):

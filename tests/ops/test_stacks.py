@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+
 import pytest
 
 from conftest import REPO, live_metrics, node_env

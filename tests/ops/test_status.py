@@ -8,8 +8,8 @@ import aiohttp
 import pytest
 
 from node.ops.prometheus import METRICS_CONTENT_TYPE, render_metrics
-from promtext import parse_prometheus, value_of
 from node.ops.status import health_check, start_status_server, start_status_server_in_thread
+from promtext import parse_prometheus, value_of
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,8 +19,16 @@ from p2p.identity import Identity
 from p2p.pow import MAX_TIER
 from p2p.presence import TIER_SCAN_ROUNDS, UniformChooser
 from p2p.transport import SwarmTransport, TransportConfig, TransportError
-from p2p.validators import RECORD_SIG_MAGIC, SapoRecordValidator, batch_key, key_id_bytes, owner_subkey, \
-    presence_key, record_message, tier_shards
+from p2p.validators import (
+    RECORD_SIG_MAGIC,
+    SapoRecordValidator,
+    batch_key,
+    key_id_bytes,
+    owner_subkey,
+    presence_key,
+    record_message,
+    tier_shards,
+)
 from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireGroup, decode_signed, encode_signed
 
 SWARM = "ttest"

@@ -8,10 +8,28 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from p2p.identity import Identity
 from p2p.pow import MAX_TIER, TIER_BITS, work_bits, work_tier
-from p2p.validators import SapoRecordValidator, batch_key, key_id_bytes, owner_of_subkey, owner_subkey, presence_key, \
-    presence_keys_for, presence_shard, tier_shards
-from p2p.wire import HEADER_LEN, WIRE_VERSION, PresenceRecord, RolloutBatch, TaskSpecWire, WireGroup, encode_presence, \
-    encode_signed, seal
+from p2p.validators import (
+    SapoRecordValidator,
+    batch_key,
+    key_id_bytes,
+    owner_of_subkey,
+    owner_subkey,
+    presence_key,
+    presence_keys_for,
+    presence_shard,
+    tier_shards,
+)
+from p2p.wire import (
+    HEADER_LEN,
+    WIRE_VERSION,
+    PresenceRecord,
+    RolloutBatch,
+    TaskSpecWire,
+    WireGroup,
+    encode_presence,
+    encode_signed,
+    seal,
+)
 
 SWARM = "vtest"
 HONEST, MALLORY = Identity.generate(), Identity.generate()

@@ -10,8 +10,8 @@ from p2p.identity import Identity
 from p2p.wire import (
     HEADER_LEN,
     MAX_ROUND,
-    WIRE_VERSION,
     REASONS,
+    WIRE_VERSION,
     PresenceRecord,
     RolloutBatch,
     TaskSpecWire,

@@ -10,11 +10,11 @@ import sys
 import textwrap
 
 import pytest
+from test_p2p_wire import make_batch, payload_of, reason_of
 
 from conftest import REPO
 from p2p.identity import Identity
-from p2p.wire import MIN_LOGP_MEAN, decode_signed, encode_signed, seal, canonical_json
-from test_p2p_wire import make_batch, payload_of, reason_of
+from p2p.wire import MIN_LOGP_MEAN, canonical_json, decode_signed, encode_signed, seal
 
 ME = Identity.generate()
 

@@ -2,17 +2,17 @@
 verifier's use of it (bans skip verification, only signed offences count, per-round budgets)."""
 
 import json
-from hashlib import sha256
 import logging
 import time
+from hashlib import sha256
 
 import pytest
 
 from node.learn.groups import Group, score_responses
 from node.learn.tasks import PRESETS, TaskSampler
+from node.swarm.exchange import ExchangeStats, Received
 from node.swarm.reputation import PENALTIES, REPUTATION_FILE, Reputation, ReputationConfig
 from node.swarm.verify import SignedExchange, Verifier, VerifyConfig, make_batch
-from node.swarm.exchange import ExchangeStats, Received
 from p2p.identity import Identity
 from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireGroup, encode_signed
 
@@ -299,8 +299,9 @@ def test_signed_cap_violations_cost_the_signer():
 
 def test_a_signed_config_nested_too_deep_to_re_encode_costs_the_signer():
     """Not a decoder failure of ours ("malformed", nobody charged): signed content no honest node writes."""
-    from p2p.wire import HEADER_LEN, canonical_json, seal
     import orjson
+
+    from p2p.wire import HEADER_LEN, canonical_json, seal
 
     stats = ExchangeStats()
     v = Verifier(Identity.generate().public_key_bytes, MIX, VerifyConfig(swarm="s"), stats)

@@ -12,7 +12,6 @@ import os
 import pickle
 import random
 import statistics
-import sys
 import tempfile
 import time
 from functools import partial
@@ -23,10 +22,19 @@ import pytest
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from conftest import LOOPBACK, transport, prefix_of, reasons, smoke_group, sources, start_bootstrap, start_node, \
-    stop_all, wait_for
+from conftest import (
+    LOOPBACK,
+    prefix_of,
+    reasons,
+    smoke_group,
+    sources,
+    start_bootstrap,
+    start_node,
+    stop_all,
+    transport,
+    wait_for,
+)
 from conftest import live_metrics as rounds
-from conftest import REPO
 from helpers_learning import check_records
 from node.learn.tasks import PRESETS
 from node.swarm.bandit import PublisherBandit
@@ -35,13 +43,31 @@ from node.swarm.verify import Verifier, VerifyConfig
 from p2p.identity import Identity
 from p2p.pow import check_pow, tier_difficulty, work_tier
 from p2p.presence import TIER_SCAN_ROUNDS
-from p2p.validators import DEFAULT_PRESENCE_SHARDS, RECORD_SIG_MAGIC, SapoRecordValidator, batch_key, \
-    key_id_bytes, owner_subkey, presence_key, presence_shard, record_message, tier_shards
-from p2p.wire import HEADER_LEN, MAX_ROUND, WIRE_VERSION, PresenceRecord, RolloutBatch, WireGroup, \
-    canonical_json, encode_presence, encode_signed, seal
-
-sys.path.insert(0, str(REPO / "scripts"))
-from bench_sybil import Attacker  # noqa: E402  (one Sybil attacker for the benchmark and this test)
+from p2p.validators import (
+    DEFAULT_PRESENCE_SHARDS,
+    RECORD_SIG_MAGIC,
+    SapoRecordValidator,
+    batch_key,
+    key_id_bytes,
+    owner_subkey,
+    presence_key,
+    presence_shard,
+    record_message,
+    tier_shards,
+)
+from p2p.wire import (
+    HEADER_LEN,
+    MAX_ROUND,
+    WIRE_VERSION,
+    PresenceRecord,
+    RolloutBatch,
+    WireGroup,
+    canonical_json,
+    encode_presence,
+    encode_signed,
+    seal,
+)
+from scripts.bench.sybil import Attacker  # one Sybil attacker for the benchmark and this test
 
 POW = int(os.environ["SAPO_POW_DIFFICULTY"])  # tests/conftest.py: low, so that hundreds of keys are cheap
 pytestmark = pytest.mark.timeout(600)

@@ -3,12 +3,12 @@
 
 from dataclasses import fields
 
+from node.build import swarm_settings as settings_from_config
+from node.build import verify_config
 from node.learn.tasks import PRESETS
 from node.ops.config import load_config
 from node.swarm.dht_exchange import DhtExchange
 from node.swarm.reputation import REPUTATION_FILE
-from node.build import swarm_settings as settings_from_config
-from node.build import verify_config
 from node.swarm.settings import SwarmFiles, SwarmSettings
 from node.swarm.verify import VerifyConfig
 from p2p.identity import KEY_FILENAME, LIBP2P_IDENTITY_FILENAME

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from node.build import build_node
-from node.ops.config import load_config
-from node.swarm.exchange import ExchangeStats
 from node.learn.groups import Group, score_responses
 from node.learn.model_io import load_model
+from node.learn.tasks import PRESETS, TaskSampler, TaskSpec, regenerate
+from node.ops.config import load_config
+from node.swarm.exchange import ExchangeStats
 from node.swarm.memory_exchange import MemoryBoard, MemoryExchange
 from node.swarm.verify import Verifier, VerifyConfig, make_batch
-from node.learn.tasks import PRESETS, TaskSampler, TaskSpec, regenerate
 from p2p.identity import Identity
 from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireGroup, decode_signed, encode_signed
 

@@ -1,28 +1,24 @@
-#!/usr/bin/env python
 """A model's greedy accuracy on a mix's evaluation sets, as a node logs it at round 0: the in-distribution
 held-out set and, for a mix split by content, the unseen set, each with its constant-answer baseline and
 the size of its content (distinct questions and facts). `--harder` adds sets that no training config of the
 mix can ask at all (more terms, more digits), the candidates for a second unseen set.
 
-    nice python scripts/measure_unseen.py --tasks cpu-learn --size 128 --harder --json /tmp/unseen.json
+    nice python -m scripts.research.measure_unseen --tasks cpu-learn --size 128 --harder --json /tmp/unseen.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from node.learn.content import content_key  # noqa: E402
-from node.learn.evaluate import EvalSet, evaluate  # noqa: E402
-from node.learn.groups import Prompter  # noqa: E402
-from node.learn.model_io import load_model  # noqa: E402
-from node.learn.tasks import TaskMix, eval_tasks, resolve_mix  # noqa: E402
+from node.learn.content import content_key
+from node.learn.evaluate import EvalSet, evaluate
+from node.learn.groups import Prompter
+from node.learn.model_io import load_model
+from node.learn.tasks import TaskMix, eval_tasks, resolve_mix
 
 # Harder content than cpu-learn trains on: configs its mix never accepts, so these sets are unseen too.
 HARDER = {

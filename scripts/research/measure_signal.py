@@ -1,29 +1,25 @@
-#!/usr/bin/env python
 """Learning signal of a task mix at round 0: the share of groups holding both a fully correct completion
 (score 1.0) and a wrong one (score < 1.0). Partial credit does not count as correct. Uses the node's own
 prompt, sampler and reward.
 
-    python scripts/measure_signal.py --model default --tasks cpu-easy --groups 48 --generations 6
+    python -m scripts.research.measure_signal --model default --tasks cpu-easy --groups 48 --generations 6
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from node.learn.groups import Prompter, local_group  # noqa: E402
-from node.learn.model_io import load_model, pick_device  # noqa: E402
-from node.learn.sampling import SamplingConfig, sample_groups  # noqa: E402
-from node.learn.tasks import TaskSampler, resolve_mix  # noqa: E402
+from node.learn.groups import Prompter, local_group
+from node.learn.model_io import load_model, pick_device
+from node.learn.sampling import SamplingConfig, sample_groups
+from node.learn.tasks import TaskSampler, resolve_mix
 
 
 def main() -> None:

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Round benchmark: per-phase seconds of real rounds, and the node's two hot paths against bare baselines.
 
 Prints these figures (measured side by side in this run, same batch, same seed):
@@ -17,8 +16,8 @@ Prints these figures (measured side by side in this run, same batch, same seed):
      in the plain layout (issue 11 targets: plain/shared >= 1.6 with G = 6, >= 3 with G = 16 on cpu-easy)
   and, from the rounds of 1., the held-out evaluation's cost per round at the default cadence.
 
-    python scripts/bench_round.py --model default --tasks cpu-easy --rounds 3 --generations 6 --json out.json
-    python scripts/bench_round.py --variants --rounds 0 --skip-generation --skip-training --json fast.json
+    python -m scripts.bench.round --model default --tasks cpu-easy --rounds 3 --generations 6 --json out.json
+    python -m scripts.bench.round --variants --rounds 0 --skip-generation --skip-training --json fast.json
 """
 
 from __future__ import annotations
@@ -26,29 +25,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import resource
 import json
 import os
+import resource
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from node.ops.config import load_config  # noqa: E402
-from node.swarm.exchange import Silo  # noqa: E402
-from node.learn.groups import Prompter, local_group, to_sequences  # noqa: E402
-from node.build import build_node  # noqa: E402
-from node.learn.choices import MIXED_PRECISION  # noqa: E402
-from node.learn.model_io import load_model, pick_device  # noqa: E402
-from node.learn.sampling import SamplingConfig, sample_groups  # noqa: E402
-from node.learn.tasks import TaskSampler, resolve_mix  # noqa: E402
-from node.learn.trainer import TrainConfig, Trainer  # noqa: E402
+from node.build import build_node
+from node.learn.choices import MIXED_PRECISION
+from node.learn.groups import Prompter, local_group, to_sequences
+from node.learn.model_io import load_model, pick_device
+from node.learn.sampling import SamplingConfig, sample_groups
+from node.learn.tasks import TaskSampler, resolve_mix
+from node.learn.trainer import TrainConfig, Trainer
+from node.ops.config import load_config
+from node.swarm.exchange import Silo
 
 
 def timed(fn, repeats: int, cpu: list[float] | None = None) -> list[float]:
@@ -267,7 +264,7 @@ def main() -> None:
                     "native bf16, else f16)")
     ap.add_argument("--mixed-precision", default="auto", choices=MIXED_PRECISION,
                     help="precision of every variant but the baseline (today's path: fp32)")
-    ap.add_argument("--rss-json", default="", help="scripts/bench_lora.py memory JSON: its 1- and P-peer RSS")
+    ap.add_argument("--rss-json", default="", help="scripts/bench/lora.py memory JSON: its 1- and P-peer RSS")
     ap.add_argument("--json", default="", help="write the figures to this JSON file")
     args = ap.parse_args()
     result: dict = {"model": args.model, "tasks": args.tasks, "generations": args.generations,

@@ -1,7 +1,7 @@
 """The recipe sweep of docs/RESULTS.md section 7: run its cells, and apply its rule to what they show.
 
-    python scripts/recipe_sweep.py run [--part 0/2] [--settings lr1e-4-b0 ...] [--seeds 100 101 102]
-    python scripts/recipe_sweep.py summarize [--data docs/data/recipe-sweep-v3] [--json out.json]
+    python -m scripts.research.recipe_sweep run [--part 0/2] [--settings lr1e-4-b0 ...] [--seeds 100 101 102]
+    python -m scripts.research.recipe_sweep summarize [--data docs/data/recipe-sweep-v3] [--json out.json]
 
 `run` runs each (setting, seed) cell as one `sapo-experiment 4/0` in memory mode (resumable: a finished cell
 is skipped, an unfinished one continues from its checkpoints) and copies a finished cell's run.json and
@@ -22,14 +22,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from node.lab.cells import Cell, add_deadline_args, deadline_of, part_of, run_cells
+from node.lab.runs import last_evaluation
+from node.learn.guard import EvalSummary, collapsed
+from node.ops.metrics import read_records
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from node.lab.cells import Cell, add_deadline_args, deadline_of, part_of, run_cells  # noqa: E402
-from node.lab.runs import last_evaluation  # noqa: E402
-from node.ops.metrics import read_records  # noqa: E402
-from node.learn.guard import EvalSummary, collapsed  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

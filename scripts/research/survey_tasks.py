@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Task survey (issue 19): greedy pass@1, sampled pass@8, the constant-answer baseline and more for every
 reasoning-gym dataset, per config level and prompt format, on held-out tasks. Resumable: every finished
 cell is one line of docs/data/survey/cells.jsonl; cells already there are skipped. Stages, cheapest and
@@ -11,30 +10,38 @@ most useful first:
   harder-screen  datasets that passed neither screen (or failed to build): default config, "direct",
            16 tasks, where the default differs from the easiest (is the harder setting any better?)
 
-    nice -n 10 python scripts/survey_tasks.py --model default --stages screen full harder rescreen harder-screen
-    python scripts/survey_tasks.py --summarize   # docs/data/survey/survey.json + survey.md
+    nice -n 10 python -m scripts.research.survey_tasks --model default \
+        --stages screen full harder rescreen harder-screen
+    python -m scripts.research.survey_tasks --summarize   # docs/data/survey/survey.json + survey.md
 """
 
 from __future__ import annotations
 
 import argparse
-import resource
 import os
-import sys
+import resource
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from node.learn import gym  # noqa: E402
+from node.lab.survey import (
+    EASIEST_OVERRIDES,
+    FORMATS,
+    SCREEN_TASKS,
+    STAGES,
+    PresetRule,
+    choose_preset,
+    load_records,
+    run_cells,
+    stage_cells,
+    summarize,
+)
+from node.learn import gym
 
-from node.lab.survey import (EASIEST_OVERRIDES, FORMATS, SCREEN_TASKS, STAGES, PresetRule, choose_preset,  # noqa: E402
-                             load_records, run_cells, stage_cells, summarize)
-
-OUT = Path(__file__).resolve().parents[1] / "docs" / "data" / "survey"
+OUT = Path(__file__).resolve().parents[2] / "docs" / "data" / "survey"
 # composite needs a list of datasets; arc_agi / rearc / codeio read big data files: tried, not special-cased
 SKIP: dict[str, str] = {"composite": "a mix of other datasets, not a dataset"}
 

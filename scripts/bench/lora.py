@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """LoRA figures for docs/BENCHMARKS.md, each measured side by side in one run.
 
   train   one GRPO update (the node's layout: shared prefix when the model allows it) and one sampling
@@ -8,8 +7,8 @@
           peers, each run in its own process (LoRA peers share one base model); optionally full fine-tuning
           peers for reference
 
-    python scripts/bench_lora.py train --model default --tasks cpu-easy --generations 8 --threads 1 --ranks 1,8
-    python scripts/bench_lora.py memory --model default --peers 5 --rounds 2 --json out.json
+    python -m scripts.bench.lora train --model default --tasks cpu-easy --generations 8 --threads 1 --ranks 1,8
+    python -m scripts.bench.lora memory --model default --peers 5 --rounds 2 --json out.json
 
 `lora_vs_full(...)` is the function other benchmarks call for the training/sampling comparison.
 """
@@ -29,17 +28,17 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
+import torch
 
-from node.learn.groups import Prompter, local_group, to_sequences  # noqa: E402
-from node.learn.lora import attach  # noqa: E402
-from node.learn.model_io import load_model, pick_device  # noqa: E402
-from node.learn.sampling import SamplingConfig, sample_groups  # noqa: E402
-from node.learn.tasks import TaskSampler, resolve_mix  # noqa: E402
-from node.learn.trainer import TrainConfig, Trainer  # noqa: E402
+from node.learn.groups import Prompter, local_group, to_sequences
+from node.learn.lora import attach
+from node.learn.model_io import load_model, pick_device
+from node.learn.sampling import SamplingConfig, sample_groups
+from node.learn.tasks import TaskSampler, resolve_mix
+from node.learn.trainer import TrainConfig, Trainer
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def lora_vs_full(model, tok, prompts: list[str], seqs, scfg: SamplingConfig, generations: int, ranks: list[int],
@@ -83,7 +82,7 @@ def lora_vs_full(model, tok, prompts: list[str], seqs, scfg: SamplingConfig, gen
         out[f"gen_{name}_cpu_s"] = statistics.median(gen_cpu[name])
         out[f"gen_{name}_tokens_per_s"] = tokens[name] / sum(gen[name])
         out[f"params_{name}"] = a.num_parameters() if a is not None else sum(p.numel() for p in m.parameters())
-        if a is not None:  # what a checkpoint's model.pt + optimizer.pt hold (the full model's: bench_stop.py)
+        if a is not None:  # what a checkpoint's model.pt + optimizer.pt hold (the full model's: scripts/bench/stop.py)
             buf = io.BytesIO()
             torch.save({"model": a.state_dict(), "optimizer": trainers[name].optimizer.state_dict()}, buf)
             out[f"checkpoint_mb_{name}"] = buf.tell() / 2**20

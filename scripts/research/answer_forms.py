@@ -1,6 +1,6 @@
 """How a run's greedy held-out answers are written, and what they would score read another way.
 
-    python scripts/answer_forms.py docs/data/recipe-sweep/lr1e-4-b0/4-0/seed100 [more cell dirs]
+    python -m scripts.research.answer_forms docs/data/recipe-sweep/lr1e-4-b0/4-0/seed100 [more cell dirs]
 
 For every peer's evaluations (metrics.jsonl keeps each greedy answer), against the gold answers of the mix's
 held-out set regenerated here: accuracy as the node scored it (reasoning-gym's scorer on the extracted
@@ -18,10 +18,9 @@ from pathlib import Path
 
 import orjson
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from node.learn.tasks import Task, eval_tasks, read_answer, resolve_mix, score
 
-from node.learn.tasks import Task, eval_tasks, read_answer, resolve_mix, score  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def result_of(answer: str) -> str | None:

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 r"""The held-out evaluation's greedy decoding, two ways side by side in one run (docs/BENCHMARKS.md):
 
   generate  `model.generate` on batches of 32 prompts: every row decodes until the batch's longest answer
@@ -12,7 +11,7 @@ and how many texts differ from `generate`'s. --adapter takes a LoRA checkpoint (
 checkpoints/round-N): a trained adapter writes longer answers than the base model, which is where the
 rows that leave pay.
 
-    nice python scripts/bench_eval.py --adapter runs/.../peer0/checkpoints/round-000009 --json eval.json
+    nice python -m scripts.bench.eval --adapter runs/.../peer0/checkpoints/round-000009 --json eval.json
 """
 
 from __future__ import annotations
@@ -26,17 +25,16 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from node.learn import precision  # noqa: E402
-from node.learn.evaluate import greedy_texts, scored  # noqa: E402
-from node.learn.groups import Prompter  # noqa: E402
-from node.learn.lora import LoraBase, LoraSettings  # noqa: E402
-from node.learn.model_io import load_model  # noqa: E402
-from node.learn.tasks import eval_tasks, resolve_mix  # noqa: E402
-from node.ops.checkpoint import load_from  # noqa: E402
+from node.learn import precision
+from node.learn.evaluate import greedy_texts, scored
+from node.learn.groups import Prompter
+from node.learn.lora import LoraBase, LoraSettings
+from node.learn.model_io import load_model
+from node.learn.tasks import eval_tasks, resolve_mix
+from node.ops.checkpoint import load_from
 
 
 def main() -> int:

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 r"""Rollout engine checks that need the default model (docs/BENCHMARKS.md, issue 18), side by side in one run:
 
   parity  answer accuracy of each --variants sampler (llama.cpp with given weights, the torch sampler under
@@ -15,10 +14,10 @@ r"""Rollout engine checks that need the default model (docs/BENCHMARKS.md, issue
           sampling speed (--prompts x --generations at T = 1, --repeats interleaved: tokens/s, groups/s,
           wall and CPU) and sync cost (full weights and a merged LoRA adapter), medians and ratios.
 
-    python scripts/bench_engine.py parity --tasks-n 256 --samples 2 --variants torch-bf16,llama-bf16,llama-f16 \
+    python -m scripts.bench.engine parity --tasks-n 256 --samples 2 --variants torch-bf16,llama-bf16,llama-f16 \
         --json parity.json
-    python scripts/bench_engine.py sync --json sync.json
-    nice python scripts/bench_engine.py bindings --tasks cpu-learn --tasks-n 64 --repeats 5 --json bindings.json
+    python -m scripts.bench.engine sync --json sync.json
+    nice python -m scripts.bench.engine bindings --tasks cpu-learn --tasks-n 64 --repeats 5 --json bindings.json
 """
 
 from __future__ import annotations
@@ -29,21 +28,19 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from node.learn.engines import make_engine  # noqa: E402
-from node.learn.groups import Prompter, local_group, score_responses  # noqa: E402
-from node.learn.model_io import load_model  # noqa: E402
-from node.learn.sampling import SamplingConfig  # noqa: E402
-from node.learn.tasks import TaskSampler, resolve_mix  # noqa: E402
-from node.lab.evidence import paired_task_gain  # noqa: E402
+from node.lab.evidence import paired_task_gain
+from node.learn.engines import make_engine
+from node.learn.groups import Prompter, local_group, score_responses
+from node.learn.model_io import load_model
+from node.learn.sampling import SamplingConfig
+from node.learn.tasks import TaskSampler, resolve_mix
 
 
 def parity(args, model, tok, mix) -> dict:

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """What a newcomer waits for: the README's quick start on this machine, from nothing.
 
 Clones this repository's HEAD into a temporary directory, with a fresh HOME (no model cache) and no pip
@@ -7,7 +6,7 @@ once every peer has its held-out evaluation at round --until. Prints, in seconds
 setup done, the bootstrap up, each peer's first round, each peer's evaluation at --until; and each peer's
 held-out (and unseen-set) accuracy at every evaluation. Run it on an otherwise idle machine.
 
-    python scripts/bench_quickstart.py --until 30 --out docs/data/quickstart-cpu
+    python -m scripts.bench.quickstart --until 30 --out docs/data/quickstart-cpu
 """
 
 from __future__ import annotations
@@ -18,15 +17,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from node.ops.metrics import read_records
 
-from node.ops.metrics import read_records  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def records(path: Path) -> list[dict]:

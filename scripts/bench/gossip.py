@@ -1,12 +1,12 @@
 """Benchmark the swarm gossip layer on loopback, or summarize swarm I/O share from run metrics.
 
-    python scripts/bench_gossip.py --peers 8 --samples 40
-    python scripts/bench_gossip.py --metrics runs/node0 runs/node1
+    python -m scripts.bench.gossip --peers 8 --samples 40
+    python -m scripts.bench.gossip --metrics runs/node0 runs/node1
 
 Peers are real hivemind DHT processes on 127.0.0.1 (one forked DHT + one p2pd each), started
 from this process. "publish->visible" is the time from the start of publish() on one peer until
 another peer's DHT get of that batch key returns the publisher's entry. Keys are minted at 8 bits of
-proof of work. For swarm sizes beyond what one machine can run as real peers, see scripts/bench_scale.py.
+proof of work. For swarm sizes beyond what one machine can run as real peers, see scripts/bench/scale.py.
 """
 
 from __future__ import annotations

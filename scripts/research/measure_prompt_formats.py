@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """Which prompt format fits a model: greedy accuracy and sampled pass@k on a mix's held-out tasks, per format
 of node/learn/formats.py (the model's own template is replaced by each in turn). Chose Gemma 3 270M's format
 (docs/RESULTS.md, "Gemma 3 270M"). One JSON line per format on stdout.
 
-    nice python scripts/measure_prompt_formats.py --model gemma3-270m --formats chatml gemma-chat completion
+    nice python -m scripts.research.measure_prompt_formats --model gemma3-270m --formats chatml gemma-chat completion
 """
 
 from __future__ import annotations
@@ -13,20 +12,18 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from node.learn.evaluate import greedy_texts  # noqa: E402
-from node.learn import precision  # noqa: E402
-from node.learn.formats import FORMATS, apply_format, stop_token_ids  # noqa: E402
-from node.learn.groups import Prompter, score_responses  # noqa: E402
-from node.learn.model_io import load_model  # noqa: E402
-from node.learn.sampling import SamplingConfig, sample_groups  # noqa: E402
-from node.learn.tasks import PRESETS, eval_tasks  # noqa: E402
+from node.learn import precision
+from node.learn.evaluate import greedy_texts
+from node.learn.formats import FORMATS, apply_format, stop_token_ids
+from node.learn.groups import Prompter, score_responses
+from node.learn.model_io import load_model
+from node.learn.sampling import SamplingConfig, sample_groups
+from node.learn.tasks import PRESETS, eval_tasks
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Sybil benchmark: do honest peers keep their external groups when many valid keys attack? (issue 20)
 
-    nice -n 10 python scripts/bench_sybil.py --sybils 0,300,1000 --attack ghost,useless,copycat,liars --json OUT
+    nice -n 10 python -m scripts.bench.sybil --sybils 0,300,1000 --attack ghost,useless,copycat,liars --json OUT
 
 Each row is a fresh swarm on 127.0.0.1: a bootstrap peer, `--honest` honest nodes (the real CLI on the
 tiny random model, `sapo-node` subprocesses), and one attacker process (a hivemind DHT client that
@@ -42,12 +42,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "scripts")]
+from scripts.bench.procs import Proc, live_metrics, prefix_of, start_bootstrap, start_node, stop_all
+from scripts.bench.scale import _store_spilled, pct
 
-# the test helpers start real nodes and the bootstrap as subprocesses; one copy of them in the tree
-from bench_scale import _store_spilled, pct  # noqa: E402
-from conftest import Proc, live_metrics, prefix_of, start_bootstrap, start_node, stop_all  # noqa: E402
+# the honest nodes run as in the suite: offline, on the paper's defaults (not the CPU recipe), their keys
+# minted at a low proof of work
+for _name, _value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
+                      ("SAPO_RECIPE", "none"), ("SAPO_POW_DIFFICULTY", "8")):
+    os.environ.setdefault(_name, _value)
 
 ATTACKS = ("ghost", "useless", "copycat", "liars")
 

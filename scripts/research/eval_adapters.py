@@ -1,10 +1,9 @@
-#!/usr/bin/env python
 """Is a node's held-out evaluation a pure function of its weights? Evaluates exported LoRA weights (a
 checkpoint or an `export_weights` copy) as a node does, in a fresh process, and compares the greedy answers,
 one by one, with what the run that wrote them recorded at that round. `--shared` puts every adapter on one
 base, as memory mode does; `--precision off` evaluates in fp32 instead of the node's mode on this CPU.
 
-    nice python scripts/eval_adapters.py docs/data/newcomer-veterans/4-0/seed{0,1,2,3} --shared
+    nice python -m scripts.research.eval_adapters docs/data/newcomer-veterans/4-0/seed{0,1,2,3} --shared
 
 Each DIR holds `adapter/` and `peer0/metrics.jsonl` (a veterans cell); the record compared is that of the
 checkpoint's round. RESULTS 8 (the round-0 question) quotes its output.
@@ -13,21 +12,18 @@ checkpoint's round. RESULTS 8 (the round-0 question) quotes its output.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from node.learn import precision  # noqa: E402
-from node.learn.evaluate import HeldOutEval  # noqa: E402
-from node.learn.groups import Prompter  # noqa: E402
-from node.learn.lora import LoraBase, LoraSettings  # noqa: E402
-from node.learn.model_io import load_model  # noqa: E402
-from node.learn.tasks import resolve_mix  # noqa: E402
-from node.ops.checkpoint import load_from  # noqa: E402
-from node.ops.metrics import read_records  # noqa: E402
+from node.learn import precision
+from node.learn.evaluate import HeldOutEval
+from node.learn.groups import Prompter
+from node.learn.lora import LoraBase, LoraSettings
+from node.learn.model_io import load_model
+from node.learn.tasks import resolve_mix
+from node.ops.checkpoint import load_from
+from node.ops.metrics import read_records
 
 
 def main() -> int:

@@ -1,23 +1,19 @@
-#!/usr/bin/env python
 r"""Solo runs side by side: held-out accuracy (with the constant-answer baseline), share of groups with
 signal and token entropy per round, one line per metrics file (docs/RESULTS.md section 4).
 
-    python scripts/plot_solo.py docs/data/solo200/{lr1e-5,lr3e-5-kl,lr3e-6,lr1e-6}.metrics.jsonl \
+    python -m scripts.research.plot_solo docs/data/solo200/{lr1e-5,lr3e-5-kl,lr3e-6,lr1e-6}.metrics.jsonl \
         --out docs/figures/solo200.png
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from node.lab.stats import moving_average  # noqa: E402
-from node.ops.metrics import read_records  # noqa: E402
+from node.lab.stats import moving_average
+from node.ops.metrics import read_records
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Scale benchmark of the swarm exchange: what one honest node pays per round as the swarm grows.
 
-    python scripts/bench_scale.py --publishers 10,100,1000 --json out.json
-    python scripts/bench_scale.py --publishers 10,100,1000 --protocol old --json old.json
+    python -m scripts.bench.scale --publishers 10,100,1000 --json out.json
+    python -m scripts.bench.scale --publishers 10,100,1000 --protocol old --json old.json
 
 For each N: 8 DHT server peers (real hivemind DHT processes on 127.0.0.1), a few publisher DHT
 clients that host N identities between them and publish one realistic ~20 KB signed batch plus a
@@ -37,7 +37,7 @@ from functools import partial, wraps
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 OLD_MARK = "WIRE_VERSION = 1"  # the line protocol v2 removed from p2p/wire.py
 
@@ -50,12 +50,12 @@ def old_protocol_ref() -> str:
     out = subprocess.run(["git", "-C", str(REPO), "log", "--format=%H", "-S", OLD_MARK, "--", "p2p/wire.py"],
                          capture_output=True, text=True, check=True).stdout.split()
     if not out:
-        raise SystemExit("bench_scale: protocol v1 is not in this checkout's git history")
+        raise SystemExit("scripts.bench.scale: protocol v1 is not in this checkout's git history")
     return out[0] + "^"
 
 
 def reexec_with_old_protocol(argv: list[str]) -> int:
-    """Run this script again with p2p/ of protocol v1 first on the import path."""
+    """Run this benchmark again with p2p/ of protocol v1 first on the import path."""
     ref = old_protocol_ref()
     with tempfile.TemporaryDirectory(prefix="sapo-p2p-v1-") as tmp:
         archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, "p2p"], capture_output=True, check=True)
@@ -65,7 +65,9 @@ def reexec_with_old_protocol(argv: list[str]) -> int:
         short = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", ref], capture_output=True,
                                text=True).stdout.strip()
         print(f"protocol v1 from {ref} ({short}) in {tmp}", flush=True)
-        return subprocess.run([sys.executable, __file__, *argv, "--_in-old"], env=env).returncode
+        # from the archive's directory: its p2p/ comes before the repository's on the import path
+        return subprocess.run([sys.executable, "-m", "scripts.bench.scale", *argv, "--_in-old"], env=env,
+                              cwd=tmp).returncode
 
 
 # ------------------------------------------------------------------------ metering inside DHT processes

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 r"""Issue 19's solo test on one run dir: did held-out accuracy rise, and is it above guessing?
 
 Reads RUN_DIR/metrics.jsonl (written by sapo-node with --eval-every), takes the first and the last
@@ -10,7 +9,7 @@ Where the rows carry the unseen set (a task mix split by content: questions whos
 never draws), the same for it, and issue 29's bar: in-distribution gain >= 0.30 and gain on the unseen
 set >= 0.10, each with its CI above 0.
 
-    python scripts/solo_evidence.py docs/data/solo-learn/lora-lr2e-4 \
+    python -m scripts.research.solo_evidence docs/data/solo-learn/lora-lr2e-4 \
         --json docs/data/solo-learn/lora-lr2e-4/evidence.json
 """
 
@@ -21,10 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from node.lab.evidence import heldout_evidence  # noqa: E402
-from node.ops.metrics import read_records  # noqa: E402
+from node.lab.evidence import heldout_evidence
+from node.ops.metrics import read_records
 
 BAR = 0.10
 ISSUE29_IN_DISTRIBUTION_BAR = 0.30  # issue 29: a 100-round solo run of the default recipe

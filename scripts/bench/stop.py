@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """What stopping and checkpointing cost, for docs/BENCHMARKS.md (re-measure with this script).
 
 1. Checkpoint cost: save (write + fsync + sha256 manifest) and load+verify of a full checkpoint of the
@@ -7,8 +6,8 @@
    status says it is in --phase of the next round, it gets SIGINT; the time until the process has
    exited (round abandoned, last completed round checkpointed, swarm and worker closed) is printed.
 
-    python scripts/bench_stop.py --model default --tasks cpu-easy
-    python scripts/bench_stop.py --model tiny-random --tasks smoke --skip-checkpoint   # quick check
+    python -m scripts.bench.stop --model default --tasks cpu-easy
+    python -m scripts.bench.stop --model tiny-random --tasks smoke --skip-checkpoint   # quick check
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ import urllib.request
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
 
 
 def dir_mb(path: Path) -> float:

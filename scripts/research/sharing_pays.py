@@ -4,15 +4,15 @@ docs/data/<experiment>/: issue 29's validation of the recipe (docs/RESULTS.md se
 veterans (8a) and two model families in one swarm (8b); and the off-policy sharing pilot
 (docs/experiments/off-policy-sharing.md: 15 cells, 5 arms x seeds 100-102, on the cpu-sparse preset).
 
-    python scripts/sharing_pays.py run --experiment validation [--part 0/2]   # section 7: 16 cells, seeds 0-7
+    python -m scripts.research.sharing_pays run --experiment validation [--part 0/2]   # section 7: 16 cells, seeds 0-7
 
-    python scripts/sharing_pays.py run --experiment veterans            # 8a's 4 veterans: 100 solo rounds each
-    python scripts/sharing_pays.py run --experiment newcomer [--part 0/2] [--arms shares silo] [--seeds 0 1]
+    python -m scripts.research.sharing_pays run --experiment veterans            # 8a's 4 veterans: 100 solo rounds each
+    python -m scripts.research.sharing_pays run --experiment newcomer [--part 0/2] [--arms shares silo] [--seeds 0 1]
                                                # --part i/n: every n-th seed, all its arms
-    python scripts/sharing_pays.py run --experiment families [--part 1/2]
-    python scripts/sharing_pays.py run --experiment offpolicy-pilot [--part 0/2]
-    python scripts/sharing_pays.py commands --experiment newcomer       # print the cells' commands
-    python scripts/sharing_pays.py status --experiment validation       # which cells are committed, which remain
+    python -m scripts.research.sharing_pays run --experiment families [--part 1/2]
+    python -m scripts.research.sharing_pays run --experiment offpolicy-pilot [--part 0/2]
+    python -m scripts.research.sharing_pays commands --experiment newcomer    # print the cells' commands
+    python -m scripts.research.sharing_pays status --experiment validation    # cells committed, cells left
     ... run ... --finish-by 22:15 [--cell-minutes 40]   # start no cell that would not finish by then
     sapo-report docs/data/newcomer --focus-peer 0 --out docs/data/newcomer/report
     sapo-report docs/data/families --out docs/data/families/report
@@ -37,14 +37,13 @@ import shlex
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from node.lab.cells import ADAPTER, Cell, add_deadline_args, cell_status, deadline_of, part_of, run_cells
+from node.lab.runspec import slug
+from node.learn.packaged import PACKAGED, is_installed
+from node.ops.checkpoint import PREFIX
+from node.ops.config import RECIPES, NodeConfig
 
-from node.lab.cells import ADAPTER, Cell, add_deadline_args, cell_status, deadline_of, part_of, run_cells  # noqa: E402
-from node.lab.runspec import slug  # noqa: E402
-from node.learn.packaged import PACKAGED, is_installed  # noqa: E402
-from node.ops.checkpoint import PREFIX  # noqa: E402
-from node.ops.config import RECIPES, NodeConfig  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 SEEDS = list(range(8))
 ROUNDS = 30
