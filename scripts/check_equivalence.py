@@ -48,7 +48,7 @@ def node_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAPO_")}  # only FLAGS configure the run
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", SAPO_POW_DIFFICULTY="0",
-               SAPO_COLLAPSE_GUARD="false")  # the guard (issue 29) off; code from before it ignores the variable
+               SAPO_COLLAPSE_GUARD="false")  # the collapse guard off; code from before it ignores the variable
     return env
 
 

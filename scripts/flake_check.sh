@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the given tests N times in a row with a CPU-heavy process on every core beside them, and prints how
-# many runs passed: the check for tests whose bounds read wall time (issue 32: "passes 5 runs in a row with
+# many runs passed: the check for tests whose bounds read wall time (the bar set for them: "passes 5 runs in a row with
 # a CPU-heavy process beside it"). Not part of the suite: it takes minutes.
 #
 #   bash scripts/flake_check.sh 5 tests/e2e/test_swarm_dht.py::test_killed_peer_does_not_stall_others_and_resumes_with_same_address

@@ -1,4 +1,5 @@
-"""Issue 19's solo test: held-out accuracy of one run at its first and last evaluation, paired task by task
+"""The solo learning test (does one node learn on a CPU?): held-out accuracy of one run at its first and last
+evaluation, paired task by task
 (the held-out set is fixed and every evaluation row lists its per-task scores), with bootstrap CIs of the
 gain and of the margin over the constant-answer baseline, overall and per dataset. Used by
 scripts/research/solo_evidence.py."""
@@ -25,7 +26,7 @@ def paired_task_gain(first: Sequence[float], last: Sequence[float], n_boot: int 
 
 
 def heldout_evidence(rows: Sequence[dict], n_boot: int = 10000, seed: int = 0, key: str = "eval") -> dict:
-    """Issue 19's solo test from one run's metrics rows: the first and the last evaluation that carry
+    """The solo learning test from one run's metrics rows: the first and the last evaluation that carry
     per-task scores, the paired gain (last - first) and the margin over the constant-answer baseline
     (last - baseline), each with a bootstrap 95% CI, overall and per dataset, and the share of distinct
     greedy answers (against the gold answers' own share) at both ends. `key` "eval_unseen": the same on

@@ -4,7 +4,7 @@ goes on; a crash prints its stacks under "Fatal Python error", so the two never 
 Why not `faulthandler.register(SIGUSR1)`: its dump runs inside the C signal handler and walks the frames
 of threads that are running Python code at that moment (the model thread, hivemind's threads) without the
 GIL. On a busy machine it read a frame as it was being freed and the node died of SIGSEGV in the middle
-of its own dump (issue 32: 1 of 4 runs of 300 dumps under load; the e2e test that asked for a dump saw
+of its own dump (the flaky-test hunt: 1 of 4 runs of 300 dumps under load; the e2e test that asked for a dump saw
 the dump's first lines, then a dead node). A Python-level handler runs in the main thread holding the
 GIL, so every other thread stands still between bytecodes while its frames are read: the dump is whole
 and cannot crash, provided the GIL is never let go until every chain is read: `traceback.extract_stack`

@@ -1,5 +1,5 @@
 """Whose batches to fetch: a bandit over publishers, so that keys that follow the rules but bring nothing
-(Sybils) cannot dilute the swarm (issue 20; the rules are in docs/PROTOCOL.md, "node policy").
+(Sybils) cannot dilute the swarm (the rules are in docs/PROTOCOL.md, "node policy").
 
 Each publisher key has a record of what its fetched batches were worth to us: `ok` (a batch with at
 least one verified group that has a learning signal and content we had not seen) and `bad` (an

@@ -1,4 +1,4 @@
-r"""Rollout engine checks that need the default model (docs/BENCHMARKS.md, issue 18), side by side in one run:
+r"""Rollout engine checks that need the default model (docs/benchmarks/rollout-engine.md), side by side in one run:
 
   parity  answer accuracy of each --variants sampler (llama.cpp with given weights, the torch sampler under
           bf16 autocast) vs the torch sampler's (fp32) on a fixed set of tasks (same tasks, same number of

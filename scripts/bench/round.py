@@ -13,7 +13,7 @@ Prints these figures (measured side by side in this run, same batch, same seed):
      completion (`share_prompt`)
   3. training time of one GRPO update, plain layout (each completion with its own copy of the prompt) vs
      shared prefix (each group's prompt once), beside a bare forward+backward(+Adam) over the same tokens
-     in the plain layout (issue 11 targets: plain/shared >= 1.6 with G = 6, >= 3 with G = 16 on cpu-easy)
+     in the plain layout (the targets set for it: plain/shared >= 1.6 with G = 6, >= 3 with G = 16 on cpu-easy)
   and, from the rounds of 1., the held-out evaluation's cost per round at the default cadence.
 
     python -m scripts.bench.round --model default --tasks cpu-easy --rounds 3 --generations 6 --json out.json

@@ -1,4 +1,4 @@
-"""Sybil benchmark: do honest peers keep their external groups when many valid keys attack? (issue 20)
+"""Sybil benchmark: do honest peers keep their external groups when many valid keys attack?
 
     nice -n 10 python -m scripts.bench.sybil --sybils 0,300,1000 --attack ghost,useless,copycat,liars --json OUT
 

@@ -1,4 +1,5 @@
-"""Task survey (issue 19): greedy pass@1, sampled pass@8, the constant-answer baseline and more for every
+"""Task survey (which datasets can the default model learn from?): greedy pass@1, sampled pass@8, the
+constant-answer baseline and more for every
 reasoning-gym dataset, per config level and prompt format, on held-out tasks. Resumable: every finished
 cell is one line of docs/data/survey/cells.jsonl; cells already there are skipped. Stages, cheapest and
 most useful first:

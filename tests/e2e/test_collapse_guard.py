@@ -1,7 +1,7 @@
 """The collapse guard on a real model: an absurd learning rate collapses the embedded default model's answers
 onto one string; the guard notices at the next evaluation, puts back the best evaluation's weights and lowers
 the rate, and the node answers like itself again. Switched off, the collapse stays (checked by hand; see the
-closing note of issue 29), so this test fails without the guard.
+closing note of the recipe work), so this test fails without the guard.
 
 The guard's first reference is the starting weights' evaluation, before round 0's update: at this rate round 0's
 own update can already collapse the model (it did on an H100, whose sampling draws other completions; BENCHMARKS

@@ -1,4 +1,4 @@
-"""Issue 19's solo test: paired task-by-task gains of held-out accuracy, with bootstrap CIs."""
+"""The solo learning test: paired task-by-task gains of held-out accuracy, with bootstrap CIs."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_solo_evidence_script_reports_the_bar(tmp_path):
     out = subprocess.run([sys.executable, "-m", "scripts.research.solo_evidence", str(tmp_path), "--boot", "2000",
                           "--json", str(tmp_path / "ev.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert "issue 19 point 3" in out.stdout and json.loads((tmp_path / "ev.json").read_text())["meets_bar"] is True
+    assert "solo learning test" in out.stdout and json.loads((tmp_path / "ev.json").read_text())["meets_bar"] is True
     assert "unseen" not in out.stdout  # no unseen set logged: none reported
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -71,7 +71,7 @@ def test_solo_evidence_script_reports_the_bar(tmp_path):
 
 def test_the_unseen_set_gets_its_own_paired_gain():
     """Rows of a mix split by content carry eval_unseen_*: the same paired test on that set, and the script
-    reports issue 29's bar (gain on the unseen set >= 0.10, CI above 0) beside issue 19's."""
+    reports the recipe's bar (gain on the unseen set >= 0.10, CI above 0) beside the solo test's."""
     datasets = ["a"] * 40 + ["b"] * 40
     rows = [_eval_row(0, [0.0] * 80, ["1"] * 80, datasets) | _eval_row(0, [0.0] * 80, ["1"] * 80, datasets,
                                                                           "eval_unseen"),
@@ -97,7 +97,7 @@ def test_solo_evidence_script_reports_the_unseen_bar(tmp_path):
     ev = json.loads((tmp_path / "ev.json").read_text())
     assert ev["unseen"]["overall"]["gain"] == pytest.approx(0.3) and ev["unseen_meets_bar"] is True
     assert ev["overall"]["gain"] == 1.0 and ev["in_distribution_meets_issue29_bar"] is True
-    assert "unseen accuracy 0.000 after round 0 -> 0.300" in out.stdout and "issue 29" in out.stdout
+    assert "unseen accuracy 0.000 after round 0 -> 0.300" in out.stdout and "recipe bar" in out.stdout
 
 
 def test_a_collapsed_last_evaluation_does_not_meet_the_bar(tmp_path):

@@ -1,6 +1,6 @@
 """Stack dumps on SIGUSR1 (node/ops/stacks.py): every thread's stack, most recent call first, taken while
 other threads run Python code, as often as asked, and the process goes on; a real node survives a burst of
-them mid-round (faulthandler's dump, used before, killed a busy node with SIGSEGV: issue 32)."""
+them mid-round (faulthandler's dump, used before, killed a busy node with SIGSEGV)."""
 
 import os
 import signal

@@ -1,4 +1,4 @@
-"""The publisher bandit, content dedup and ghost evidence (issue 20): unit level, no network."""
+"""The publisher bandit, content dedup and ghost evidence: unit level, no network."""
 
 from __future__ import annotations
 

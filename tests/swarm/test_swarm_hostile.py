@@ -1,5 +1,5 @@
 """Hostile peers against protocol v2 on a real DHT (127.0.0.1): Sybils, lying replicas, keys without work,
-and every class of out-of-range input the independent hostile peer found (issue 13).
+and every class of out-of-range input the independent hostile peer found.
 
 Tests here mint keys at a low proof-of-work difficulty so that hundreds take no time; that the work is
 checked at all (by the DHT validator and by the Verifier) is test_key_without_proof_of_work_is_refused_everywhere.
@@ -132,7 +132,7 @@ async def _inject(_dht, node, key: str, subkey: bytes) -> bool:
 
 @pytest.mark.slow
 def test_sybils_that_follow_the_rules_do_not_dilute_honest_peers(tmp_path):
-    """200 valid Sybil keys from one process, a quarter of each class of issue 20: presence records whose
+    """200 valid Sybil keys from one process, a quarter of each class of Sybil: presence records whose
     batch never exists (ghosts), batches without learning signal, the honest peers' groups copied and
     re-signed, lying rewards. Against their own rounds before the attack, each honest node still trains on
     most of the useful groups the other one publishes (the benchmark's 0.8 over longer runs with three
@@ -345,7 +345,7 @@ async def test_announced_rounds_cannot_inflate_a_fetch(tmp_path):
 
 
 async def test_a_newcomer_with_more_work_is_met_before_a_crowd_of_fresh_cheaper_keys(tmp_path):
-    """Issue 20's newcomer bound: 400 never-tried Sybil keys at the swarm's minimum work appear together with
+    """The newcomer bound against Sybils: 400 never-tried Sybil keys at the swarm's minimum work appear together with
     a newcomer whose key carries one work tier more (what a node mints by default). The reader's rotation
     over the tier-1 shards is set so that it reaches the newcomer's shard in its last fetch of a cycle: the
     newcomer is fetched within TIER_SCAN_ROUNDS fetches, and again in the next fetch (queued ahead of every
