@@ -2,9 +2,9 @@
 # The CPU image of sapo-node, built and checked on this machine without an image registry (docs/CONTAINER.md):
 #   base   a Debian base made here (mmdebstrap, else debootstrap) and imported with `podman import`
 #   image  the repository's Dockerfile built on that base with buildah (--isolation chroot)
-#   check  `sapo-node --help`; a 3-round silo on the embedded model with its run dir on a host directory
-#          mounted as the container's /data/run; one more round in a new container, resumed from that
-#          directory (the volume outlives the container)
+#   check  `sapo-node --help`; a 3-round silo on the embedded model with a host directory mounted as the
+#          container's volume /data (run dir /data/run, model cache /data/model-cache); one more round in a
+#          new container, resumed from that directory (the volume outlives the container)
 # `podman run` needs cgroups that some machines (CI sandboxes) do not give; `buildah run --isolation chroot`
 # does without. Not part of CI: it takes minutes and a Debian mirror.
 #
@@ -20,7 +20,7 @@
 #                         wheel where the PyTorch index is out of reach (with SAPO_TORCH_INDEX_URL=https://pypi.org/simple)
 #   SAPO_CA_BUNDLE        a CA bundle pip trusts during the build (behind a TLS-inspecting proxy: the host's,
 #                         e.g. /etc/ssl/certs/ca-certificates.crt); mounted for the build only
-#   SAPO_CONTAINER_WORK   where the base tarball and the check's run dir go (/var/tmp/sapo-container)
+#   SAPO_CONTAINER_WORK   where the base tarball and the check's volume go (/var/tmp/sapo-container)
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -92,14 +92,17 @@ build_image() {
   say "image: $IMAGE built in $((SECONDS - t0)) s, $(podman image inspect --format '{{.Size}}' "$IMAGE" | numfmt --to=iec)"
 }
 
-# One command in a fresh container of the image (its user, its environment), the run dir mounted at /data/run.
+# One command in a fresh container of the image (its user, its environment), with `data`'s run/ and model-cache/
+# as the volume's /data/run and /data/model-cache (buildah run puts a volume of its own on the image's VOLUME
+# /data itself, over a bind mount there).
 in_container() {
-  local run_dir=$1
+  local data=$1
   shift
   local ctr
   ctr=$(buildah from --pull-never "$IMAGE")
   local rc=0
-  buildah run --isolation chroot --volume "$run_dir:/data/run" "$ctr" -- "$@" || rc=$?
+  buildah run --isolation chroot --volume "$data/run:/data/run" --volume "$data/model-cache:/data/model-cache" \
+    "$ctr" -- "$@" || rc=$?
   buildah rm "$ctr" >/dev/null
   return $rc
 }
@@ -110,23 +113,26 @@ rounds_in() {
 
 check_image() {
   need buildah
-  local run_dir="$WORK/check-run"
-  rm -rf "$run_dir"
-  mkdir -p "$run_dir"
-  chown "$NODE_UID:$NODE_UID" "$run_dir"  # the image runs as uid 10001, like a bind mount in docs/OPERATING.md
+  local data="$WORK/check-data"
+  local run_dir="$data/run"
+  rm -rf "$data"
+  mkdir -p "$run_dir" "$data/model-cache"
+  chown -R "$NODE_UID:$NODE_UID" "$data"  # the image runs as uid 10001 (a bind mount: docs/CONTAINER.md)
   say "check: sapo-node --help"
-  in_container "$run_dir" sapo-node --help | head -n 3
+  in_container "$data" sapo-node --help | head -n 3
   # the embedded model, a silo, small rounds: the image's own defaults otherwise (SAPO_RESUME=1, run dir /data/run)
   local args=(--model default --tasks smoke --generations 4 --num-local 2 --max-new-tokens 32 --eval-every 0
               --checkpoint-every 1)
-  say "check: a 3-round silo on the embedded model, run dir $run_dir mounted as /data/run"
+  say "check: a 3-round silo on the embedded model, $data/{run,model-cache} mounted in the volume /data"
   local t0=$SECONDS
-  in_container "$run_dir" sapo-node "${args[@]}" --rounds 3
+  in_container "$data" sapo-node "${args[@]}" --rounds 3
   [[ "$(rounds_in "$run_dir")" == 3 ]] || die "expected 3 rounds in $run_dir/metrics.jsonl"
-  say "check: 3 rounds in $((SECONDS - t0)) s; a new container resumes from the mounted run dir"
-  in_container "$run_dir" sapo-node "${args[@]}" --rounds 4
+  say "check: 3 rounds in $((SECONDS - t0)) s; a new container resumes from the volume"
+  t0=$SECONDS
+  in_container "$data" sapo-node "${args[@]}" --rounds 4
   [[ "$(rounds_in "$run_dir")" == 4 ]] || die "expected the resumed run to add round 3 in $run_dir/metrics.jsonl"
   grep -q "resumed from round-000002" "$run_dir/node.log" || die "the second container did not resume"
+  say "check: resumed and ran round 3 in $((SECONDS - t0)) s (the converted model from /data/model-cache)"
   ls -l "$run_dir" >&2
   say "check: passed ($IMAGE, $(podman image inspect --format '{{.Size}}' "$IMAGE" | numfmt --to=iec))"
 }
