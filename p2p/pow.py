@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 POW_DOMAIN = b"sapo-pow-v1\x00"
 NONCE_LEN = 8
-DEFAULT_POW_DIFFICULTY = 20  # ~1 s to mint on one core of the development machine (docs/BENCHMARKS.md)
+DEFAULT_POW_DIFFICULTY = 20  # ~1 s to mint on one core of the development machine (docs/benchmarks/scale.md)
 MAX_POW_DIFFICULTY = 40
 POW_FILENAME = "identity.pow"
 TIER_BITS = 4  # extra bits per work tier: each tier costs 16x the swarm's mint

@@ -38,7 +38,7 @@ fi
 # The default model is converted too (18 s of CPU, once): five peers starting together would each do it.
 IFS=', ' read -r -a WANTED <<<"default ${SAPO_MODELS:-} ${SAPO_MODEL:-}"
 python -m node.learn.model_io --install --convert "${WANTED[@]}" >/dev/null
-# The rollout engine (the fast CPU path, docs/BENCHMARKS.md), by SAPO_ENGINE:
+# The rollout engine (the fast CPU path, docs/benchmarks/rollout-engine.md), by SAPO_ENGINE:
 #   llama (default): llama.cpp as a binary wheel (ik-llama-cpp-python, seconds, no compiler);
 #   llama-source: llama-cpp-python, which compiles llama.cpp for this CPU (about 10 CPU-minutes, a C++ toolchain);
 #   torch: none (the node samples with torch, the engine's tests skip).

@@ -339,7 +339,7 @@ def summarize(log_path: Path, out_dir: Path) -> str:
 
 @dataclass(frozen=True)
 class PresetRule:
-    """What makes a dataset worth RL on this model (docs/RESULTS.md section 6): guessing pays little,
+    """What makes a dataset worth RL on this model (docs/experiments/task-survey.md): guessing pays little,
     sampling solves clearly more than greedy decoding (RL turns pass@k into pass@1), right answers are
     spread over many values, and completions are short enough for a CPU."""
 

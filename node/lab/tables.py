@@ -83,7 +83,7 @@ def heldout_section(summary: dict) -> list[str]:
             L.append(f"Constant-answer baseline of the unseen set: **{summary['unseen_baseline']:.4f}**.\n")
         L += heldout_table(summary, "unseen")
     L.append("## Collapse signs\n")
-    L.append("Agents collapsed at their last held-out evaluation (docs/RESULTS.md section 7: accuracy within 0.05 "
+    L.append("Agents collapsed at their last held-out evaluation (docs/experiments/cpu-recipe.md: accuracy within 0.05 "
              "of the constant-answer baseline, or distinct greedy answers under half of the gold answers' "
              "share); the share of groups (local and external) whose rewards differ, and the mean token entropy "
              "(nats) of the sampled completions: over all rounds and over each agent's last quarter of rounds.\n")

@@ -5,7 +5,7 @@ oneDNN runs bf16 matmuls at two to four times the fp32 rate, and training a 135M
 master weights, Adam's state, gradients, the softmax over the vocabulary and the loss stay float32 (autocast
 keeps reductions and `log_softmax` in fp32), so only the matmul inputs are rounded to bf16's 8 bits of
 mantissa, as in every mixed-precision recipe. Measured on the default model, one thread
-(docs/BENCHMARKS.md, "Mixed precision"): a training pass 3.5x faster, torch sampling 1.6x.
+(docs/benchmarks/rollout-engine.md, "Mixed precision"): a training pass 3.5x faster, torch sampling 1.6x.
 
 What it changes for GRPO: log-probs of the same tokens differ between an incremental decode and a full
 forward by bf16 rounding (~1e-2 nats), so under mixed precision the torch sampler's recorded behaviour

@@ -236,7 +236,7 @@ PRESETS: dict[str, TaskMix] = {
         answer_prefix="<answer>",
         max_new_tokens=32,
     ),
-    # Chosen by the task survey's rule (docs/RESULTS.md section 6): guessing pays little (constant-answer
+    # Chosen by the task survey's rule (docs/experiments/task-survey.md): guessing pays little (constant-answer
     # baseline <= 0.15), sampling solves clearly more than greedy decoding (pass@8 - pass@1 >= 0.20),
     # right answers are spread, completions short. Same prompt as cpu-easy (measured there). A fifth of its
     # arithmetic facts is reserved for the unseen evaluation (docs/RESULTS.md, "cpu-learn v2"). v3: an equation

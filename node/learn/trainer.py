@@ -26,7 +26,7 @@ from node.learn.stop import RoundAbandoned, StopRequest
 
 @dataclass
 class TrainConfig:
-    lr: float = 1e-6  # the node default (docs/RESULTS.md section 4)
+    lr: float = 1e-6  # the node default (docs/experiments/learning-rate-cpu-easy.md)
     eps_low: float = 0.2
     eps_high: float = 0.28
     beta: float = 0.0  # KL weight; > 0 keeps a frozen copy of the initial model as reference

@@ -50,7 +50,7 @@ class NodeConfig:
     recipe: str = opt("auto", "defaults for what no flag, variable or file sets: cpu (the CPU recipe: cpu-learn, "
                               "LoRA rank 8, its learning rate, beta 0.04, 2/2), none (the paper's setup), auto "
                               "(cpu on a CPU and for the packaged models, none on a GPU for other models); see "
-                              "README 'Defaults'")
+                              "docs/CONFIGURATION.md 'Defaults'")
     threads: int = opt(0, "torch CPU threads for this process (0 = all cores)")
     # SAPO round
     num_local: int = opt(4, "I: local groups (tasks sampled and trained on) per round; at most 64 "
@@ -73,7 +73,7 @@ class NodeConfig:
                                       "q8_0, f32; rewritten after each update, a LoRA adapter merged in (a source "
                                       "build with f16/q8_0 and LoRA: the base written once, then only the adapter)")
     # GRPO
-    lr: float = opt(1e-6, "Adam learning rate (chosen by 200-round solo runs: docs/RESULTS.md section 4); with "
+    lr: float = opt(1e-6, "Adam learning rate (chosen by 200-round solo runs: docs/experiments/learning-rate-cpu-easy.md); with "
                           "--lora-rank and no explicit --lr, 10x that (LoRA Without Regret)")
     loss_type: str = opt("grpo", f"loss aggregation: {', '.join(LOSS_TYPES)}")
     eps_low: float = opt(0.2, "lower clip range")
@@ -112,7 +112,7 @@ class NodeConfig:
     run_dir: str = opt("runs/node", "where metrics, logs, identity and checkpoints live")
     resume: bool = opt(False, "continue from the newest good checkpoint in --run-dir")
     checkpoint_every: int = opt(5, "checkpoint every N rounds (and always on exit or a stop); a kill -9 loses "
-                                   "at most the N - 1 rounds since the last one (docs/BENCHMARKS.md: cost)")
+                                   "at most the N - 1 rounds since the last one (docs/benchmarks/stop.md: cost)")
     keep_checkpoints: int = opt(2, "how many checkpoints to keep")
     log_level: str = opt("INFO", ", ".join(LOG_LEVELS))
     name: str = opt("", "display name in logs (default: from the public key)")
@@ -176,7 +176,7 @@ def default_lr(lora_rank: int) -> float:
 
 
 # The CPU recipe: what a node on a CPU learns with when nothing else is set, and a GPU node on a small
-# packaged model (README "Defaults"). Its learning rate and KL weight were chosen by a pre-registered sweep:
+# packaged model (docs/CONFIGURATION.md "Defaults"). Its learning rate and KL weight were chosen by a pre-registered sweep:
 # docs/RESULTS.md (the CPU recipe's experiment) has its design and figures. Both are
 # LoRA values (the KL reference is the base with the adapter off, no second model): a run with --lora-rank 0
 # gets the full fine-tuning rate and no KL term. A GPU node on any other model keeps the paper's setup.
@@ -200,7 +200,7 @@ def resolve_recipe(name: str, device: str, model: str = "default") -> str:
     """auto: the CPU recipe, except on a GPU (an NVIDIA driver, asked without importing torch: --help stays
     light) with a model that is not one of the small packaged ones, which keeps the paper's setup. The paper
     mix gives the packaged models nothing to learn from (SmolLM2-135M on an H100: held-out 0.004 against a
-    constant-answer baseline of 0.156), where the CPU recipe learns there too (docs/BENCHMARKS.md, "GPU")."""
+    constant-answer baseline of 0.156), where the CPU recipe learns there too (docs/benchmarks/gpu-h100.md)."""
     if name != "auto":
         return name
     gpu = device.startswith("cuda") if device != "auto" else Path("/proc/driver/nvidia/version").exists()

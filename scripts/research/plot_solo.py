@@ -1,5 +1,5 @@
 r"""Solo runs side by side: held-out accuracy (with the constant-answer baseline), share of groups with
-signal and token entropy per round, one line per metrics file (docs/RESULTS.md section 4).
+signal and token entropy per round, one line per metrics file (docs/experiments/learning-rate-cpu-easy.md).
 
     python -m scripts.research.plot_solo docs/data/solo200/{lr1e-5,lr3e-5-kl,lr3e-6,lr1e-6}.metrics.jsonl \
         --out docs/figures/solo200.png

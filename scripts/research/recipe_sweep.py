@@ -1,4 +1,4 @@
-"""The recipe sweep of docs/RESULTS.md section 7: run its cells, and apply its rule to what they show.
+"""The recipe sweep of docs/experiments/cpu-recipe.md: run its cells, and apply its rule to what they show.
 
     python -m scripts.research.recipe_sweep run [--part 0/2] [--settings lr1e-4-b0 ...] [--seeds 100 101 102]
     python -m scripts.research.recipe_sweep summarize [--data docs/data/recipe-sweep-v3] [--json out.json]
@@ -105,7 +105,7 @@ def summarize(args: argparse.Namespace) -> int:
 
 
 def pick(rows: list[dict]) -> tuple[str | None, str]:
-    """The pre-registered rule (docs/RESULTS.md section 7) on complete settings."""
+    """The pre-registered rule (docs/experiments/cpu-recipe.md) on complete settings."""
     if len(rows) < len(GRID):
         return None, f"{len(rows)} of {len(GRID)} settings complete; the rule waits for all"
     fewest = min(r["collapsed"] for r in rows)

@@ -1,5 +1,5 @@
 """The experiments that run the chosen CPU recipe, cell by cell, resumable, each finished cell committed to
-docs/data/<experiment>/: the CPU recipe's validation (docs/RESULTS.md section 7: 8 seeds at 4/0 and at
+docs/data/<experiment>/: the CPU recipe's validation (docs/experiments/cpu-recipe.md: 8 seeds at 4/0 and at
 2/2; its 100-round solo runs are 8a's veterans) and the experiments where sharing should pay (section 8): a
 newcomer among veterans (8a) and two model families in one swarm (8b); and the off-policy sharing pilot
 (docs/experiments/off-policy-sharing.md: 15 cells, 5 arms x seeds 100-102, on the cpu-sparse preset).

@@ -9,7 +9,7 @@ entropy are exactly the torch sampler's definitions, on llama.cpp's numerics.
 
 Synchronisation: each `sync` writes all weights in `--engine-weights` format (`auto`: bf16 with the wheel;
 with a source build bf16 on a CPU with native bf16, where it sampled 1.3x faster than f16
-(docs/BENCHMARKS.md), else f16) and reloads the model; a LoRA model's adapter is merged into them (bf16
+(docs/benchmarks/rollout-engine.md), else f16) and reloads the model; a LoRA model's adapter is merged into them (bf16
 with stochastic rounding, or f32: see gguf_export.py). With LoRA and f16 or q8_0 weights (source build
 only) the frozen base is written once instead and each sync swaps in only the adapter (a few MB), at the
 price of slower sampling: the adapter on top doubles the graph of every decode step.

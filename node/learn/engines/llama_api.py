@@ -1,5 +1,5 @@
 """The few llama.cpp calls the llama engine makes, behind one small class per binding, so the engine runs on
-whichever is installed (docs/BENCHMARKS.md, "A wheel instead of a compiler"):
+whichever is installed (docs/benchmarks/rollout-engine.md, "A wheel instead of a compiler"):
 
 - `wheel`: ik-llama-cpp-python, a binary wheel of ik_llama.cpp (a llama.cpp fork with its own CPU kernels;
   built for AVX2, no compiler needed). Its API is llama.cpp's of mid-2024 (`llama_kv_cache_*`,
