@@ -26,7 +26,8 @@ from node.learn.tasks import Task, TaskMix, eval_tasks, extract_answer, score
 log = logging.getLogger(__name__)
 
 MAX_ANSWER_CHARS = 40  # answers kept per task in metrics.jsonl (enough to tell a collapse)
-EVAL_BATCH = 64  # prompts per decoding batch; 128 outgrows the memory allowance (docs/benchmarks/prefix-sharing-and-evaluation.md)
+EVAL_BATCH = 64  # prompts per decoding batch; 128 outgrows the memory allowance
+# (docs/benchmarks/prefix-sharing-and-evaluation.md)
 
 
 @dataclass
@@ -174,8 +175,8 @@ def greedy_rows(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, c
     """Greedy decoding of a left-padded batch, continuing from `cache` (a DynamicCache holding the rows'
     first tokens) or from nothing (None). A row that emits a stop token leaves the batch, its cache rows
     with it: answers here are mostly a few tokens, and with `generate` one rambling row kept all the others
-    decoding to the cap (a third of the row-steps did any work, docs/benchmarks/prefix-sharing-and-evaluation.md). Positions are counted
-    as `generate` counts them, so each row gets `generate`'s tokens. Returns each row's new tokens, its
+    decoding to the cap (a third of the row-steps did any work: docs/benchmarks/prefix-sharing-and-evaluation.md).
+    Positions are counted as `generate` counts them, so each row gets `generate`'s tokens. Returns each row's new tokens, its
     stop token included."""
     positions = generate_positions(attn)
     start, length = (cache.get_seq_length() if cache is not None else 0), ids.shape[1]

@@ -73,7 +73,8 @@ class NodeConfig:
                                       "q8_0, f32; rewritten after each update, a LoRA adapter merged in (a source "
                                       "build with f16/q8_0 and LoRA: the base written once, then only the adapter)")
     # GRPO
-    lr: float = opt(1e-6, "Adam learning rate (chosen by 200-round solo runs: docs/experiments/learning-rate-cpu-easy.md); with "
+    lr: float = opt(1e-6, "Adam learning rate (chosen by 200-round solo runs: "
+                          "docs/experiments/learning-rate-cpu-easy.md); with "
                           "--lora-rank and no explicit --lr, 10x that (LoRA Without Regret)")
     loss_type: str = opt("grpo", f"loss aggregation: {', '.join(LOSS_TYPES)}")
     eps_low: float = opt(0.2, "lower clip range")
@@ -176,7 +177,7 @@ def default_lr(lora_rank: int) -> float:
 
 
 # The CPU recipe: what a node on a CPU learns with when nothing else is set, and a GPU node on a small
-# packaged model (docs/CONFIGURATION.md "Defaults"). Its learning rate and KL weight were chosen by a pre-registered sweep:
+# packaged model (CONFIGURATION.md "Defaults"). Its learning rate and KL weight were chosen by a sweep fixed first:
 # docs/RESULTS.md (the CPU recipe's experiment) has its design and figures. Both are
 # LoRA values (the KL reference is the base with the adapter off, no second model): a run with --lora-rank 0
 # gets the full fine-tuning rate and no KL term. A GPU node on any other model keeps the paper's setup.
