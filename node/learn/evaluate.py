@@ -176,8 +176,8 @@ def greedy_rows(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, c
     first tokens) or from nothing (None). A row that emits a stop token leaves the batch, its cache rows
     with it: answers here are mostly a few tokens, and with `generate` one rambling row kept all the others
     decoding to the cap (a third of the row-steps did any work: docs/benchmarks/prefix-sharing-and-evaluation.md).
-    Positions are counted as `generate` counts them, so each row gets `generate`'s tokens. Returns each row's new tokens, its
-    stop token included."""
+    Positions are counted as `generate` counts them, so each row gets `generate`'s tokens. Returns each row's new
+    tokens, its stop token included."""
     positions = generate_positions(attn)
     start, length = (cache.get_seq_length() if cache is not None else 0), ids.shape[1]
     out = model(input_ids=ids[:, start:], attention_mask=attn, position_ids=positions[:, start:],
