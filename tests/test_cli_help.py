@@ -174,8 +174,8 @@ def other_value(name: str) -> str:
 def test_readme_env_vars_are_read():
     """Every SAPO_<NAME> the README or a top-level doc names is a node option that load_config reads, a setting
     that one of the shell scripts they document reads (local_swarm.sh, setup.sh, test.sh, container/build.sh), or
-    one the package reads from the environment by name (e.g. SAPO_MODEL_CACHE, where packaged models are assembled), or the suite's
-    process starter (tests/forkserver.py)."""
+    one the package reads from the environment by name (e.g. SAPO_MODEL_CACHE, where packaged models are
+    assembled), or the suite's process starter (tests/forkserver.py)."""
     script = "".join((REPO / "scripts" / f).read_text()
                      for f in ("local_swarm.sh", "setup.sh", "test.sh", "container/build.sh"))
     code = "".join(p.read_text() for p in [*(REPO / "node").rglob("*.py"), REPO / "tests" / "forkserver.py"])
