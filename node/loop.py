@@ -214,7 +214,8 @@ class SapoNode:
         if self.held_out.due(r) and not self.stop_requested:
             await self._evaluate(r, timer, record)
             await self._guard(r, record)
-        record.update(lr=self.trainer.lr, guard_restores=self.guard.state.restores)
+        record.update(lr=self.trainer.lr, guard_restores=self.guard.state.restores,
+                      eval_next=self.held_out.next_due(r + 1))
         self._keep(record, selection)
         return RoundResult(r, record)
 
@@ -263,7 +264,11 @@ class SapoNode:
         await self._guard(START_ROUND, result.to_record())  # the guard reads the eval_ keys
 
     async def _held_out(self) -> EvalResult:
-        """The held-out evaluation of the weights as they are, in the model thread (RoundAbandoned on a stop)."""
+        """The held-out evaluation of the weights as they are, in the model thread (RoundAbandoned on a stop);
+        an engine that decodes it is synced to them first (then the next round needs no sync)."""
+        if self.held_out.engine is not None and self.engine_stale:
+            await self._in_worker(self.engine.sync, self.model)
+            self.engine_stale = False
         return await self._in_worker(self.held_out.run, self.model, self.tokenizer, self.prompter,
                                      self.sampling.max_new_tokens, self.stop)
 
