@@ -40,7 +40,7 @@ from node.learn.stop import StopRequest
 log = logging.getLogger(__name__)
 logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)  # it announces every file it writes at INFO
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: larger calls are split by prompt
-GREEDY_BATCH = 32  # prompts per greedy call (held-out evaluation): see `greedy`
+GREEDY_BATCH = 16  # prompts per greedy call (the held-out evaluation): see `greedy`
 
 
 class LlamaEngine:
@@ -182,8 +182,9 @@ class LlamaEngine:
                stop: StopRequest | None = None) -> list[str]:
         """Greedy completions (the argmax token each step, as `evaluate.greedy_texts` takes it from torch's
         logits), decoded without special tokens, in the order of `prompts`: the held-out evaluation through
-        the engine (node/learn/evaluate.py). `batch_size` prompts per call, of similar length (sorted), so the
-        context, whose size the call's tokens set, stays near a round's."""
+        the engine (node/learn/evaluate.py). `batch_size` prompts per call, of similar length (sorted): the
+        unified KV cache holds all of a call's rows and each attends over all its cells (masked), so beyond a
+        few dozen prompts a larger call costs more per prompt, not less."""
         ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         order = sorted(range(len(prompts)), key=lambda i: len(ids[i]))
         texts: list[str] = [""] * len(prompts)
