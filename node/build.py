@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from node.learn import precision
-from node.learn.engines import make_engine
+from node.learn.engines import eval_engine, make_engine
 from node.learn.evaluate import HeldOutEval
 from node.learn.groups import Prompter
 from node.learn.guard import CollapseGuard, GuardConfig
@@ -123,7 +123,8 @@ def build_node(cfg: NodeConfig, mix: TaskMix, model: torch.nn.Module, tokenizer,
     node = SapoNode(cfg=cfg, mix=mix, model=model, tokenizer=tokenizer, device=device, adapter=adapter,
                     precision=mode, engine=engine, sampling=sampling, prompter=Prompter(tokenizer, mix),
                     sampler=sampler, select_rng=select_rng, trainer=trainer, ij=ij, exchange=exchange,
-                    held_out=HeldOutEval(mix, cfg.eval_size, cfg.eval_every, cfg.rounds, cfg.eval_unseen_size),
+                    held_out=HeldOutEval(mix, cfg.eval_size, cfg.eval_every, cfg.rounds, cfg.eval_unseen_size,
+                                         at=cfg.eval_rounds, engine=eval_engine(cfg.eval_engine, engine, mode)),
                     totals=totals,
                     metrics=metrics, tensorboard=TensorBoardLog(cfg.run_path, enabled=cfg.tensorboard),
                     persistence=persistence, guard=guard, stop=stop)

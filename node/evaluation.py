@@ -75,7 +75,8 @@ class NodeEvaluation:
         if self.held_out.due(r) and not stopping:
             await self.evaluate(r, timer, record)
             replaced = await self.judge(r, record)
-        record.update(lr=self.trainer.lr, guard_restores=self.guard.state.restores)
+        record.update(lr=self.trainer.lr, guard_restores=self.guard.state.restores,
+                      eval_next=self.held_out.next_due(r + 1))
         return replaced
 
     async def evaluate(self, r: int, timer: PhaseTimer, record: dict) -> None:

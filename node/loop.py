@@ -35,7 +35,7 @@ import torch
 from node.evaluation import NodeEvaluation
 from node.learn import precision
 from node.learn.engines import RolloutEngine
-from node.learn.evaluate import HeldOutEval
+from node.learn.evaluate import EvalResult, HeldOutEval
 from node.learn.groups import Group, Prompter, local_group, select_groups, to_sequences
 from node.learn.guard import CollapseGuard
 from node.learn.lora import Adapter
@@ -111,8 +111,7 @@ class SapoNode:
         self.evaluation = NodeEvaluation(
             held_out=self.held_out, guard=self.guard, persistence=self.persistence, metrics=self.metrics,
             trainer=self.trainer, live=self.live, in_worker=self._in_worker,
-            held_out_run=lambda: self._in_worker(self.held_out.run, self.model, self.tokenizer, self.prompter,
-                                                 self.sampling.max_new_tokens, self.stop))
+            held_out_run=self._held_out)
 
     @property
     def stop_requested(self) -> bool:
@@ -239,6 +238,15 @@ class SapoNode:
         self.worker.submit(self.tensorboard.write, dict(record))  # model thread, before the next round's work
         remember_round(self.live, record)
         log.info("%s", log_line(record))
+
+    async def _held_out(self) -> EvalResult:
+        """The held-out evaluation of the weights as they are, in the model thread (RoundAbandoned on a stop);
+        an engine that decodes it is synced to them first (then the next round needs no sync)."""
+        if self.held_out.engine is not None and self.engine_stale:
+            await self._in_worker(self.engine.sync, self.model)
+            self.engine_stale = False
+        return await self._in_worker(self.held_out.run, self.model, self.tokenizer, self.prompter,
+                                     self.sampling.max_new_tokens, self.stop)
 
     async def _checkpoint(self) -> None:
         self.live.phase = "checkpoint"

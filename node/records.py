@@ -28,7 +28,7 @@ HISTORY_ROUNDS = 500  # rounds the live history keeps (status, dashboard)
 SOURCE_PREFIX = 16  # hex digits of a publisher key that name it in a record
 # Learning-health keys kept in the live history (status, dashboard)
 HISTORY_EXTRA = ("entropy_mean", "signal_frac", "local_signal_frac", "eval_accuracy", "eval_unseen_accuracy",
-                 "lr", "guard_restores")
+                 "lr", "guard_restores", "eval_next")
 
 
 @dataclass

@@ -18,7 +18,8 @@ import pytest
 
 # node id prefixes of the tests whose skips must not pass silently in CI, by what they need
 GUARDED: dict[str, tuple[str, ...]] = {
-    "engine": ("tests/learn/test_engine.py", "tests/e2e/test_engines_cli.py", "tests/lab/test_survey.py"),
+    "engine": ("tests/learn/test_engine.py", "tests/learn/test_eval_engine.py", "tests/e2e/test_engines_cli.py",
+               "tests/lab/test_survey.py"),
     "browser": ("tests/ops/test_dashboard.py",),
     "versions": ("tests/p2p/test_p2p_versions.py",),
     "models": ("tests/e2e/test_two_families.py",),

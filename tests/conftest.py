@@ -1,6 +1,7 @@
 """Shared test setup: never touch a model hub; helpers to run the real CLI."""
 
 import asyncio
+import importlib.util
 import os
 import signal
 import socket
@@ -24,6 +25,22 @@ from p2p.transport import SwarmTransport, TransportConfig
 from p2p.wire import TaskSpecWire, WireGroup
 from scripts.bench import procs
 from scripts.bench.procs import LOOPBACK, NO_EVAL, Proc, node_env
+
+# llama.cpp's bindings (node/learn/engines/llama_api.py): the source build is optional (SAPO_ENGINE=llama-source
+# compiles it): its cases exist where it is installed, so a machine without it (CI installs the wheel) has
+# nothing to skip
+BINDINGS = ["wheel"] + (["source"] if importlib.util.find_spec("llama_cpp") else [])
+
+
+def need_llama(binding: str) -> None:
+    """The wheel is what setup installs by default, so its tests run (a missing wheel fails them) unless
+    setup was told otherwise (SAPO_ENGINE=torch or llama-source); the source build is optional. `any`:
+    either binding."""
+    if binding == "wheel" and os.environ.get("SAPO_ENGINE", "llama") == "llama":
+        return
+    modules = {"wheel": ["ik_llama_cpp"], "source": ["llama_cpp"], "any": ["ik_llama_cpp", "llama_cpp"]}[binding]
+    if not any(importlib.util.find_spec(m) for m in modules):
+        pytest.skip(f"no {' or '.join(modules)} here (SAPO_ENGINE={os.environ.get('SAPO_ENGINE')})")
 
 
 def pytest_collection_modifyitems(config, items):

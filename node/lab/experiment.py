@@ -41,8 +41,9 @@ from pathlib import Path
 
 from node import __version__
 from node.cli import REPEAT_WINDOW_S
-from node.lab.runs import read_run_json
+from node.lab.runs import read_run_json, run_evaluators
 from node.lab.runspec import PRESETS, RunSpec, node_learning_settings, peer_plan, recipe_env, slug
+from node.learn.choices import EVAL_ENGINES
 from node.learn.stop import RoundAbandoned, StopRequest
 from node.ops.quick_exit import exit_without_teardown
 from node.ops.runlock import RunDirBusy, RunDirLock
@@ -99,10 +100,12 @@ def run_dir_of(exp: Path, spec: RunSpec) -> Path:
 def write_run_json(path: Path, spec: RunSpec, status: str, prov: dict) -> None:
     """`prov` is taken once when the runner starts: the code that runs is the code loaded then, even if
     the checkout moves on while a long experiment is going. `git_commits` lists every commit that ran a
-    part of the run (a resumed run may span several)."""
+    part of the run (a resumed run may span several); `evaluators` what decoded its peers' held-out answers
+    so far (their records' eval_engine: torch or llama)."""
     earlier = read_run_json(path).get("git_commits", [])
     commits = earlier + [prov.get("git_commit")] if prov.get("git_commit") not in earlier else earlier
-    data = {**asdict(spec), "status": status, "updated_at": time.time(), **prov, "git_commits": commits}
+    data = {**asdict(spec), "status": status, "updated_at": time.time(), **prov, "git_commits": commits,
+            "evaluators": run_evaluators(path.parent)}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
@@ -290,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-size", type=int, default=64, help="tasks in the held-out evaluation set")
     ap.add_argument("--label", default="", help="the configuration's name in run dirs and reports, for one "
                     "configuration run with extra node flags (e.g. 2/2 with --external-loss positive)")
+    ap.add_argument("--eval-engine", choices=EVAL_ENGINES, default="auto", help="what decodes the held-out answers "
+                    "(sapo-node --eval-engine; run.json's evaluators says what did)")
     ap.add_argument("--node-arg", action="append", default=[], help="extra sapo-node flag (repeatable)")
     ap.add_argument("--peer-arg", action="append", default=[], metavar="P:FLAG",
                     help="a sapo-node flag for peer P only, after the common ones so that it wins (repeatable), "
@@ -345,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                            model=args.model if not models else models[0] if len(set(models)) == 1 else "mixed",
                            tasks=tasks, max_new_tokens=args.max_new_tokens, lr=lr,
                            mode=args.mode, threads=threads, extra_args=list(args.node_arg),
-                           eval_every=args.eval_every, eval_size=args.eval_size, lora_rank=lora_rank,
+                           eval_every=args.eval_every, eval_size=args.eval_size, eval_engine=args.eval_engine,
+                           lora_rank=lora_rank,
                            lora_alpha=args.lora_alpha, models=models, peer_args=peer_args[name])
             root = run_dir_of(exp, spec)
             root.mkdir(parents=True, exist_ok=True)

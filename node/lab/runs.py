@@ -47,6 +47,7 @@ class PeerSeries:
     publisher: str | None = None  # its own key prefix, as the other peers' external_sources name it
     external_sources: dict[str, int] = field(default_factory=dict)  # publisher -> groups trained on, all rounds
     final_eval: EvalSummary | None = None  # its last held-out evaluation, as the collapse guard reads it
+    evaluator: str | None = None  # what decoded its held-out answers (eval_engine; torch before it was logged)
 
 
 @dataclass
@@ -192,10 +193,34 @@ def _read_metrics(path: Path, peer: str) -> tuple[PeerSeries | None, int, int]:
             # older runs logged only the local share
             signal_frac=np.where(np.isnan(sf := col("signal_frac")), col("local_signal_frac"), sf),
             final_eval=(last_evaluation(recs) or (None, None))[0],
+            evaluator=evaluator_of(recs),
         ),
         bad,
         dup,
     )
+
+
+def evaluator_of(recs: Sequence[dict]) -> str | None:
+    """What decoded a peer's held-out answers: its records' newest `eval_engine`, "torch" for evaluations logged
+    before the key existed (torch was the only evaluator then), None without an evaluation."""
+    for rec in reversed(recs):
+        if "eval_accuracy" in rec:
+            engine = rec.get("eval_engine")
+            return engine if isinstance(engine, str) and engine else "torch"
+    return None
+
+
+def run_evaluators(run_dir: Path) -> list[str]:
+    """What decoded the held-out answers of a run's peers (run_dir/peer*/metrics.jsonl), sorted."""
+    found = set()
+    for path in sorted(run_dir.glob("peer*/metrics.jsonl")):
+        try:
+            lines = path.read_bytes().splitlines()
+        except OSError:
+            continue
+        recs = [obj for obj in map(_parse_line, lines) if obj is not None]
+        found.add(evaluator_of(recs))
+    return sorted(e for e in found if e)
 
 
 def _sum_sources(recs: list[dict]) -> dict[str, int]:

@@ -52,6 +52,8 @@ class RunSpec:
     extra_args: list[str] = field(default_factory=list)
     eval_every: int = 10  # held-out evaluation cadence and size, passed to every peer
     eval_size: int = 64
+    eval_engine: str = "auto"  # what decodes the held-out answers (sapo-node --eval-engine); run.json's
+    # `evaluators` says what did
     lora_rank: int = 0  # > 0: every peer trains a LoRA adapter (memory mode: all on one shared base)
     lora_alpha: float = 32.0
     models: list[str] = field(default_factory=list)  # one per peer; empty: every peer runs `model`
@@ -71,7 +73,8 @@ class RunSpec:
                 "--ij-policy", self.ij_policy, "--rounds", str(self.rounds), "--seed", str(self.peer_seed(p)),
                 "--lr", str(self.lr), "--run-dir", str(run_dir), "--name", f"peer{p}",
                 "--threads", str(self.threads), "--eval-every", str(self.eval_every),
-                "--eval-size", str(self.eval_size), "--lora-rank", str(self.lora_rank)]
+                "--eval-size", str(self.eval_size), "--eval-engine", self.eval_engine,
+                "--lora-rank", str(self.lora_rank)]
         if self.max_new_tokens:
             args += ["--max-new-tokens", str(self.max_new_tokens)]
         if self.lora_rank:

@@ -293,6 +293,7 @@ def summarize(
             "final_target_j_mean": float(np.mean(final_j)) if final_j else math.nan,
             "mean_round_s": float(np.nanmean(rs_s)) if np.isfinite(rs_s).any() else math.nan,
             "skipped_lines": sum(r.skipped_lines for r in rs),
+            "evaluators": sorted({p.evaluator for r in rs for p in r.peers if p.evaluator}),
             **learning_health(rs),
         }
 
@@ -317,6 +318,10 @@ def summarize(
                                 "reward per agent-round" + ("; the swarm means (held-out too) average other agents: "
                                 "shown, not tested; compare one agent with --focus-peer" if other_agents else ""))
 
+    evaluators = sorted({e for d in per.values() for e in d["evaluators"]})
+    if len(evaluators) > 1:
+        warnings.append(f"held-out answers were decoded by {' and '.join(evaluators)} (eval_engine; per configuration "
+                        "in summary.json): near-ties can go either way between them (docs/EVALUATION.md)")
     skipped_by_file: dict[str, int] = {}
     for r in runs:
         skipped_by_file.update(r.skipped_by_file)
@@ -337,6 +342,7 @@ def summarize(
         "warnings": warnings,
         "per_config": per,
         "has_eval": any(d["eval_final_by_seed"] for d in per.values()),
+        "evaluators": evaluators,
         "eval_baseline": next((p.eval_baseline for r in runs for p in r.peers if math.isfinite(p.eval_baseline)),
                               math.nan),
         "has_unseen": any(d["unseen_final_by_seed"] for d in per.values()),

@@ -69,6 +69,9 @@ def heldout_section(summary: dict) -> list[str]:
                  "swarm-mean curve divided by its round span (the mean accuracy over the run)."
                  + (" % vs baseline, 95% bootstrap CI over seeds and the paired sign test as for the cumulative "
                     "reward below." if summary["baseline"] is not None else "") + "\n")
+        if summary.get("evaluators"):
+            L.append(f"Decoded by: {', '.join(summary['evaluators'])} (the records' `eval_engine`; "
+                     "docs/EVALUATION.md).\n")
         if math.isfinite(summary.get("eval_baseline", math.nan)):
             L.append(f"Constant-answer baseline: **{summary['eval_baseline']:.4f}**, what one fixed answer per "
                      "dataset scores on this set (e.g. always \"True\"). A policy that collapsed onto such answers "

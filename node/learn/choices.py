@@ -9,6 +9,7 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo")  # grpo: how the per-token loss is aggr
 PREFIX_SHARING = ("auto", "on", "off")  # prefix: each group's prompt once in training
 MIXED_PRECISION = ("auto", "bf16", "off")  # precision: matmuls in bf16 under autocast
 ENGINES = ("auto", "torch", "llama", "vllm")  # the rollout engines (auto: llama.cpp on a CPU where it imports)
+EVAL_ENGINES = ("auto", "torch", "engine")  # what decodes the held-out answers (auto: the rollout engine if not torch)
 GGUF_WEIGHTS = ("bf16", "f16", "q8_0", "f32")  # gguf_export: the weights llama.cpp samples with
 ENGINE_WEIGHTS = ("auto", *GGUF_WEIGHTS)  # auto: bf16 with the wheel; a source build: bf16 where native, else f16
 IJ_POLICIES = ("fixed", "ema", "usefulness")  # swarm/ij_controller: how J changes each round

@@ -5,6 +5,10 @@ with a content split (`TaskMix.unseen_share`) has a second, *unseen* set in the 
 content training never draws, so its accuracy shows what the node learned beyond the facts it saw.
 Greedy decoding uses no random numbers, and the torch RNG state is restored anyway, so a run with
 evaluation gives the same training records as one without.
+
+The greedy answers come from torch (`greedy_texts`) or, with `--eval-engine`, from the rollout engine
+(llama.cpp's `LlamaEngine.greedy`, on the weights it was synced to); each record names which
+(`eval_engine`), and docs/EVALUATION.md says how far the two agree.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import logging
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +26,9 @@ from node.learn.groups import Prompter, score_responses
 from node.learn.kvcache import CommonPrefix, generate_positions, left_padded
 from node.learn.stop import StopRequest
 from node.learn.tasks import Task, TaskMix, eval_tasks, extract_answer, score
+
+if TYPE_CHECKING:
+    from node.learn.engines import RolloutEngine
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +50,7 @@ class EvalResult:
     distinct_gold: float | None = None  # distinct_answers of the gold answers themselves
     baseline_by_dataset: dict[str, float] = field(default_factory=dict)
     unseen: EvalResult | None = None  # the unseen set's result, evaluated in the same pass (mixes with a split)
+    engine: str = "torch"  # what decoded the greedy answers: torch, or the rollout engine's name (llama)
 
     def distinct_answers(self) -> float:
         return distinct_share(self.datasets, self.answers)
@@ -50,10 +58,11 @@ class EvalResult:
     def to_record(self, prefix: str = "eval") -> dict:
         """Keys of a metrics.jsonl row: eval_accuracy, eval_accuracy/<dataset>, eval_s (the whole pass),
         eval_size, eval_baseline (the constant-answer yardstick), eval_distinct_answers, and per task (same
-        order every evaluation, so two evaluations pair task by task) eval_scores and eval_answers. With an
-        unseen set, the same keys of it under eval_unseen_ (eval_unseen_accuracy, ...; no eval_unseen_s).
-        `prefix` "start": the starting weights' evaluation (start_accuracy, ..., start_unseen_accuracy, ...)."""
-        out = {**self.fields(prefix), f"{prefix}_s": round(self.seconds, 4)}
+        order every evaluation, so two evaluations pair task by task) eval_scores and eval_answers, and
+        eval_engine (what decoded them). With an unseen set, the same keys of it under eval_unseen_
+        (eval_unseen_accuracy, ...; no eval_unseen_s or eval_unseen_engine). `prefix` "start": the starting
+        weights' evaluation (start_accuracy, ..., start_unseen_accuracy, ...)."""
+        out = {**self.fields(prefix), f"{prefix}_s": round(self.seconds, 4), f"{prefix}_engine": self.engine}
         if self.unseen is not None:
             out.update(self.unseen.fields(f"{prefix}_unseen"))
         return out
@@ -76,7 +85,7 @@ class EvalResult:
     def log_line(self, r: int | None) -> str:
         """One line for node.log; `r` None for the starting weights, evaluated before round 0."""
         when = f"after round {r}" if r is not None else "of the starting weights, before round 0"
-        line = (f"held-out accuracy {self.accuracy:.3f} {when} ({self.size} tasks, greedy, "
+        line = (f"held-out accuracy {self.accuracy:.3f} {when} ({self.size} tasks, greedy by {self.engine}, "
                 f"{self.seconds:.1f}s; one constant answer per dataset scores {self.baseline or 0.0:.3f})")
         if self.unseen is not None:
             line += (f"; unseen accuracy {self.unseen.accuracy:.3f} ({self.unseen.size} tasks whose content "
@@ -207,20 +216,26 @@ def greedy_rows(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, c
 
 def evaluate(model: torch.nn.Module, tokenizer, prompter: Prompter, tasks: list[Task], max_new_tokens: int,
              batch_size: int = EVAL_BATCH, stop: StopRequest | None = None,
-             unseen: list[Task] | None = None) -> EvalResult:
+             unseen: list[Task] | None = None, engine: RolloutEngine | None = None) -> EvalResult:
     """Accuracy of greedy answers on `tasks`, scored by the same reward function as training; with
-    `unseen`, that set's too (`.unseen`), generated in the same batches."""
+    `unseen`, that set's too (`.unseen`), generated in the same batches. With `engine` (one that has
+    `greedy`, synced to `model`'s current weights), the engine decodes them instead of torch."""
     t0 = time.perf_counter()
     both = tasks + (unseen or [])
+    prompts = [prompter(t) for t in both]
     rng_state = torch.random.get_rng_state()
     try:
-        texts = greedy_texts(model, tokenizer, [prompter(t) for t in both], max_new_tokens, batch_size, stop)
+        if engine is not None:
+            texts = engine.greedy(prompts, max_new_tokens, stop=stop)  # type: ignore[attr-defined]  # eval_engine checks
+        else:
+            texts = greedy_texts(model, tokenizer, prompts, max_new_tokens, batch_size, stop)
     finally:
         torch.random.set_rng_state(rng_state)
     result = scored(tasks, texts[: len(tasks)], prompter)
     if unseen:
         result.unseen = scored(unseen, texts[len(tasks):], prompter)
     result.seconds = time.perf_counter() - t0
+    result.engine = engine.name if engine is not None else "torch"
     return result
 
 
@@ -264,14 +279,16 @@ class EvalSet:
 
 
 class HeldOutEval:
-    """When a node evaluates (every `every` rounds from round 0, and after its last round) and on what: the
-    in-distribution set of `size` tasks and, where the mix splits by content, the unseen set of
-    `unseen_size` tasks (0: `size`), `batch_size` prompts per decoding batch."""
+    """When a node evaluates (every `every` rounds from round 0, after the rounds of `at`, and after its last
+    round; `every` 0: never) and on what: the in-distribution set of `size` tasks and, where the mix splits
+    by content, the unseen set of `unseen_size` tasks (0: `size`), `batch_size` prompts per torch decoding
+    batch. `engine`: the rollout engine that decodes the answers (None: torch; node/learn/engines
+    `eval_engine` chooses), which the caller syncs to the weights before `run`."""
 
     def __init__(self, mix: TaskMix, size: int, every: int, rounds: int, unseen_size: int = 0,
-                 batch_size: int = EVAL_BATCH):
+                 batch_size: int = EVAL_BATCH, at: tuple[int, ...] = (), engine: RolloutEngine | None = None):
         self.mix, self.size, self.every, self.rounds = mix, size, every, rounds
-        self.batch_size = batch_size
+        self.batch_size, self.at, self.engine = batch_size, frozenset(at), engine
         self.unseen_size = unseen_size or size
         self.seen: EvalSet | None = None  # built on first use, in the worker thread
         self.unseen: EvalSet | None = None  # stays None for a mix without a content split
@@ -281,7 +298,13 @@ class HeldOutEval:
         return self.seen.tasks if self.seen is not None else None
 
     def due(self, r: int) -> bool:
-        return self.every > 0 and (r % self.every == 0 or r == self.rounds - 1)
+        return self.every > 0 and (r % self.every == 0 or r == self.rounds - 1 or r in self.at)
+
+    def next_due(self, r: int) -> int | None:
+        """The first round from `r` on whose end brings an evaluation (None: none left), for the progress view."""
+        if self.every <= 0 or r >= self.rounds:
+            return None
+        return min([r + -r % self.every, self.rounds - 1, *(a for a in self.at if a >= r)])
 
     def run(self, model: torch.nn.Module, tokenizer, prompter: Prompter, max_new_tokens: int,
             stop: StopRequest | None = None) -> EvalResult:
@@ -290,7 +313,7 @@ class HeldOutEval:
             unseen = eval_tasks(self.mix, self.unseen_size, unseen=True)
             self.unseen = EvalSet.of(unseen) if unseen else None
         result = evaluate(model, tokenizer, prompter, self.seen.tasks, max_new_tokens, self.batch_size, stop=stop,
-                          unseen=self.unseen.tasks if self.unseen is not None else None)
+                          unseen=self.unseen.tasks if self.unseen is not None else None, engine=self.engine)
         if result.unseen is not None and self.unseen is not None:
             self.unseen.label(result.unseen)
         return self.seen.label(result)

@@ -16,6 +16,7 @@ from node import __version__
 from node.learn.choices import (
     ENGINE_WEIGHTS,
     ENGINES,
+    EVAL_ENGINES,
     EXTERNAL_LOSSES,
     IJ_POLICIES,
     LOSS_TYPES,
@@ -109,6 +110,11 @@ class NodeConfig:
                                      "evaluates its starting weights (docs/OPERATING.md)")
     guard_lr_factor: float = opt(0.5, "the collapse guard multiplies the learning rate by this on each restore")
     eval_unseen_size: int = opt(0, "tasks in the unseen evaluation set of a mix split by content (0 = --eval-size)")
+    eval_at: str = opt("", "also evaluate after these rounds, comma-separated (e.g. 3,6: the first rise shows "
+                           "early; scripts/local_swarm.sh's default)")
+    eval_engine: str = opt("auto", "what decodes the held-out answers: auto (the rollout engine where it is not "
+                                   "torch: llama.cpp, synced first), torch (the training model), engine; each "
+                                   "record names it (eval_engine; docs/EVALUATION.md)")
     # run dir, checkpoints, logs
     run_dir: str = opt("runs/node", "where metrics, logs, identity and checkpoints live")
     resume: bool = opt(False, "continue from the newest good checkpoint in --run-dir")
@@ -149,6 +155,11 @@ class NodeConfig:
     @property
     def run_path(self) -> Path:
         return Path(self.run_dir)
+
+    @property
+    def eval_rounds(self) -> tuple[int, ...]:
+        """--eval-at as round numbers (validate() has checked them)."""
+        return tuple(sorted({int(r) for r in self.eval_at.replace(",", " ").split()}))
 
     @property
     def swarm_enabled(self) -> bool:
@@ -194,6 +205,7 @@ SMALL_MODELS = (*PACKAGED, "tiny-random", "tiny-random-smol")  # models `auto` g
 CHOICES = {"loss_type": LOSS_TYPES, "external_loss": EXTERNAL_LOSSES, "ij_policy": IJ_POLICIES,
            "log_level": LOG_LEVELS,
            "prefix_sharing": PREFIX_SHARING, "rollout_engine": ENGINES, "engine_weights": ENGINE_WEIGHTS,
+           "eval_engine": EVAL_ENGINES,
            "mixed_precision": MIXED_PRECISION, "recipe": RECIPE_CHOICES}
 
 
@@ -236,6 +248,8 @@ def validate(cfg: NodeConfig) -> None:
         raise bad("swarm", "must not be empty")
     if cfg.eval_every and cfg.eval_size < 1:
         raise bad("eval_size", "must be >= 1 when --eval-every is on")
+    if not re.fullmatch(r"[\d,\s]*", cfg.eval_at):
+        raise bad("eval_at", "must be round numbers, comma-separated (e.g. 3,6)")
     for name in ("eval_size", "eval_unseen_size"):  # the reserved range holds 100 000 tasks a mix shares out
         if getattr(cfg, name) > MAX_EVAL_SIZE:
             raise bad(name, f"must be at most {MAX_EVAL_SIZE} (the held-out sets come from a fixed reserved range)")

@@ -8,7 +8,8 @@
   combined table every 2 s (a redrawn table on a terminal, one line per new round otherwise), naming each
   peer's model (a mixed swarm runs several). Ctrl-C exits.
   Each peer's row shows its last held-out accuracy against the constant-answer baseline (a collapsed policy
-  scores about that), and the unseen set's where its mix has one.
+  scores about that), and the unseen set's where its mix has one, and after which round the next held-out
+  evaluation comes (a record's ``eval_next``).
 """
 
 from __future__ import annotations
@@ -69,9 +70,20 @@ def held_out_cell(ev: Mapping[str, Any], key: str = "eval") -> str | None:
     return f"{acc:.3f}" + (f" (const {base:.3f})" if _isnum(base) else "")
 
 
+def next_eval(rec: Mapping[str, Any]) -> int | None:
+    """After which round the next held-out evaluation comes: a record's ``eval_next``, or a snapshot's newest
+    history entry's; None when unknown or none is left."""
+    hist = rec.get("history")
+    if "eval_next" not in rec and isinstance(hist, list) and hist and isinstance(hist[-1], Mapping):
+        rec = hist[-1]
+    value = rec.get("eval_next")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def format_progress_line(rec: Mapping[str, Any]) -> str:
     """One compact line: peer, round, reward, moving average, external groups used, phase (+ round time),
-    and after an evaluation the held-out (and unseen) accuracy against the constant-answer baseline.
+    after an evaluation the held-out (and unseen) accuracy against the constant-answer baseline, and after
+    which round the next evaluation comes.
 
     Accepts a node status snapshot (keys ``round``, ``last_reward``, ``reward_ma``, ``phase``, ``history``,
     ``eval``, ...) or a round record from ``metrics.jsonl`` (``round``, ``reward_mean``, ``num_local``,
@@ -112,6 +124,9 @@ def format_progress_line(rec: Mapping[str, Any]) -> str:
             cell = held_out_cell(ev, key)
             if cell:
                 parts.append(f"{label} {cell}")
+    due = next_eval(rec)
+    if due is not None:
+        parts.append(f"next eval after round {due}")
     return " | ".join(parts)
 
 
@@ -265,15 +280,18 @@ class RunView:
 
 _COLUMNS = ("peer", "model", "round", "reward", "ma(10)", "local", "ext", "held-out (const)", "round_s", "updated")
 _UNSEEN = "unseen (const)"  # a column only when some peer's mix has an unseen set
+_NEXT = "next eval"  # a column only when some peer's records say (eval_next)
 
 
 def format_table(views: Sequence[RunView], now: float | None = None) -> str:
     """One row per run; held-out accuracy is the last evaluation's (its round after the @)."""
     now = time.time() if now is None else now
     unseen = any(v.last_eval and "eval_unseen_accuracy" in v.last_eval for v in views)
-    columns = _COLUMNS[:8] + (_UNSEEN,) * unseen + _COLUMNS[8:]
+    due = [next_eval(v.last or {}) for v in views]
+    nxt = any(d is not None for d in due)
+    columns = _COLUMNS[:8] + (_UNSEEN,) * unseen + (_NEXT,) * nxt + _COLUMNS[8:]
     rows = [columns]
-    for v in views:
+    for v, d in zip(views, due):
         r, ev = v.last or {}, v.last_eval or {}
         age = f"{now - v.updated_at:.0f}s ago" if v.updated_at else ("waiting" if not v.tail.path.exists() else "-")
         at = f" @{ev.get('round')}" if ev else ""
@@ -287,6 +305,7 @@ def format_table(views: Sequence[RunView], now: float | None = None) -> str:
             str(r.get("num_external", "-")),
             (held_out_cell(ev) or "-") + at,
             *(((held_out_cell(ev, "eval_unseen") or "-") + at,) * unseen),
+            *((f"after {d}" if d is not None else "-",) * nxt),
             _f(r.get("round_s"), 1),
             age,
         ))

@@ -149,16 +149,14 @@ def _timed(fn) -> tuple[float, float]:
 
 
 def _greedy_parity(args, model, tok, mix, engines: dict, prompter) -> dict:
-    """Greedy answers (T -> 0, one completion per task) against torch's greedy decode (the held-out eval's)."""
+    """Greedy answers (`LlamaEngine.greedy`) against torch's greedy decode (the held-out eval's)."""
     from node.learn.evaluate import eval_tasks, greedy_texts
 
     tasks = eval_tasks(mix, args.tasks_n)
     prompts = [prompter(t) for t in tasks]
     answers = {"torch": greedy_texts(model, tok, prompts, mix.max_new_tokens, batch_size=16)}
-    greedy = SamplingConfig(temperature=1e-6, top_p=1.0, max_new_tokens=mix.max_new_tokens)
-    for b, eng in engines.items():
-        answers[b] = [g.texts[0] for s in range(0, len(prompts), 16)
-                      for g in eng.sample(prompts[s:s + 16], 1, greedy)]
+    for b, eng in engines.items():  # the engine's own greedy decoding, as --eval-engine evaluates with it
+        answers[b] = eng.greedy(prompts, mix.max_new_tokens)
     scored = {k: [score_responses(t, [mix.answer_prefix + text])[0] for t, text in zip(tasks, v)]
               for k, v in answers.items()}
     out: dict = {k: {"accuracy": sum(v) / len(v),

@@ -72,7 +72,8 @@ def main() -> int:
     result["exit_code"] = proc.returncode
     result["evaluations"] = {
         f"peer{i}": [{"round": r["round"], "held_out": r["eval_accuracy"], "unseen": r.get("eval_unseen_accuracy"),
-                      "baseline": r.get("eval_baseline"), "unseen_baseline": r.get("eval_unseen_baseline")}
+                      "baseline": r.get("eval_baseline"), "unseen_baseline": r.get("eval_unseen_baseline"),
+                      "evaluator": r.get("eval_engine", "torch")}
                      for r in records(peer / "metrics.jsonl") if "eval_accuracy" in r]
         for i, peer in enumerate(peers)}
     print(json.dumps(result, indent=1))

@@ -346,3 +346,22 @@ def test_held_out_plot_draws_the_constant_answer_baseline(tmp_path, monkeypatch)
     runs = load_runs([write_exp(tmp_path / "exp", corrupt=False, held_out=True, unseen=True)])
     figures.fig_learning_health(runs, summarize(runs), tmp_path / "u.png")
     assert (0.17, "constant answer, unseen set 0.170") in drawn
+
+
+def test_the_report_and_run_json_name_the_evaluator(tmp_path, capsys):
+    """Which evaluator decoded the held-out answers (eval_engine; torch in records from before the key): the
+    report names it, and warns when the runs it compares were decoded by different ones."""
+    from node.lab.runs import run_evaluators
+
+    exp = write_exp(tmp_path / "exp", corrupt=False, held_out=True)
+    for path in (exp / "2-2").glob("seed*/peer*/metrics.jsonl"):
+        recs = [json.loads(x) for x in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({**r, "eval_engine": "llama"} if "eval_accuracy" in r else r) + "\n"
+                                for r in recs))
+    assert run_evaluators(exp / "2-2" / "seed0") == ["llama"] and run_evaluators(exp / "4-0" / "seed0") == ["torch"]
+    summary = summarize(load_runs([exp]))
+    assert summary["evaluators"] == ["llama", "torch"]
+    assert summary["per_config"]["2/2"]["evaluators"] == ["llama"]
+    assert any("decoded by llama and torch" in w for w in summary["warnings"])
+    assert main([str(exp), "--out", str(tmp_path / "out")]) == 0
+    assert "Decoded by: llama, torch" in (tmp_path / "out" / "report.md").read_text()

@@ -7,7 +7,6 @@ by default (its tests fail, not skip, where it is missing, unless setup was told
 the source build where it is installed."""
 
 import copy
-import importlib.util
 import logging
 import os
 import sys
@@ -16,6 +15,8 @@ import pytest
 import torch
 
 import node.learn.trainer as trainer_mod
+from conftest import BINDINGS
+from conftest import need_llama as need
 from node.learn.engines import make_engine
 from node.learn.engines.torch import TorchEngine
 from node.learn.groups import Prompter, local_group, to_sequences
@@ -26,20 +27,6 @@ from node.learn.tasks import PRESETS, TaskSampler
 from node.learn.trainer import TrainConfig, Trainer
 
 MIX = PRESETS["cpu-easy"]
-# the source build is optional (SAPO_ENGINE=llama-source compiles it): its cases exist where it is installed,
-# so a machine without it (CI installs the wheel) has nothing to skip
-BINDINGS = ["wheel"] + (["source"] if importlib.util.find_spec("llama_cpp") else [])
-
-
-def need(binding: str) -> None:
-    """The wheel is what setup installs by default, so its tests run (a missing wheel fails them) unless
-    setup was told otherwise (SAPO_ENGINE=torch or llama-source); the source build is optional. `any`:
-    either binding."""
-    if binding == "wheel" and os.environ.get("SAPO_ENGINE", "llama") == "llama":
-        return
-    modules = {"wheel": ["ik_llama_cpp"], "source": ["llama_cpp"], "any": ["ik_llama_cpp", "llama_cpp"]}[binding]
-    if not any(importlib.util.find_spec(m) for m in modules):
-        pytest.skip(f"no {' or '.join(modules)} here (SAPO_ENGINE={os.environ.get('SAPO_ENGINE')})")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from node.learn.groups import Prompter, collapse_metrics, local_group
 from node.learn.model_io import load_model
 from node.learn.sampling import SamplingConfig, sample_groups
 from node.learn.tasks import DATASET_SIZE, EVAL_INDEX_START, PRESETS, TaskSampler, TaskSpec, eval_tasks, is_eval_index
-from node.ops.config import load_config
+from node.ops.config import ConfigError, load_config
 from node.ops.metrics import MetricsWriter
 from node.swarm.exchange import Silo
 
@@ -342,3 +342,18 @@ def test_a_sliding_window_model_shares_the_common_prefix_while_prompts_fit_its_w
     expected = greedy_rows(model, plain_ids, plain_attn, None, 8, [])
     if prefix is not None:
         assert greedy_rows(model, *prefix.batch(ids, tok.pad_token_id), 8, []) == expected
+
+
+def test_the_schedule_adds_early_rounds_to_every_n_and_the_last():
+    """--eval-at 3,6 with --eval-every 10 (the quick start's): rounds 0, 3, 6, 10, 20, ... and the last; the
+    progress view is told the next one; --eval-every 0 is off, early rounds included."""
+    held = HeldOutEval(PRESETS["smoke"], 4, every=10, rounds=25, at=(3, 6))
+    assert [r for r in range(25) if held.due(r)] == [0, 3, 6, 10, 20, 24]
+    assert [held.next_due(r) for r in (0, 1, 4, 7, 11, 21, 24, 25)] == [0, 3, 6, 10, 20, 24, 24, None]
+    off = HeldOutEval(PRESETS["smoke"], 4, every=0, rounds=25, at=(3,))
+    assert not any(off.due(r) for r in range(25)) and off.next_due(0) is None
+    assert load_config(["--eval-at", "6,3"], env={}).eval_rounds == (3, 6)
+    assert load_config([], env={"SAPO_EVAL_AT": "3 6"}).eval_rounds == (3, 6)
+    assert load_config([], env={}).eval_rounds == ()  # plain sapo-node: every 10 rounds, as before
+    with pytest.raises(ConfigError, match="--eval-at"):
+        load_config(["--eval-at", "3;six"], env={})

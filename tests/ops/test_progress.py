@@ -177,3 +177,21 @@ def test_cli_follows_and_exits_on_ctrl_c(tmp_path, sigint_ignored):
     assert "Traceback" not in err
     assert "peer" in out.splitlines()[0]  # initial table
     assert "[alice] | round 2 | reward 0.700 | ma 0.400 | ext 3/7" in out
+
+
+def test_the_next_evaluation_shows_in_the_line_and_the_table(tmp_path):
+    """Records say after which round the next held-out evaluation comes (eval_next): the console line and the
+    table show it; runs whose records do not say get no such column."""
+    rec = {"round": 4, "reward_mean": 0.5, "peer": "carol", "eval_next": 6}
+    assert format_progress_line(rec).endswith("| next eval after round 6")
+    snap = {"round": 5, "last_reward": 0.5, "history": [{"round": 4, "eval_next": 6}]}
+    assert format_progress_line(snap).endswith("| next eval after round 6")
+    assert "next eval" not in format_progress_line({"round": 9, "reward_mean": 0.5, "eval_next": None})
+    _write(tmp_path / "a", [{"round": 0, "reward_mean": 0.1, "eval_accuracy": 0.5, "eval_next": 3}])
+    _write(tmp_path / "b", [{"round": 0, "reward_mean": 0.1}])
+    views = [RunView(tmp_path / n, MetricsTail(tmp_path / n / "metrics.jsonl")) for n in ("a", "b")]
+    for v in views:
+        v.poll()
+    lines = format_table(views).splitlines()
+    assert "next eval" in lines[0] and "after 3" in lines[2] and "after" not in lines[3]
+    assert "next eval" not in format_table(views[1:])

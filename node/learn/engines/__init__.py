@@ -11,6 +11,10 @@ the training model (node/learn/trainer.py), so GRPO's ratio stays exact for the 
 An engine that is not installed or fails to load is reported in one log line and torch samples instead.
 `auto` (the default) is llama.cpp on a CPU (the ik_llama.cpp wheel that setup installs, or a source build)
 and torch on a GPU, said in one log line either way.
+
+An engine that can also decode greedily (`greedy`: llama.cpp) may run the held-out evaluation
+(`eval_engine`, `--eval-engine`; docs/EVALUATION.md): on the weights of its last sync, so the loop syncs
+it first when they moved.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Protocol
 
-from node.learn.choices import ENGINES
+from node.learn.choices import ENGINES, EVAL_ENGINES
 from node.learn.sampling import SampledGroup, SamplingConfig
 from node.learn.stop import StopRequest
 
@@ -88,3 +92,23 @@ def make_engine(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenize
         else:
             log.warning("rollout engine %s unavailable (%s: %s); sampling with torch", name, type(exc).__name__, exc)
         return TorchEngine(model, tokenizer, logp_exact)
+
+
+def eval_engine(choice: str, engine: RolloutEngine, precision: str = "off") -> RolloutEngine | None:
+    """What decodes the held-out evaluation's greedy answers, said in one log line: None (torch, the training
+    model itself) or `engine`. `torch`: torch. `engine`: the rollout engine where it decodes greedily
+    (llama.cpp), else torch with a warning. `auto`: the rollout engine where it decodes greedily and the
+    node's torch runs without native bf16 (`precision` "off"); where torch computes in bf16 (a CPU with
+    AVX512-BF16/AMX, a GPU) torch decodes at least as fast as the llama.cpp wheel's kernels (docs/EVALUATION.md)
+    and keeps the evaluator of the committed experiments."""
+    if choice not in EVAL_ENGINES:
+        raise ValueError(f"unknown evaluation engine {choice!r} (one of {', '.join(EVAL_ENGINES)})")
+    greedy = callable(getattr(engine, "greedy", None))
+    if choice == "engine" and not greedy:
+        log.warning("--eval-engine engine: the %s rollout engine has no greedy decoding; evaluating with torch",
+                    engine.name)
+    if choice == "torch" or not greedy or (choice == "auto" and precision == "bf16"):
+        log.info("held-out evaluation: greedy decoding with torch")
+        return None
+    log.info("held-out evaluation: greedy decoding through the %s rollout engine", engine.name)
+    return engine

@@ -33,6 +33,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from node.learn.engines import gguf_export, llama_api
+from node.learn.formats import stop_token_ids
 from node.learn.model_io import embedded_model_path
 from node.learn.sampling import SampledGroup, SamplingConfig
 from node.learn.stop import StopRequest
@@ -40,6 +41,7 @@ from node.learn.stop import StopRequest
 log = logging.getLogger(__name__)
 logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)  # it announces every file it writes at INFO
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: larger calls are split by prompt
+GREEDY_BATCH = 16  # prompts per greedy call (the held-out evaluation): see `greedy`
 
 
 class LlamaEngine:
@@ -164,48 +166,10 @@ class LlamaEngine:
 
     def _sample(self, prompts: list[str], G: int, cfg: SamplingConfig, stop: StopRequest | None,
                 seed: int) -> list[SampledGroup]:
-        api = self.api
-        if stop is not None:
-            stop.check()
         rng = np.random.default_rng(seed)
         prompt_ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        rows = len(prompts) * G
-        ctx = self._context(sum(map(len, prompt_ids)) + rows * cfg.max_new_tokens + 1, rows)
-        api.set_threads(ctx, max(1, torch.get_num_threads()))
-        api.clear(ctx)
-        batch = api.batch_init(max(sum(map(len, prompt_ids)), rows))
-        try:
-            # prefill: prompt p once, as sequence p * G; its last logits start all G completions
-            entries = [(tok, pos, p * G, pos == len(ids) - 1) for p, ids in enumerate(prompt_ids)
-                       for pos, tok in enumerate(ids)]
-            logits = self._decode(ctx, batch, entries)
-            for p in range(len(prompts)):
-                for g in range(1, G):
-                    api.seq_cp(ctx, p * G, p * G + g)
-            logits = np.repeat(logits, G, axis=0)
-            completions: list[list[int]] = [[] for _ in range(rows)]
-            logps: list[list[float]] = [[] for _ in range(rows)]
-            entropies: list[list[float]] = [[] for _ in range(rows)]
-            active = list(range(rows))
-            eos = self.tokenizer.eos_token_id
-            for step in range(cfg.max_new_tokens):
-                tokens, lp, ent = _draw(logits, cfg, rng)
-                still = []
-                for i, row in enumerate(active):
-                    completions[row].append(int(tokens[i]))
-                    logps[row].append(float(lp[i]))
-                    entropies[row].append(float(ent[i]))
-                    if tokens[i] != eos:
-                        still.append(row)
-                active = still
-                if not active or step == cfg.max_new_tokens - 1:
-                    break
-                if stop is not None:
-                    stop.check()
-                pos = {row: len(prompt_ids[row // G]) + len(completions[row]) - 1 for row in active}
-                logits = self._decode(ctx, batch, [(completions[r][-1], pos[r], r, True) for r in active])
-        finally:
-            api.batch_free(batch)
+        completions, logps, entropies = self._generate(prompt_ids, G, cfg.max_new_tokens,
+                                                       lambda logits: _draw(logits, cfg, rng), stop)
         groups = []
         for p, ids in enumerate(prompt_ids):
             sl = slice(p * G, p * G + G)
@@ -215,11 +179,99 @@ class LlamaEngine:
                 entropy=[float(np.mean(e)) if e else 0.0 for e in entropies[sl]], logp_exact=False))
         return groups
 
+    def greedy(self, prompts: list[str], max_new_tokens: int, batch_size: int = GREEDY_BATCH,
+               stop: StopRequest | None = None) -> list[str]:
+        """Greedy completions (the argmax token each step, as `evaluate.greedy_texts` takes it from torch's
+        logits), decoded without special tokens, in the order of `prompts`: the held-out evaluation through
+        the engine (node/learn/evaluate.py). `batch_size` prompts per call, of similar length (sorted): the
+        unified KV cache holds all of a call's rows and each attends over all its cells (masked), so beyond a
+        few dozen prompts a larger call costs more per prompt, not less."""
+        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        order = sorted(range(len(prompts)), key=lambda i: len(ids[i]))
+        texts: list[str] = [""] * len(prompts)
+        step = max(1, min(batch_size, MAX_SEQUENCES))
+        for start in range(0, len(order), step):
+            batch = order[start:start + step]
+            completions, _, _ = self._generate([ids[i] for i in batch], 1, max_new_tokens, _argmax, stop)
+            for i, c in zip(batch, completions):
+                texts[i] = self.tokenizer.decode(c, skip_special_tokens=True)
+        return texts
+
+    def _generate(self, prompt_ids: list[list[int]], G: int, max_new_tokens: int, pick, stop: StopRequest | None):
+        """`G` completions of each prompt, rows in group order (prompt p's at p * G ... p * G + G - 1), each
+        ending at its first stop token (`stop_token_ids`, the torch sampler's) or after `max_new_tokens`;
+        `pick(logits)` gives each row's (token, log-prob, entropy). Returns (completions, log-probs,
+        entropies) per row."""
+        api = self.api
+        if stop is not None:
+            stop.check()
+        rows = len(prompt_ids) * G
+        ctx = self._context(sum(map(len, prompt_ids)) + rows * max_new_tokens + 1, rows)
+        api.set_threads(ctx, max(1, torch.get_num_threads()))
+        api.clear(ctx)
+        batch = api.batch_init(max(sum(map(len, prompt_ids)), rows))
+        completions: list[list[int]] = [[] for _ in range(rows)]
+        logps: list[list[float]] = [[] for _ in range(rows)]
+        entropies: list[list[float]] = [[] for _ in range(rows)]
+        try:
+            # prefill: the prompts' common prefix (the chat template and system prompt) once, as sequence 0,
+            # shared with every prompt's sequence p * G; then the rest of prompt p there, whose last logits
+            # start all G completions
+            shared = _common_prefix(prompt_ids)
+            if shared:
+                self._decode(ctx, batch, [(tok, pos, 0, False) for pos, tok in enumerate(prompt_ids[0][:shared])])
+                for p in range(1, len(prompt_ids)):
+                    api.seq_cp(ctx, 0, p * G)
+            entries = [(ids[pos], pos, p * G, pos == len(ids) - 1) for p, ids in enumerate(prompt_ids)
+                       for pos in range(shared, len(ids))]
+            logits = self._decode(ctx, batch, entries)
+            for p in range(len(prompt_ids)):
+                for g in range(1, G):
+                    api.seq_cp(ctx, p * G, p * G + g)
+            logits = np.repeat(logits, G, axis=0) if G > 1 else logits
+            active = list(range(rows))
+            stops = set(stop_token_ids(self.tokenizer))
+            for step in range(max_new_tokens):
+                tokens, lp, ent = pick(logits)
+                still = []
+                for i, row in enumerate(active):
+                    completions[row].append(int(tokens[i]))
+                    logps[row].append(float(lp[i]))
+                    entropies[row].append(float(ent[i]))
+                    if int(tokens[i]) not in stops:
+                        still.append(row)
+                active = still
+                if not active or step == max_new_tokens - 1:
+                    break
+                if stop is not None:
+                    stop.check()
+                pos = {row: len(prompt_ids[row // G]) + len(completions[row]) - 1 for row in active}
+                logits = self._decode(ctx, batch, [(completions[r][-1], pos[r], r, True) for r in active])
+        finally:
+            api.batch_free(batch)
+        return completions, logps, entropies
+
     def _decode(self, ctx, batch, entries: list[tuple[int, int, int, bool]]) -> np.ndarray:
         return self.api.decode(ctx, batch, entries, self.n_vocab)
 
 
 BLOCK = 1024  # vocabulary entries per block of the two-level inverse-CDF draw
+
+
+def _common_prefix(prompt_ids: list[list[int]]) -> int:
+    """Tokens every prompt begins with, leaving each at least its last token (whose logits it needs)."""
+    shortest = min(len(ids) for ids in prompt_ids) - 1
+    first = prompt_ids[0]
+    for n in range(max(shortest, 0)):
+        if any(ids[n] != first[n] for ids in prompt_ids):
+            return n
+    return max(shortest, 0)
+
+
+def _argmax(logits: np.ndarray):
+    """Greedy: each row's most likely token (the first of a tie, as torch's argmax), no log-prob or entropy."""
+    zeros = np.zeros(len(logits))
+    return logits.argmax(axis=1), zeros, zeros
 
 
 def _draw(logits: np.ndarray, cfg: SamplingConfig, rng: np.random.Generator):
