@@ -111,6 +111,7 @@ def round_record(*, r: int, timer: PhaseTimer, local: list[Group], external: lis
         "swarm_state": exchange.round_swarm_state,  # joined, solo (waiting for peers: nothing shared) or silo
         **({"solo_since": exchange.round_solo_since} if exchange.round_solo_since is not None else {}),
         "external_sources": _count_sources(selection.external),
+        "external_groups": [_group_id(g) for g in selection.external],  # the same id twice: trained on twice
         "publisher": publisher[:SOURCE_PREFIX] or None,  # this peer as the others' external_sources name it
         "loss": stats.loss,
         "kl": stats.kl,
@@ -191,3 +192,12 @@ def _count_sources(groups: list[Group]) -> dict[str, int]:
     for g in groups:
         counts[g.source[:SOURCE_PREFIX]] = counts.get(g.source[:SOURCE_PREFIX], 0) + 1
     return counts
+
+
+def _group_id(g: Group) -> str:
+    """An external group as publisher/dataset/seed/index: a publisher never sends two tasks under one spec, and
+    a resumed publisher redoes its rounds with the same specs, so a peer that trains on a group twice (its
+    memory of what it fetched is lost with a restart) shows the same id in two records (scripts/bench_churn.py)."""
+    s = g.task.spec
+    return f"{g.source[:SOURCE_PREFIX]}/{s.dataset}/{s.seed}/{s.index}"
+

@@ -199,13 +199,13 @@ async def _visible_maddrs(_dht: hivemind.DHT, node: Any) -> list[Any]:
 
 
 async def ask(dht: hivemind.DHT, fn: Any, timeout: float) -> Any:
-    """Await `fn` run inside `dht`'s process, at most `timeout` seconds (asyncio.TimeoutError after)."""
-    future = dht.run_coroutine(fn, return_future=True)
-    try:
-        return await asyncio.wait_for(future, timeout)
-    except BaseException:
-        future.cancel()
-        raise
+    """Await `fn` run inside `dht`'s process, at most `timeout` seconds (asyncio.TimeoutError after).
+
+    A wait given up on leaves the future alone: cancelling it would not stop `fn` (the DHT process runs it
+    to the end regardless), and when `fn` then finished, hivemind's `_run_coroutine` would fail to set the
+    cancelled future's result and print two tracebacks on the console (seen under churn: every DHT get
+    that timed out). Its late result is dropped by hivemind once nobody holds the future."""
+    return await asyncio.wait_for(dht.run_coroutine(fn, return_future=True), timeout)
 
 
 async def wait_ready(dht: hivemind.DHT, timeout: float, poll_s: float = 0.25) -> None:

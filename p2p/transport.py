@@ -261,11 +261,12 @@ class SwarmTransport:
         dht = self._dht
         if dht is None:  # shut down meanwhile (p2p.membership restarts it): no answer
             return None
-        future = dht.run_coroutine(partial(get_many_in_dht, keys=keys), return_future=True)
+        if timeout <= 0:  # the caller's deadline has passed: asking now would only load the DHT process
+            logger.debug("DHT get of %d key(s) not asked: no time left", len(keys))
+            return None
         try:
-            found = await asyncio.wait_for(future, timeout)
+            found = await ask(dht, partial(get_many_in_dht, keys=keys), timeout)
         except asyncio.TimeoutError:
-            future.cancel()
             logger.warning("DHT get of %d key(s) (%s...) timed out after %.1fs", len(keys), keys[0], timeout)
             return None
         except Exception as e:
@@ -283,11 +284,9 @@ class SwarmTransport:
         """Records our DHT validator refused since start, by reason code (cumulative; {} if unavailable)."""
         if self._dht is None or not self._dht.is_alive():
             return {}
-        future = self._dht.run_coroutine(validator_rejections_in_dht, return_future=True)
         try:
-            return dict(await asyncio.wait_for(future, timeout))
+            return dict(await ask(self._dht, validator_rejections_in_dht, timeout))
         except Exception as e:  # asyncio.TimeoutError included: diagnostics must never break a round
-            future.cancel()
             logger.debug("could not read validator rejections: %s: %s", type(e).__name__, e)
             return {}
 

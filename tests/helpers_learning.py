@@ -45,10 +45,15 @@ class ScriptedPolicy(torch.nn.Module):
 
 def check_records(records: list[dict]) -> None:
     """What every round record of metrics.jsonl must satisfy, whatever the run: a node never trains on
-    more groups than the I and J it chose for the round, nor on more external groups than it had."""
+    more groups than the I and J it chose for the round, nor on more external groups than it had, nor on
+    one external group twice (across its restarts too: `records` is a run dir's metrics.jsonl)."""
     for r in records:
         where = f"round {r.get('round')}"
         assert 0 <= r["num_local"] <= r["target_local"], (where, r["num_local"], r["target_local"])
         assert 0 <= r["num_external"] <= r["target_external"], (where, r["num_external"], r["target_external"])
         assert r["num_external"] <= r["external_available"], (where, r["num_external"], r["external_available"])
         assert sum(r["external_sources"].values()) == r["num_external"], where
+        assert len(r["external_groups"]) == r["num_external"], where
+        assert all(g.split("/")[0] in r["external_sources"] for g in r["external_groups"]), where
+    trained = [g for r in records for g in r["external_groups"]]
+    assert len(trained) == len(set(trained)), sorted(g for g in set(trained) if trained.count(g) > 1)
