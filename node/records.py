@@ -197,7 +197,7 @@ def _count_sources(groups: list[Group]) -> dict[str, int]:
 def _group_id(g: Group) -> str:
     """An external group as publisher/dataset/seed/index: a publisher never sends two tasks under one spec, and
     a resumed publisher redoes its rounds with the same specs, so a peer that trains on a group twice (its
-    memory of what it fetched is lost with a restart) shows the same id in two records (scripts/bench_churn.py)."""
+    memory of what it fetched is lost with a restart) shows the same id in two records (scripts/bench/churn.py)."""
     s = g.task.spec
     return f"{g.source[:SOURCE_PREFIX]}/{s.dataset}/{s.seed}/{s.index}"
 

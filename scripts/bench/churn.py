@@ -2,8 +2,8 @@
 """Churn soak (issue 50): a swarm of real node processes where peers are SIGKILLed and resumed, some join
 late, some sit behind a poor emulated home link, and the bootstrap restarts; against the same swarm calm.
 
-    python scripts/bench_churn.py --peers 20 --minutes 20 --out docs/data/churn
-    python scripts/bench_churn.py --peers 6 --minutes 3 --together --out /tmp/churn-dry   # a dry run
+    python -m scripts.bench.churn --peers 20 --minutes 20 --out docs/data/churn
+    python -m scripts.bench.churn --peers 6 --minutes 3 --together --out /tmp/churn-dry   # a dry run
 
 Two swarms, "calm" and "churn", each with its own bootstrap (`python -m bootstrap.main`) and --peers node
 processes (`python -m node.cli`, tiny random model, smoke tasks, a checkpoint every round). By default they
@@ -69,13 +69,13 @@ class Net:
             self.note = "not root: no namespaces, every peer on 127.0.0.1 (no loss, no rate limit)"
             return
         if "10.214." in sh("ip", "-4", "addr").stdout:
-            raise SystemExit("bench_churn: 10.214.0.0/16 is in use on this machine (another run?); not touching it")
+            raise SystemExit("bench.churn: 10.214.0.0/16 is in use on this machine (another run?); not touching it")
         try:
             self._make(count, loss, up, down)
         except (subprocess.CalledProcessError, OSError) as exc:
             self.close()
             err = getattr(exc, "stderr", "") or exc
-            raise SystemExit(f"bench_churn: making the namespaces failed: {err}") from None
+            raise SystemExit(f"bench.churn: making the namespaces failed: {err}") from None
 
     def _make(self, count: int, loss: float, up: str, down: str) -> None:
         hub_a, hub_b = f"sk{self.tag}ha", f"sk{self.tag}hb"
@@ -246,7 +246,7 @@ class Swarm:
         deadline = time.time() + 120
         while not (bdir / "maddrs.txt").exists() or not (bdir / "maddrs.txt").read_text().strip():
             if self.boot.poll() is not None or time.time() > deadline:
-                raise SystemExit(f"bench_churn: the {self.name} bootstrap did not start; see {bdir}/bootstrap.log")
+                raise SystemExit(f"bench.churn: the {self.name} bootstrap did not start; see {bdir}/bootstrap.log")
             time.sleep(0.3)
         maddr = (bdir / "maddrs.txt").read_text().split()[0]
         self.boot_events.append({"t": self.now(), "event": "up", "same_address": maddr == (self.maddr or maddr)})
@@ -388,7 +388,7 @@ def run(swarms: list[Swarm], args: argparse.Namespace) -> None:
             if avail < args.min_free_gb:  # this machine is shared: stop before the OOM killer picks anyone
                 for s in swarms:
                     s.cut_short = f"stopped at {s.now()} s: MemAvailable {avail} GB < --min-free-gb"
-                print(f"bench_churn: {swarms[0].cut_short}", flush=True)
+                print(f"bench.churn: {swarms[0].cut_short}", flush=True)
                 break
         if churn is not None:
             if now >= t0 + late_at:
@@ -645,7 +645,7 @@ def main() -> int:
     signal.signal(signal.SIGHUP, signal.default_int_handler)
     per_swarm = min(args.netns_peers, args.peers)
     net = Net(per_swarm * (len(names) if args.together else 1), args.loss, args.up, args.down)
-    print(f"bench_churn: work dir {work}; {net.note}", flush=True)
+    print(f"bench.churn: work dir {work}; {net.note}", flush=True)
     started, done = time.strftime("%Y-%m-%d %H:%M"), []
     try:
         groups = [names] if args.together else [[n] for n in names]
@@ -653,7 +653,7 @@ def main() -> int:
             swarms = []
             for j, name in enumerate(group):
                 swarms.append(Swarm(name, args, work, net.hub, net.namespaces[j * per_swarm:(j + 1) * per_swarm]))
-            print(f"bench_churn: {', '.join(group)}: {args.peers} peers each for {args.minutes} min", flush=True)
+            print(f"bench.churn: {', '.join(group)}: {args.peers} peers each for {args.minutes} min", flush=True)
             try:
                 run(swarms, args)
             except BaseException:
@@ -662,12 +662,12 @@ def main() -> int:
                 raise
             done += swarms
     except KeyboardInterrupt:
-        print("bench_churn: interrupted; every process stopped, namespaces removed", file=sys.stderr)
+        print("bench.churn: interrupted; every process stopped, namespaces removed", file=sys.stderr)
         return 130
     finally:
         net.close()
     duration = args.minutes * 60
-    result = {"command": "python scripts/bench_churn.py " + " ".join(sys.argv[1:]), "started": started,
+    result = {"command": "python -m scripts.bench.churn " + " ".join(sys.argv[1:]), "started": started,
               "minutes": args.minutes, "peers": args.peers, "together": args.together, "net": net.note,
               "node_flags": NODE_FLAGS + args.node_arg,
               "swarms": {s.name: swarm_report(s, duration) for s in done}}
@@ -682,7 +682,7 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
         (out / "report.md").write_text(report)
-    print(f"bench_churn: run dirs kept in {work}")
+    print(f"bench.churn: run dirs kept in {work}")
     return 0
 
 
