@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Churn soak (issue 50): a swarm of real node processes where peers are SIGKILLed and resumed, some join
-late, some sit behind a poor emulated home link, and the bootstrap restarts; against the same swarm calm.
+"""Churn soak (what home machines and the internet do to a community node): a swarm of real node processes
+where peers are SIGKILLed and resumed, some join late, some sit behind a poor emulated home link, and the
+bootstrap restarts; against the same swarm calm.
 
     python -m scripts.bench.churn --peers 20 --minutes 20 --out docs/data/churn
     python -m scripts.bench.churn --peers 6 --minutes 3 --together --out /tmp/churn-dry   # a dry run
