@@ -90,6 +90,18 @@ def test_gossip_benchmark_summarises_run_dirs(tmp_path):
     assert str(run) in out and "rounds" in out
 
 
+@pytest.mark.slow
+def test_churn_benchmark_runs_a_calm_swarm_and_reports(tmp_path):
+    """Two loopback peers and a bootstrap for a quarter of a minute, no namespaces: the soak's plumbing (start,
+    rounds, the report of rounds, waits, RSS and crashes) runs; the figures are the soak's, not checked here."""
+    out = tool("bench.churn", "--peers", "2", "--minutes", "0.25", "--swarms", "calm", "--netns-peers", "0",
+               "--late", "0", "--stagger", "0", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
+               timeout=240)
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert set(result["swarms"]) == {"calm"} and result["peers"] == 2 and "calm" in out
+    assert (tmp_path / "out" / "report.md").read_text().strip()
+
+
 def test_quickstart_benchmark_parses_its_arguments():
     out = tool("bench.quickstart", "--help")
     assert "--until" in out and "--peers" in out
