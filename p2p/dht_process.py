@@ -99,10 +99,14 @@ async def get_many_in_dht(_dht: hivemind.DHT, node: Any, keys: list[str]) -> dic
 async def store_from_file(
     _dht: hivemind.DHT, node: Any, key: str, subkey: bytes, path: str, expiration: float
 ) -> bool:
-    """Runs inside the DHT process: store the value spilled to `path` (see `p2p.transport.spill`)."""
+    """Runs inside the DHT process: store the value spilled to `path` (see `p2p.transport.spill`). A file
+    that is gone means the publisher gave up on this store first (its timeout, or a stop) and removed it:
+    nothing to store, and no traceback on the console (hivemind prints one for any error here)."""
     try:
         with open(path, "rb") as f:
             value = f.read()
+    except FileNotFoundError:
+        return False
     finally:
         unlink_quietly(path)
     return bool(await node.store(key, value, expiration, subkey=subkey))

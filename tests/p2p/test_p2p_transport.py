@@ -18,6 +18,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
+from p2p.dht_process import store_from_file
 from p2p.identity import Identity
 from p2p.pow import MAX_TIER
 from p2p.presence import TIER_SCAN_ROUNDS, UniformChooser
@@ -173,6 +174,12 @@ def test_a_dht_call_given_up_on_prints_no_traceback(tmp_path):
                          timeout=60, env=env)
     assert out.returncode == 0 and "TIMEOUT" in out.stdout and "ANSWER 1" in out.stdout, out.stdout + out.stderr
     assert "Traceback" not in out.stderr and "InvalidStateError" not in out.stderr, out.stderr
+
+
+async def test_a_store_given_up_on_first_is_no_error(tmp_path):
+    """A stop (or the publish timeout) removes the spilled batch while its store waits in the DHT process's
+    queue: the store then finds no file, and says so with False, not with a traceback on the console."""
+    assert await store_from_file(None, None, key="k", subkey=b"s", path=str(tmp_path / "gone"), expiration=0) is False
 
 
 async def test_identity_persists_across_restarts(tmp_path):
