@@ -13,7 +13,6 @@ import json
 import pytest
 
 from conftest import (
-    TINY,
     Proc,
     reasons,
     start_bootstrap,
@@ -23,6 +22,7 @@ from conftest import (
 )
 from conftest import live_metrics as rounds
 from p2p.identity import KEY_FILENAME, Identity
+from scripts.bench.procs import TINY
 
 pytestmark = pytest.mark.timeout(600)
 
