@@ -642,8 +642,12 @@ def main() -> int:
         ap.error("--swarms takes calm and/or churn")
     work = Path(args.work or tempfile.mkdtemp(prefix="sapo-churn-"))
     work.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # kill -TERM: cleaned up like Ctrl-C
-    signal.signal(signal.SIGHUP, signal.default_int_handler)
+    def stop(signum: int, _frame) -> None:  # kill -TERM, a closed terminal: cleaned up like Ctrl-C
+        print(f"bench_churn: {signal.Signals(signum).name} received", file=sys.stderr, flush=True)
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
     per_swarm = min(args.netns_peers, args.peers)
     net = Net(per_swarm * (len(names) if args.together else 1), args.loss, args.up, args.down)
     print(f"bench.churn: work dir {work}; {net.note}", flush=True)
