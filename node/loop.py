@@ -210,7 +210,7 @@ class SapoNode:
         with timer("verify"):  # a fetch that failed or timed out leaves nothing to verify
             external = (await self._bounded(self.exchange.verify(received), "verify") if received else None) or []
         with timer("select"):
-            selection = select_groups(local, external, num_local, num_external, self.select_rng)
+            selection = select_groups(local, self.totals.fresh(external), num_local, num_external, self.select_rng)
         with timer("train"):
             stats = await self._in_worker(self.train, selection.local + selection.external)
         self.engine_stale = self.engine_stale or stats.optimizer_steps > 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from node import __version__
@@ -33,13 +33,16 @@ HISTORY_EXTRA = ("entropy_mean", "signal_frac", "local_signal_frac", "eval_accur
 
 @dataclass
 class NodeTotals:
-    """Counters since the run began (checkpointed, so a resumed run goes on counting)."""
+    """Counters since the run began (checkpointed, so a resumed run goes on counting), and the external groups
+    trained on lately: a restarted node's verifier has forgotten which batches it judged, and a batch stays in
+    the fetch window for minutes, so without them a resumed node could train on a group a second time."""
 
     rounds: int = 0
     tokens_generated: int = 0
     groups_local: int = 0
     groups_external: int = 0
     dropped_zero_adv: int = 0
+    recent_external: list[str] = field(default_factory=list)  # group_id of the last RECENT_EXTERNAL trained on
 
     def add(self, selection: Selection, tokens: int) -> None:
         """One completed round."""
@@ -48,12 +51,28 @@ class NodeTotals:
         self.groups_local += len(selection.local)
         self.groups_external += len(selection.external)
         self.dropped_zero_adv += selection.dropped_local + selection.dropped_external
+        self.recent_external = (self.recent_external + [group_id(g) for g in selection.external])[-RECENT_EXTERNAL:]
 
-    def state_dict(self) -> dict[str, int]:
-        return dict(vars(self))
+    def fresh(self, external: list[Group]) -> list[Group]:
+        """The external groups not trained on already (by this run, before a restart included)."""
+        seen = set(self.recent_external)
+        return [g for g in external if group_id(g) not in seen]
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        vars(self).update(NodeTotals(**state).state_dict())
+    def state_dict(self) -> dict[str, Any]:
+        return {**vars(self), "recent_external": list(self.recent_external)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        vars(self).update(NodeTotals(**state).state_dict())  # a checkpoint from before recent_external: empty
+
+
+RECENT_EXTERNAL = 1024  # a batch lives 10 minutes in the fetch window: far fewer groups than this at any J
+
+
+def group_id(g: Group) -> str:
+    """An external group as publisher/dataset/seed/index: a publisher never sends two tasks under one spec, and
+    a resumed publisher redoes its rounds with the same specs, so the same id twice is the same group."""
+    s = g.task.spec
+    return f"{g.source[:SOURCE_PREFIX]}/{s.dataset}/{s.seed}/{s.index}"
 
 
 @dataclass
@@ -111,7 +130,7 @@ def round_record(*, r: int, timer: PhaseTimer, local: list[Group], external: lis
         "swarm_state": exchange.round_swarm_state,  # joined, solo (waiting for peers: nothing shared) or silo
         **({"solo_since": exchange.round_solo_since} if exchange.round_solo_since is not None else {}),
         "external_sources": _count_sources(selection.external),
-        "external_groups": [_group_id(g) for g in selection.external],  # the same id twice: trained on twice
+        "external_groups": [group_id(g) for g in selection.external],  # the same id twice: trained on twice
         "publisher": publisher[:SOURCE_PREFIX] or None,  # this peer as the others' external_sources name it
         "loss": stats.loss,
         "kl": stats.kl,
@@ -193,11 +212,4 @@ def _count_sources(groups: list[Group]) -> dict[str, int]:
         counts[g.source[:SOURCE_PREFIX]] = counts.get(g.source[:SOURCE_PREFIX], 0) + 1
     return counts
 
-
-def _group_id(g: Group) -> str:
-    """An external group as publisher/dataset/seed/index: a publisher never sends two tasks under one spec, and
-    a resumed publisher redoes its rounds with the same specs, so a peer that trains on a group twice (its
-    memory of what it fetched is lost with a restart) shows the same id in two records (scripts/bench/churn.py)."""
-    s = g.task.spec
-    return f"{g.source[:SOURCE_PREFIX]}/{s.dataset}/{s.seed}/{s.index}"
 
