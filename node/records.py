@@ -3,8 +3,9 @@ the status snapshot that /status, /metrics and the dashboard render.
 
 Plain functions of what they are given: the loop names every input at the call site, so a reader (or a
 call-graph tool) follows the round into its record. Kept out of node/loop.py so that the loop reads as the
-algorithm; nothing here changes what the node learns. The only state is `NodeTotals`, the running counters,
-and `QuietRounds`, the stretch of rounds without an update.
+algorithm. The only state is `NodeTotals`, the running counters (and the ids of the external groups trained on
+lately, which the selection leaves out: the one thing here that changes what the node learns), and
+`QuietRounds`, the stretch of rounds without an update.
 """
 
 from __future__ import annotations
