@@ -43,12 +43,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--announce-maddrs", nargs="*", default=[], help="public multiaddrs to announce (explicit ports)")
     p.add_argument("--identity-dir", type=Path, default=Path("./bootstrap-identity"))
     p.add_argument("--swarm", default="sapo-default")
-    p.add_argument("--pow-difficulty", type=int, default=_env_int("SAPO_POW_DIFFICULTY", DEFAULT_POW_DIFFICULTY),
-                   help="the swarm's proof-of-work bits: records of weaker keys are refused "
-                        "(default: $SAPO_POW_DIFFICULTY, as for nodes, else %(default)s)")
+    p.add_argument(
+        "--pow-difficulty",
+        type=int,
+        default=_env_int("SAPO_POW_DIFFICULTY", DEFAULT_POW_DIFFICULTY),
+        help="the swarm's proof-of-work bits: records of weaker keys are refused "
+        "(default: $SAPO_POW_DIFFICULTY, as for nodes, else %(default)s)",
+    )
     p.add_argument("--maddrs-file", type=Path, default=None, help="write full visible multiaddrs here, one per line")
-    p.add_argument("--status-port", type=int, default=None,
-                   help="serve /status, /metrics, /healthz on this port (0 = any free port)")
+    p.add_argument(
+        "--status-port",
+        type=int,
+        default=None,
+        help="serve /status, /metrics, /healthz on this port (0 = any free port)",
+    )
     p.add_argument("--status-host", default="127.0.0.1", help="status server bind address")
     p.add_argument("--log-interval", type=float, default=60.0, help="seconds between peer-count log lines")
     p.add_argument("--start-timeout", type=float, default=60.0, help="seconds to wait for the DHT to start")
@@ -82,19 +90,29 @@ def serve_status(host: str, port: int, snapshot: Callable[[], dict[str, Any]]) -
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not 0 <= args.pow_difficulty <= MAX_POW_DIFFICULTY:
-        print(f"sapo-bootstrap: --pow-difficulty must be in [0, {MAX_POW_DIFFICULTY}] (got {args.pow_difficulty})",
-              file=sys.stderr)
+        print(
+            f"sapo-bootstrap: --pow-difficulty must be in [0, {MAX_POW_DIFFICULTY}] (got {args.pow_difficulty})",
+            file=sys.stderr,
+        )
         return 2
     if args.status_port is not None and not 0 <= args.status_port <= 65535:  # bind() would raise OverflowError
-        print(f"sapo-bootstrap: --status-port must be a TCP port in [0, 65535] (got {args.status_port})",
-              file=sys.stderr)
+        print(
+            f"sapo-bootstrap: --status-port must be a TCP port in [0, 65535] (got {args.status_port})", file=sys.stderr
+        )
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         identity = Identity.load_or_create(args.identity_dir / KEY_FILENAME, create=True)
         # its own key never publishes, so it needs no proof of work; its validator checks everyone else's
-        dht = start_dht(identity, libp2p_identity_path(args.identity_dir), args.swarm, [], args.host_maddrs,
-                        args.announce_maddrs, pow_difficulty=args.pow_difficulty)
+        dht = start_dht(
+            identity,
+            libp2p_identity_path(args.identity_dir),
+            args.swarm,
+            [],
+            args.host_maddrs,
+            args.announce_maddrs,
+            pow_difficulty=args.pow_difficulty,
+        )
     except IdentityError as e:
         logger.error("%s", e)
         return 2
@@ -120,8 +138,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def snapshot() -> dict[str, Any]:
         # Called from the status thread: only reads immutable values and two ints.
-        return {"peer_id": peer_id, "maddrs": maddrs, "swarm": args.swarm, "uptime_s": time.time() - started,
-                "started_at": started, "version": __version__, **counter.status()}
+        return {
+            "peer_id": peer_id,
+            "maddrs": maddrs,
+            "swarm": args.swarm,
+            "uptime_s": time.time() - started,
+            "started_at": started,
+            "version": __version__,
+            **counter.status(),
+        }
 
     status: ThreadedStatusServer | None = None
     if args.status_port is not None:

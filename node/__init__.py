@@ -1,4 +1,5 @@
 """SAPO swarm node: round loop, tasks, policy, GRPO."""
+
 from node.lazy import import_lazily
 
 __version__ = "0.1.0"

@@ -44,11 +44,21 @@ def sampling_config(cfg: NodeConfig, mix: TaskMix) -> SamplingConfig:
 
 def train_config(cfg: NodeConfig, max_completion_len: int) -> TrainConfig:
     """One GRPO update's settings; `max_completion_len` (the sampling limit) is dr_grpo's normaliser."""
-    return TrainConfig(lr=cfg.lr, eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, loss_type=cfg.loss_type,
-                       scale_std=cfg.scale_std, max_grad_norm=cfg.max_grad_norm, epochs=cfg.epochs,
-                       minibatches=cfg.minibatches, micro_batch_size=cfg.micro_batch_size,
-                       temperature=cfg.temperature, max_completion_len=max_completion_len,
-                       prefix_sharing=cfg.prefix_sharing)
+    return TrainConfig(
+        lr=cfg.lr,
+        eps_low=cfg.eps_low,
+        eps_high=cfg.eps_high,
+        beta=cfg.beta,
+        loss_type=cfg.loss_type,
+        scale_std=cfg.scale_std,
+        max_grad_norm=cfg.max_grad_norm,
+        epochs=cfg.epochs,
+        minibatches=cfg.minibatches,
+        micro_batch_size=cfg.micro_batch_size,
+        temperature=cfg.temperature,
+        max_completion_len=max_completion_len,
+        prefix_sharing=cfg.prefix_sharing,
+    )
 
 
 def swarm_settings(cfg: NodeConfig) -> SwarmSettings:
@@ -57,11 +67,24 @@ def swarm_settings(cfg: NodeConfig) -> SwarmSettings:
     run_dir = cfg.run_path
     has_state = (run_dir / METRICS_FILE).exists() or (run_dir / CHECKPOINTS_DIR).exists()
     return SwarmSettings(
-        swarm=cfg.swarm, model=cfg.model, files=SwarmFiles.in_dir(run_dir), create_identity=not has_state,
-        seed=cfg.seed, peers=tuple(cfg.peers), require_peers=cfg.require_peers, host_maddrs=tuple(cfg.host_maddrs),
-        announce_maddrs=tuple(cfg.announce_maddrs), client_mode=cfg.client_mode, window=cfg.window,
-        net_timeout_s=cfg.net_timeout, verify_budget_s=cfg.verify_budget_s, verify_budget_mb=cfg.verify_budget_mb,
-        fetch_max=cfg.fetch_max, pow_difficulty=cfg.pow_difficulty, identity_tier=cfg.identity_tier, ban_s=cfg.ban_s,
+        swarm=cfg.swarm,
+        model=cfg.model,
+        files=SwarmFiles.in_dir(run_dir),
+        create_identity=not has_state,
+        seed=cfg.seed,
+        peers=tuple(cfg.peers),
+        require_peers=cfg.require_peers,
+        host_maddrs=tuple(cfg.host_maddrs),
+        announce_maddrs=tuple(cfg.announce_maddrs),
+        client_mode=cfg.client_mode,
+        window=cfg.window,
+        net_timeout_s=cfg.net_timeout,
+        verify_budget_s=cfg.verify_budget_s,
+        verify_budget_mb=cfg.verify_budget_mb,
+        fetch_max=cfg.fetch_max,
+        pow_difficulty=cfg.pow_difficulty,
+        identity_tier=cfg.identity_tier,
+        ban_s=cfg.ban_s,
     )
 
 
@@ -76,11 +99,15 @@ def check_fits_the_wire(cfg: NodeConfig) -> None:
     offence, and the node would be banned by its whole swarm without an error of its own."""
     caps = WireCaps()
     if cfg.generations > caps.max_completions:
-        raise ConfigError(f"--generations must be <= {caps.max_completions} in a swarm: peers refuse larger groups "
-                          f"(got {cfg.generations})")
+        raise ConfigError(
+            f"--generations must be <= {caps.max_completions} in a swarm: peers refuse larger groups "
+            f"(got {cfg.generations})"
+        )
     if cfg.num_local > caps.max_groups:
-        raise ConfigError(f"--num-local must be <= {caps.max_groups} in a swarm: peers refuse batches of more "
-                          f"groups (got {cfg.num_local})")
+        raise ConfigError(
+            f"--num-local must be <= {caps.max_groups} in a swarm: peers refuse batches of more "
+            f"groups (got {cfg.num_local})"
+        )
 
 
 def build_exchange(cfg: NodeConfig, mix: TaskMix, stop: StopRequest | None = None) -> Exchange:
@@ -94,8 +121,16 @@ def build_exchange(cfg: NodeConfig, mix: TaskMix, stop: StopRequest | None = Non
     return DhtExchange.create(swarm_settings(cfg), mix, stop)
 
 
-def build_node(cfg: NodeConfig, mix: TaskMix, model: torch.nn.Module, tokenizer, exchange: Exchange,
-               device: torch.device, stop: StopRequest | None = None, adapter: Adapter | None = None) -> SapoNode:
+def build_node(
+    cfg: NodeConfig,
+    mix: TaskMix,
+    model: torch.nn.Module,
+    tokenizer,
+    exchange: Exchange,
+    device: torch.device,
+    stop: StopRequest | None = None,
+    adapter: Adapter | None = None,
+) -> SapoNode:
     """A node on `model`: with --lora-rank a LoRA adapter is attached to it here, unless `adapter` is given
     (peers of one process sharing a base: `model` is then the adapter's wrapper)."""
     stop = stop or StopRequest()
@@ -104,29 +139,72 @@ def build_node(cfg: NodeConfig, mix: TaskMix, model: torch.nn.Module, tokenizer,
     model = adapter.model if adapter is not None else model
     base_id = weights_base(model, adapter)  # what a checkpoint belongs to: before any training or cast
     sampling = sampling_config(cfg, mix)
-    trainer = Trainer(model, tokenizer.pad_token_id, train_config(cfg, sampling.max_new_tokens), seed=cfg.seed,
-                      stop=stop, adapter=adapter)
+    trainer = Trainer(
+        model,
+        tokenizer.pad_token_id,
+        train_config(cfg, sampling.max_new_tokens),
+        seed=cfg.seed,
+        stop=stop,
+        adapter=adapter,
+    )
     mode = precision.resolve(cfg.mixed_precision, device)
     if adapter is not None and mode == "bf16":
         adapter.base.store_frozen_weights_as(torch.bfloat16)  # cast once, not in every forward
-    engine = make_engine(cfg.rollout_engine, model, tokenizer, cfg.model, weight_type=cfg.engine_weights,
-                         logp_exact=mode == "off")
+    engine = make_engine(
+        cfg.rollout_engine, model, tokenizer, cfg.model, weight_type=cfg.engine_weights, logp_exact=mode == "off"
+    )
     sampler = TaskSampler(mix, cfg.seed)
     select_rng = random.Random(cfg.seed + 1)
     ij = make_ij_controller(cfg.ij_policy, total=cfg.num_local + cfg.num_external, initial_j=cfg.num_external)
     totals = NodeTotals()
     guard = CollapseGuard(GuardConfig(enabled=cfg.collapse_guard, lr_factor=cfg.guard_lr_factor))
     metrics = MetricsWriter(cfg.run_path)
-    persistence = Persistence(cfg, model=model, adapter=adapter, base_id=base_id, trainer=trainer, sampler=sampler,
-                              select_rng=select_rng, ij=ij, totals=totals, metrics=metrics,
-                              reputation=exchange.reputation, device=device, guard=guard)
-    node = SapoNode(cfg=cfg, mix=mix, model=model, tokenizer=tokenizer, device=device, adapter=adapter,
-                    precision=mode, engine=engine, sampling=sampling, prompter=Prompter(tokenizer, mix),
-                    sampler=sampler, select_rng=select_rng, trainer=trainer, ij=ij, exchange=exchange,
-                    held_out=HeldOutEval(mix, cfg.eval_size, cfg.eval_every, cfg.rounds, cfg.eval_unseen_size,
-                                         at=cfg.eval_rounds, engine=eval_engine(cfg.eval_engine, engine, mode)),
-                    totals=totals,
-                    metrics=metrics, tensorboard=TensorBoardLog(cfg.run_path, enabled=cfg.tensorboard),
-                    persistence=persistence, guard=guard, stop=stop)
+    persistence = Persistence(
+        cfg,
+        model=model,
+        adapter=adapter,
+        base_id=base_id,
+        trainer=trainer,
+        sampler=sampler,
+        select_rng=select_rng,
+        ij=ij,
+        totals=totals,
+        metrics=metrics,
+        reputation=exchange.reputation,
+        device=device,
+        guard=guard,
+    )
+    node = SapoNode(
+        cfg=cfg,
+        mix=mix,
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        adapter=adapter,
+        precision=mode,
+        engine=engine,
+        sampling=sampling,
+        prompter=Prompter(tokenizer, mix),
+        sampler=sampler,
+        select_rng=select_rng,
+        trainer=trainer,
+        ij=ij,
+        exchange=exchange,
+        held_out=HeldOutEval(
+            mix,
+            cfg.eval_size,
+            cfg.eval_every,
+            cfg.rounds,
+            cfg.eval_unseen_size,
+            at=cfg.eval_rounds,
+            engine=eval_engine(cfg.eval_engine, engine, mode),
+        ),
+        totals=totals,
+        metrics=metrics,
+        tensorboard=TensorBoardLog(cfg.run_path, enabled=cfg.tensorboard),
+        persistence=persistence,
+        guard=guard,
+        stop=stop,
+    )
     torch.manual_seed(cfg.seed)
     return node

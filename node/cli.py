@@ -53,9 +53,12 @@ class StopSignals:
             if self.starting:
                 log.warning("%s: stopping start-up (%s): exiting within seconds", signame, self.starting)
             else:
-                log.warning("%s: stopping at a safe point: the round in progress is abandoned (redone on resume), "
-                            "the last completed round is checkpointed. Press Ctrl-C again after %.0f s to abort.",
-                            signame, REPEAT_WINDOW_S)
+                log.warning(
+                    "%s: stopping at a safe point: the round in progress is abandoned (redone on resume), "
+                    "the last completed round is checkpointed. Press Ctrl-C again after %.0f s to abort.",
+                    signame,
+                    REPEAT_WINDOW_S,
+                )
             self.stop.set(signame)
         elif now - self.first_at <= REPEAT_WINDOW_S and self.count < 3:
             log.info("%s again within %.0f s: same stop request, still stopping", signame, REPEAT_WINDOW_S)
@@ -72,8 +75,11 @@ class StopSignals:
         """Exit now without waiting for the model thread. Metrics lines and checkpoints are written
         atomically, so the newest complete checkpoint stays valid; only newer rounds are lost."""
         saved = self.saved_round()
-        log.error("%s: aborting now; the newest complete checkpoint (%s) stays valid", signame,
-                  f"round {saved}" if saved >= 0 else "none yet")
+        log.error(
+            "%s: aborting now; the newest complete checkpoint (%s) stays valid",
+            signame,
+            f"round {saved}" if saved >= 0 else "none yet",
+        )
         logging.shutdown()  # flushes node.log; never blocks on the model thread
         os._exit(ABORT_EXIT_CODE)
 
@@ -154,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RunDirBusy, OSError) as exc:
         return fail(str(exc))
     if (run_dir / METRICS_FILE).exists() and not cfg.resume:
-        return fail(f"{run_dir} already holds a run ({METRICS_FILE}); pass --resume to continue it "
-                    "or choose another --run-dir")
+        return fail(
+            f"{run_dir} already holds a run ({METRICS_FILE}); pass --resume to continue it or choose another --run-dir"
+        )
     stop = StopRequest()
     signals = StopSignals(stop)
     signals.install_early()
@@ -207,10 +214,21 @@ def main(argv: list[str] | None = None) -> int:
         return stopped_in_start_up(stop, "building the node")
     signals.starting = ""  # from here on the round loop stops itself (joining and the start evaluation too)
     signals.saved_round = lambda: node.persistence.saved_round
-    log.info("task mix %s: %s | I=%d J=%d G=%d | run dir %s", mix.name, ", ".join(mix.datasets),
-             cfg.num_local, cfg.num_external, cfg.generations, run_dir)
-    log.info("sampling with %s | %s | mixed precision %s", node.engine.name,
-             f"LoRA rank {cfg.lora_rank}" if cfg.lora_rank else "full fine-tuning", node.precision)
+    log.info(
+        "task mix %s: %s | I=%d J=%d G=%d | run dir %s",
+        mix.name,
+        ", ".join(mix.datasets),
+        cfg.num_local,
+        cfg.num_external,
+        cfg.generations,
+        run_dir,
+    )
+    log.info(
+        "sampling with %s | %s | mixed precision %s",
+        node.engine.name,
+        f"LoRA rank {cfg.lora_rank}" if cfg.lora_rank else "full fine-tuning",
+        node.precision,
+    )
     try:
         asyncio.run(_serve(node, cfg, signals))
     except join_errors as exc:  # --require-peers with no answer, or this machine's side (a port in use)
@@ -229,8 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def stopped_in_start_up(stop: StopRequest, what: str) -> int:
     """A stop before the first round: nothing to checkpoint, a clean exit."""
-    log.info("stopped during start-up (%s) after %s: no round was started; start again to go on", what,
-             stop.reason)
+    log.info("stopped during start-up (%s) after %s: no round was started; start again to go on", what, stop.reason)
     return 0
 
 
@@ -241,8 +258,10 @@ def join_fix(message: str) -> str:
         return "another process holds that address: choose another port in --host-maddrs, or stop that process"
     if "already taken by another peer" in low:
         return "another node runs with this run dir's libp2p identity (p2p.identity): stop it or use another --run-dir"
-    return ("check that the peers in --peers run and are reachable from here (address, port, firewall), or leave "
-            "out --require-peers to train in silo until one answers")
+    return (
+        "check that the peers in --peers run and are reachable from here (address, port, firewall), or leave "
+        "out --require-peers to train in silo until one answers"
+    )
 
 
 async def _serve(node, cfg: NodeConfig, signals: StopSignals) -> None:
@@ -256,10 +275,17 @@ async def _serve(node, cfg: NodeConfig, signals: StopSignals) -> None:
     try:
         done = await node.run()
         if node.stop_requested:
-            last = (f"last completed round {node.next_round - 1} is checkpointed" if node.next_round > 0
-                    else "no round completed yet")
-            log.info("stopped after a request (%s): %d rounds this run; %s; resume with --resume",
-                     node.stop.reason, done, last)
+            last = (
+                f"last completed round {node.next_round - 1} is checkpointed"
+                if node.next_round > 0
+                else "no round completed yet"
+            )
+            log.info(
+                "stopped after a request (%s): %d rounds this run; %s; resume with --resume",
+                node.stop.reason,
+                done,
+                last,
+            )
         else:
             log.info("finished: %d rounds this run, next round %d", done, node.next_round)
     finally:

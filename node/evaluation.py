@@ -75,8 +75,9 @@ class NodeEvaluation:
         if self.held_out.due(r) and not stopping:
             await self.evaluate(r, timer, record)
             replaced = await self.judge(r, record)
-        record.update(lr=self.trainer.lr, guard_restores=self.guard.state.restores,
-                      eval_next=self.held_out.next_due(r + 1))
+        record.update(
+            lr=self.trainer.lr, guard_restores=self.guard.state.restores, eval_next=self.held_out.next_due(r + 1)
+        )
         return replaced
 
     async def evaluate(self, r: int, timer: PhaseTimer, record: dict) -> None:
@@ -89,8 +90,10 @@ class NodeEvaluation:
             log.info("held-out evaluation of round %d skipped: stop requested", r)
             return
         fields = result.to_record()
-        self.live.last_eval = {"round": r, **{k: v for k, v in fields.items()
-                                               if not isinstance(v, list)}}  # per-task lists: metrics only
+        self.live.last_eval = {
+            "round": r,
+            **{k: v for k, v in fields.items() if not isinstance(v, list)},
+        }  # per-task lists: metrics only
         record.update(fields, t_end=time.time(), round_s=round(time.time() - timer.t0, 4))
         record["phase_s"]["eval"] = round(timer.seconds["eval"], 4)
         log.info("%s", result.log_line(r))
@@ -102,8 +105,9 @@ class NodeEvaluation:
         stopped in its last round still ends with its final evaluation. True when the guard replaced the
         weights."""
         r, record = next_round - 1, self.metrics.last()
-        if not (r >= 0 and self.held_out.due(r) and record and record.get("round") == r
-                and "eval_accuracy" not in record):
+        if not (
+            r >= 0 and self.held_out.due(r) and record and record.get("round") == r and "eval_accuracy" not in record
+        ):
             return False
         log.info("round %d: its held-out evaluation was skipped by a stop; evaluating its checkpoint now", r)
         t_end, round_s = record.get("t_end"), float(record.get("round_s", 0.0))
@@ -135,13 +139,22 @@ class NodeEvaluation:
                 self.guard.restore_failed()
                 await self.in_worker(self.persistence.set_lr_scale, verdict.lr_scale)
                 record.update(guard_action="restore_failed", guard_reason=f"{verdict.reason}; {exc}")
-                log.error("collapse guard: %s, but the restore point cannot be loaded (%s): training on from "
-                          "these weights, learning rate now %.3g", verdict.reason, exc, self.trainer.lr)
+                log.error(
+                    "collapse guard: %s, but the restore point cannot be loaded (%s): training on from "
+                    "these weights, learning rate now %.3g",
+                    verdict.reason,
+                    exc,
+                    self.trainer.lr,
+                )
                 return False
             assert verdict.restored_to is not None  # a restore names the round it goes back to
             record.update(guard_reason=verdict.reason, guard_restored_to=verdict.restored_to)
             self.live.last_guard = {"round": r, "reason": verdict.reason, "restored_to": verdict.restored_to}
-            log.warning("collapse guard: %s; restored %s, learning rate now %.3g", verdict.reason,
-                        weights_name(verdict.restored_to), self.trainer.lr)
+            log.warning(
+                "collapse guard: %s; restored %s, learning rate now %.3g",
+                verdict.reason,
+                weights_name(verdict.restored_to),
+                self.trainer.lr,
+            )
             return True
         return False

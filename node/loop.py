@@ -109,9 +109,15 @@ class SapoNode:
         self.start_due = False  # open() sets it: step() evaluates the starting weights before round 0
         self.quiet = QuietRounds()  # says so when round after round brings no update
         self.evaluation = NodeEvaluation(
-            held_out=self.held_out, guard=self.guard, persistence=self.persistence, metrics=self.metrics,
-            trainer=self.trainer, live=self.live, in_worker=self._in_worker,
-            held_out_run=self._held_out)
+            held_out=self.held_out,
+            guard=self.guard,
+            persistence=self.persistence,
+            metrics=self.metrics,
+            trainer=self.trainer,
+            live=self.live,
+            in_worker=self._in_worker,
+            held_out_run=self._held_out,
+        )
 
     @property
     def stop_requested(self) -> bool:
@@ -138,8 +144,11 @@ class SapoNode:
             while self.pending and not self.stop_requested:
                 await self.step()
         except RoundAbandoned:
-            log.warning("round %d abandoned at a safe point (%s); it is redone on resume", self.next_round,
-                        self.stop.reason or "stop requested")
+            log.warning(
+                "round %d abandoned at a safe point (%s); it is redone on resume",
+                self.next_round,
+                self.stop.reason or "stop requested",
+            )
         finally:
             await self.close()
         return self.rounds_this_run
@@ -198,11 +207,11 @@ class SapoNode:
             self.engine_stale = False
         with timer("generate"):
             prompts = [self.prompter(t) for t in tasks]
-            sampled = await self._in_worker(self.engine.sample, prompts, self.cfg.generations, self.sampling,
-                                            self.stop)
+            sampled = await self._in_worker(self.engine.sample, prompts, self.cfg.generations, self.sampling, self.stop)
         with timer("score"):
             local = await self._in_worker(
-                lambda: [local_group(t, s, self.mix.answer_prefix) for t, s in zip(tasks, sampled)])
+                lambda: [local_group(t, s, self.mix.answer_prefix) for t, s in zip(tasks, sampled)]
+            )
         with timer("publish"):
             await self._bounded(self.exchange.publish(r, local), "publish")
         with timer("fetch"):
@@ -218,10 +227,21 @@ class SapoNode:
 
         tokens = tokens_generated(sampled)
         self.totals.add(selection, tokens)
-        record = round_record(r=r, timer=timer, local=local, external=external, selection=selection,
-                              target=(num_local, num_external), stats=stats, tokens=tokens,
-                              exchange=self.exchange.stats, peak_mem_mb=peak_memory_mb(self.device),
-                              ij_policy=self.cfg.ij_policy, model=self.cfg.model, publisher=self.publisher)
+        record = round_record(
+            r=r,
+            timer=timer,
+            local=local,
+            external=external,
+            selection=selection,
+            target=(num_local, num_external),
+            stats=stats,
+            tokens=tokens,
+            exchange=self.exchange.stats,
+            peak_mem_mb=peak_memory_mb(self.device),
+            ij_policy=self.cfg.ij_policy,
+            model=self.cfg.model,
+            publisher=self.publisher,
+        )
         if await self.evaluation.after_round(r, timer, record, self.stop_requested):
             self.engine_stale = True  # the collapse guard put other weights back
         self.ij.update(RoundObservation.of(r, local, selection))
@@ -245,8 +265,9 @@ class SapoNode:
         if self.held_out.engine is not None and self.engine_stale:
             await self._in_worker(self.engine.sync, self.model)
             self.engine_stale = False
-        return await self._in_worker(self.held_out.run, self.model, self.tokenizer, self.prompter,
-                                     self.sampling.max_new_tokens, self.stop)
+        return await self._in_worker(
+            self.held_out.run, self.model, self.tokenizer, self.prompter, self.sampling.max_new_tokens, self.stop
+        )
 
     async def _checkpoint(self) -> None:
         self.live.phase = "checkpoint"
@@ -260,9 +281,12 @@ class SapoNode:
             else:
                 if self.mid_round_weights:
                     saved = self.persistence.saved_round
-                    log.error("round %d failed after its weights moved: not checkpointing them (resumed, they "
-                              "would count that round twice); --resume continues from %s", self.next_round,
-                              f"the checkpoint of round {saved}" if saved >= 0 else "round 0 (no checkpoint yet)")
+                    log.error(
+                        "round %d failed after its weights moved: not checkpointing them (resumed, they "
+                        "would count that round twice); --resume continues from %s",
+                        self.next_round,
+                        f"the checkpoint of round {saved}" if saved >= 0 else "round 0 (no checkpoint yet)",
+                    )
                 await self._in_worker(self.persistence.save_reputation)
         finally:
             await self.exchange.close()
@@ -273,8 +297,13 @@ class SapoNode:
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-safe status for /status, /metrics and the dashboard."""
-        return status_snapshot(swarm=self.cfg.swarm if self.cfg.swarm_enabled else "silo", model=self.cfg.model,
-                               live=self.live, exchange=self.exchange, totals=self.totals)
+        return status_snapshot(
+            swarm=self.cfg.swarm if self.cfg.swarm_enabled else "silo",
+            model=self.cfg.model,
+            live=self.live,
+            exchange=self.exchange,
+            totals=self.totals,
+        )
 
     # --- the model thread and the network -----------------------------------------------------------------
 

@@ -102,8 +102,13 @@ class Persistence:
     def save(self, next_round: int) -> None:
         """Checkpoint the last completed round (next_round - 1), then the reputation file."""
         t0 = time.time()
-        path = self.store.save(next_round - 1, self._weights(), self.trainer.optimizer.state_dict(),
-                               self.capture(next_round), self.identity())
+        path = self.store.save(
+            next_round - 1,
+            self._weights(),
+            self.trainer.optimizer.state_dict(),
+            self.capture(next_round),
+            self.identity(),
+        )
         self.save_reputation()
         self.saved_round = next_round - 1
         log.info("checkpoint %s written in %.1fs", path.name, time.time() - t0)
@@ -124,8 +129,7 @@ class Persistence:
     def save_restore_point(self, r: int) -> None:
         """The collapse guard's restore point: weights and optimizer after round r (its best evaluation so far),
         in RUN_DIR/restore-point/ (one kept; written atomically like a checkpoint)."""
-        self.restore_points.save(r, self._weights(), self.trainer.optimizer.state_dict(), {"round": r},
-                                 self.identity())
+        self.restore_points.save(r, self._weights(), self.trainer.optimizer.state_dict(), {"round": r}, self.identity())
 
     def load_restore_point(self, lr_scale: float, expected_round: int) -> None:
         """Back to the restore point of `expected_round` (the guard's best): its weights and optimizer, at
@@ -158,20 +162,29 @@ class Persistence:
         ckpt = self.store.load_latest(map_location=self.device)
         if ckpt is None:
             moved = self.metrics.truncate_after(-1)  # rounds of an earlier start that never checkpointed
-            log.warning("--resume: no checkpoint in %s yet; starting at round 0%s", self.store.dir,
-                        f" ({moved} metrics lines moved to metrics.orphaned.jsonl)" if moved else "")
+            log.warning(
+                "--resume: no checkpoint in %s yet; starting at round 0%s",
+                self.store.dir,
+                f" ({moved} metrics lines moved to metrics.orphaned.jsonl)" if moved else "",
+            )
             return None
         self.check_identity(ckpt.meta, f"checkpoint {ckpt.path}")
         if ckpt.optimizer is None:
-            raise CheckpointError(f"checkpoint {ckpt.path} holds weights only (an export for --lora-init): a run "
-                                  "resumes from its own checkpoints")
+            raise CheckpointError(
+                f"checkpoint {ckpt.path} holds weights only (an export for --lora-init): a run "
+                "resumes from its own checkpoints"
+            )
         self._load_weights(ckpt.model)
         self.trainer.optimizer.load_state_dict(ckpt.optimizer)
         next_round = self.rewind(ckpt.state)
         self.saved_round = ckpt.round
         moved = self.metrics.truncate_after(next_round - 1)
-        log.info("resumed from %s: next round %d%s", ckpt.path.name, next_round,
-                 f" ({moved} metrics lines after it moved to metrics.orphaned.jsonl)" if moved else "")
+        log.info(
+            "resumed from %s: next round %d%s",
+            ckpt.path.name,
+            next_round,
+            f" ({moved} metrics lines after it moved to metrics.orphaned.jsonl)" if moved else "",
+        )
         return next_round
 
     def load_adapter(self, path: str) -> None:
@@ -200,8 +213,10 @@ class Persistence:
         if theirs.get("lora") != ours["lora"]:
             raise CheckpointError(f"{where} holds {kind(theirs.get('lora'))}, this node trains {kind(ours['lora'])}")
         if "base" in theirs and theirs["base"] != ours["base"]:
-            raise CheckpointError(f"{where} was trained on another base model ({theirs.get('model')!r}, fingerprint "
-                                  f"{theirs['base']}); this node loaded {ours['model']!r} (fingerprint {ours['base']})")
+            raise CheckpointError(
+                f"{where} was trained on another base model ({theirs.get('model')!r}, fingerprint "
+                f"{theirs['base']}); this node loaded {ours['model']!r} (fingerprint {ours['base']})"
+            )
 
     # --- the reputation file ------------------------------------------------------------------------------
 

@@ -28,8 +28,16 @@ QUIET_ROUNDS = 5  # rounds in a row without an update after which the node says 
 HISTORY_ROUNDS = 500  # rounds the live history keeps (status, dashboard)
 SOURCE_PREFIX = 16  # hex digits of a publisher key that name it in a record
 # Learning-health keys kept in the live history (status, dashboard)
-HISTORY_EXTRA = ("entropy_mean", "signal_frac", "local_signal_frac", "eval_accuracy", "eval_unseen_accuracy",
-                 "lr", "guard_restores", "eval_next")
+HISTORY_EXTRA = (
+    "entropy_mean",
+    "signal_frac",
+    "local_signal_frac",
+    "eval_accuracy",
+    "eval_unseen_accuracy",
+    "lr",
+    "guard_restores",
+    "eval_next",
+)
 
 
 @dataclass
@@ -87,19 +95,36 @@ class QuietRounds:
         """Round r took `steps` optimizer steps."""
         self.rounds_without_update = 0 if steps else self.rounds_without_update + 1
         if self.rounds_without_update == QUIET_ROUNDS:
-            log.warning("no update in rounds %d-%d: in every group on offer the completions scored alike (all "
-                        "wrong, or all right), so there was no advantage to learn from. The tasks may be beyond "
-                        "this model or too easy for it (--tasks), or the policy has collapsed (the collapse guard "
-                        "acts at held-out evaluations)", r - QUIET_ROUNDS + 1, r)
+            log.warning(
+                "no update in rounds %d-%d: in every group on offer the completions scored alike (all "
+                "wrong, or all right), so there was no advantage to learn from. The tasks may be beyond "
+                "this model or too easy for it (--tasks), or the policy has collapsed (the collapse guard "
+                "acts at held-out evaluations)",
+                r - QUIET_ROUNDS + 1,
+                r,
+            )
 
 
 def tokens_generated(sampled: list[SampledGroup]) -> int:
     return sum(len(ids) for s in sampled for ids in s.completion_ids)
 
 
-def round_record(*, r: int, timer: PhaseTimer, local: list[Group], external: list[Group], selection: Selection,
-                 target: tuple[int, int], stats: StepStats, tokens: int, exchange: ExchangeStats,
-                 peak_mem_mb: float, ij_policy: str, model: str, publisher: str = "") -> dict[str, Any]:
+def round_record(
+    *,
+    r: int,
+    timer: PhaseTimer,
+    local: list[Group],
+    external: list[Group],
+    selection: Selection,
+    target: tuple[int, int],
+    stats: StepStats,
+    tokens: int,
+    exchange: ExchangeStats,
+    peak_mem_mb: float,
+    ij_policy: str,
+    model: str,
+    publisher: str = "",
+) -> dict[str, Any]:
     """The round's metrics.jsonl line: `local` are the groups we sampled, `external` the verified ones we
     received, `selection` what was trained on out of them, `target` the (I, J) the policy asked for."""
     rewards = [x for g in local for x in g.rewards]
@@ -151,8 +176,11 @@ def round_record(*, r: int, timer: PhaseTimer, local: list[Group], external: lis
 
 def remember_round(live: LiveState, record: dict[str, Any]) -> None:
     """The round's entry in the live history that /status and the dashboard show."""
-    live.history.append({k: record[k] for k in ("round", "reward_mean", "num_local", "num_external")}
-                        | {"phase_s": record["phase_s"]} | {k: record[k] for k in HISTORY_EXTRA if k in record})
+    live.history.append(
+        {k: record[k] for k in ("round", "reward_mean", "num_local", "num_external")}
+        | {"phase_s": record["phase_s"]}
+        | {k: record[k] for k in HISTORY_EXTRA if k in record}
+    )
     del live.history[:-HISTORY_ROUNDS]
     live.last_round_at = record["t_end"]
 
@@ -171,8 +199,9 @@ def log_line(rec: dict[str, Any]) -> str:
     )
 
 
-def status_snapshot(*, swarm: str, model: str, live: LiveState, exchange: Exchange,
-                    totals: NodeTotals) -> dict[str, Any]:
+def status_snapshot(
+    *, swarm: str, model: str, live: LiveState, exchange: Exchange, totals: NodeTotals
+) -> dict[str, Any]:
     """JSON-safe status for /status, /metrics and the dashboard; `swarm` is the swarm's name or "silo"."""
     rewards = [h["reward_mean"] for h in live.history]
     ma = rewards[-20:]
@@ -195,15 +224,21 @@ def status_snapshot(*, swarm: str, model: str, live: LiveState, exchange: Exchan
         "peers": dict(stats.peers),
         "groups": stats.to_dict(),
         "reputation": exchange.reputation.snapshot(),
-        "verify": {"last_round_s": stats.round_verify_s, "last_round_bytes": stats.round_verify_bytes,
-                   "last_round_batches": stats.round_verified},
+        "verify": {
+            "last_round_s": stats.round_verify_s,
+            "last_round_bytes": stats.round_verify_bytes,
+            "last_round_batches": stats.round_verified,
+        },
         "totals": totals.state_dict(),
         "last_round_at": live.last_round_at,
         "eval": live.last_eval,
         "entropy": last.get("entropy_mean") if last else None,
         "signal_frac": last.get("signal_frac") if last else None,
-        "guard": {"lr": last.get("lr") if last else None, "restores": last.get("guard_restores", 0) if last else 0,
-                  "last": live.last_guard},
+        "guard": {
+            "lr": last.get("lr") if last else None,
+            "restores": last.get("guard_restores", 0) if last else 0,
+            "last": live.last_guard,
+        },
     }
 
 
@@ -212,5 +247,3 @@ def _count_sources(groups: list[Group]) -> dict[str, int]:
     for g in groups:
         counts[g.source[:SOURCE_PREFIX]] = counts.get(g.source[:SOURCE_PREFIX], 0) + 1
     return counts
-
-

@@ -43,8 +43,10 @@ class TransportConfig:
         if self.fetch_max < 1:
             raise ValueError("fetch_max must be >= 1")
         if not presence_fits(self.swarm):
-            raise ValueError(f"swarm name too long ({len(self.swarm.encode())} bytes): its presence records would "
-                             f"exceed {MAX_PRESENCE_BYTES} bytes and no peer would ever find this node")
+            raise ValueError(
+                f"swarm name too long ({len(self.swarm.encode())} bytes): its presence records would "
+                f"exceed {MAX_PRESENCE_BYTES} bytes and no peer would ever find this node"
+            )
         if self.presence_sample <= 0:
             self.presence_sample = 2 * self.fetch_max
         if self.p2p_identity_file is None:

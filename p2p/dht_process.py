@@ -76,8 +76,9 @@ def start_dht(
         initial_peers=initial_peers or None,
         start=True,
         await_ready=False,
-        record_validators=[SapoRecordValidator(identity, swarm, caps, pow_difficulty=pow_difficulty,
-                                               presence_shards=presence_shards)],
+        record_validators=[
+            SapoRecordValidator(identity, swarm, caps, pow_difficulty=pow_difficulty, presence_shards=presence_shards)
+        ],
         **kwargs,
     )
 
@@ -96,9 +97,7 @@ async def get_many_in_dht(_dht: hivemind.DHT, node: Any, keys: list[str]) -> dic
     return out
 
 
-async def store_from_file(
-    _dht: hivemind.DHT, node: Any, key: str, subkey: bytes, path: str, expiration: float
-) -> bool:
+async def store_from_file(_dht: hivemind.DHT, node: Any, key: str, subkey: bytes, path: str, expiration: float) -> bool:
     """Runs inside the DHT process: store the value spilled to `path` (see `p2p.transport.spill`). A file
     that is gone means the publisher gave up on this store first (its timeout, or a stop) and removed it:
     nothing to store, and no traceback on the console (hivemind prints one for any error here)."""
@@ -157,8 +156,9 @@ def die_with_parent(dht: hivemind.DHT, timeout: float = 10.0) -> bool:
     """Blocking: tie `dht`'s process to this one (call from the thread that started it: the death signal
     follows the forking thread). False where unsupported or on failure; never raises."""
     try:
-        return bool(dht.run_coroutine(partial(_die_with_parent, parent_pid=os.getpid()),
-                                      return_future=True).result(timeout))
+        return bool(
+            dht.run_coroutine(partial(_die_with_parent, parent_pid=os.getpid()), return_future=True).result(timeout)
+        )
     except Exception as e:
         logger.warning("could not tie the DHT process to this one: %s: %s", type(e).__name__, e)
         return False

@@ -41,9 +41,7 @@ class Identity:
 
     def __init__(self, private_key: Ed25519PrivateKey, pow_nonce: bytes = bytes(NONCE_LEN)) -> None:
         self._key = private_key
-        self._public = private_key.public_key().public_bytes(
-            serialization.Encoding.Raw, serialization.PublicFormat.Raw
-        )
+        self._public = private_key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         self.pow_nonce = pow_nonce
 
     @classmethod
@@ -54,8 +52,14 @@ class Identity:
         return cls(key, mint_pow(public, pow_difficulty))
 
     @classmethod
-    def load_or_create(cls, path: Path, create: bool, pow_difficulty: int = 0, pow_path: Path | None = None,
-                       should_stop: Callable[[], bool] | None = None) -> Identity:
+    def load_or_create(
+        cls,
+        path: Path,
+        create: bool,
+        pow_difficulty: int = 0,
+        pow_path: Path | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Identity:
         """Load the key at `path`; create it (mode 0600) only if missing and `create` is True.
 
         Its proof-of-work nonce lives in `pow_path` (default: beside it, `identity.pow`); minted once, or

@@ -30,10 +30,16 @@ logger = logging.getLogger(__name__)
 
 JOINED, SOLO, STARTING = "joined", "solo", "starting"
 # A failed start that retrying cannot fix: this machine's own address or files, not the peers'
-LOCAL_FAILURES = ("address already in use", "cannot assign requested address", "failed to listen",
-                  "already taken by another peer")
-CHECK = ("check that the peer at that address is running and reachable from here (address, port, firewall) and "
-         "that --peers names its current address")
+LOCAL_FAILURES = (
+    "address already in use",
+    "cannot assign requested address",
+    "failed to listen",
+    "already taken by another peer",
+)
+CHECK = (
+    "check that the peer at that address is running and reachable from here (address, port, firewall) and "
+    "that --peers names its current address"
+)
 
 
 @dataclass(frozen=True)
@@ -110,9 +116,17 @@ async def probe(maddr: str, timeout: float) -> str | None:
 class Membership:
     """Keeps `transport` in its swarm (module docstring). `joined` and `state` are read by the exchange."""
 
-    def __init__(self, transport: SwarmTransport, require_peers: bool = False, backoff: Backoff = Backoff(),
-                 probe_timeout_s: float = 3.0, watch_every_s: float = 10.0, alone_after: int = 2,
-                 remind_every_s: float = 600.0, rng: random.Random | None = None):
+    def __init__(
+        self,
+        transport: SwarmTransport,
+        require_peers: bool = False,
+        backoff: Backoff = Backoff(),
+        probe_timeout_s: float = 3.0,
+        watch_every_s: float = 10.0,
+        alone_after: int = 2,
+        remind_every_s: float = 600.0,
+        rng: random.Random | None = None,
+    ):
         self.transport = transport
         self.require_peers = require_peers
         self.backoff, self.probe_timeout_s, self.watch_every_s = backoff, probe_timeout_s, watch_every_s
@@ -174,8 +188,12 @@ class Membership:
             self._set(JOINED)
             return
         self._set(SOLO, error=error)
-        logger.warning("no initial peer answered (%s): training in silo and retrying in the background; %s "
-                       "(or pass --require-peers to exit instead)", error, CHECK)
+        logger.warning(
+            "no initial peer answered (%s): training in silo and retrying in the background; %s "
+            "(or pass --require-peers to exit instead)",
+            error,
+            CHECK,
+        )
 
     async def _try_join(self) -> str | None:
         """Probe the initial peers; if one answers, (re)start the DHT peer through them. None once joined,
@@ -260,8 +278,12 @@ class Membership:
 
     def _joined_again(self, how: str) -> None:
         st = self.state
-        logger.info("joined the swarm%s (solo since %s, %d tries): sharing from the next round", how,
-                    clock_time(st.since), st.tries)
+        logger.info(
+            "joined the swarm%s (solo since %s, %d tries): sharing from the next round",
+            how,
+            clock_time(st.since),
+            st.tries,
+        )
         self._set(JOINED)
 
     def _set(self, state: str, error: str = "", since: float | None = None) -> None:

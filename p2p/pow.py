@@ -93,7 +93,7 @@ class MintMeter:
 
     def __init__(self, difficulty: int, start: int, clock: Callable[[], float] = time.monotonic):
         self.difficulty, self.start, self.clock = difficulty, start, clock
-        self.expected = 2.0 ** difficulty  # hashes, on average
+        self.expected = 2.0**difficulty  # hashes, on average
         self.t0 = clock()
         self.next_log = self.t0 + RATE_PROBE_S
         self.estimated = False
@@ -109,14 +109,26 @@ class MintMeter:
             self.estimated = True
             mean = self.expected / max(rate, 1.0)
             resumed = f", going on from {counter / 1e6:.1f} M hashes tried before" if self.start else ""
-            logger.info("minting this key's proof of work (%d bits, once%s): %.2f M hashes/s measured on this "
-                        "machine, so about %s on average; it is a lottery: 1 mint in 20 takes over %s. Progress "
-                        "every %.0f s; a stop keeps what was tried", self.difficulty, resumed, rate / 1e6,
-                        duration(mean), duration(3 * mean), PROGRESS_EVERY_S)
+            logger.info(
+                "minting this key's proof of work (%d bits, once%s): %.2f M hashes/s measured on this "
+                "machine, so about %s on average; it is a lottery: 1 mint in 20 takes over %s. Progress "
+                "every %.0f s; a stop keeps what was tried",
+                self.difficulty,
+                resumed,
+                rate / 1e6,
+                duration(mean),
+                duration(3 * mean),
+                PROGRESS_EVERY_S,
+            )
             return
-        logger.info("proof of work: %.1f M hashes tried (%.0f%% of the average %.1f M) in %s at %.2f M/s; "
-                    "still searching", counter / 1e6, 100 * counter / self.expected, self.expected / 1e6,
-                    duration(elapsed), rate / 1e6)
+        logger.info(
+            "proof of work: %.1f M hashes tried (%.0f%% of the average %.1f M) in %s at %.2f M/s; still searching",
+            counter / 1e6,
+            100 * counter / self.expected,
+            self.expected / 1e6,
+            duration(elapsed),
+            rate / 1e6,
+        )
 
     def done(self, counter: int) -> None:
         if self.estimated:
@@ -134,8 +146,9 @@ def duration(seconds: float) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
-def mint_pow(public_key: bytes, difficulty: int, should_stop: Callable[[], bool] | None = None,
-             start: int = 0) -> bytes:
+def mint_pow(
+    public_key: bytes, difficulty: int, should_stop: Callable[[], bool] | None = None, start: int = 0
+) -> bytes:
     """Search nonces start, start + 1, ... until one proves `difficulty` bits (2**difficulty hashes on average).
     Every CHUNK hashes `should_stop` is asked (MintStopped when it says yes) and, from LOG_FROM_BITS bits,
     the meter may log (MintMeter)."""
@@ -164,8 +177,9 @@ def mint_pow(public_key: bytes, difficulty: int, should_stop: Callable[[], bool]
             meter.tick(counter)
 
 
-def load_or_mint_pow(path: Path, public_key: bytes, difficulty: int,
-                     should_stop: Callable[[], bool] | None = None) -> bytes:
+def load_or_mint_pow(
+    path: Path, public_key: bytes, difficulty: int, should_stop: Callable[[], bool] | None = None
+) -> bytes:
     """The nonce stored at `path` if it still proves `difficulty`, else a new one (written atomically, 0600).
     A mint stopped by `should_stop` leaves its progress beside it (`<path>.progress`): the next mint of
     this key goes on from there instead of trying the same nonces again (then MintStopped goes on up)."""

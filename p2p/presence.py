@@ -120,7 +120,11 @@ class PresenceSampler:
         self.fetched.pop((pub, round_), None)
 
     async def sample(
-        self, get_many: GetMany, deadline: float, stats: FetchStats, chooser: PublisherChooser,
+        self,
+        get_many: GetMany,
+        deadline: float,
+        stats: FetchStats,
+        chooser: PublisherChooser,
     ) -> dict[bytes, int]:
         """Read presence shards until `presence_sample` fresh allowed candidates (publisher -> round) are known.
 
@@ -169,7 +173,11 @@ class PresenceSampler:
         return keys
 
     def _take(
-        self, entries: dict[bytes, bytes], chooser: PublisherChooser, candidates: dict[bytes, int], stats: FetchStats,
+        self,
+        entries: dict[bytes, bytes],
+        chooser: PublisherChooser,
+        candidates: dict[bytes, int],
+        stats: FetchStats,
     ) -> None:
         """Add the valid, current presence records of one shard to `candidates` (and to the memories)."""
         cfg = self.config

@@ -64,7 +64,8 @@ class SwarmTransport:
     def __init__(self, config: TransportConfig, identity: Identity | None = None) -> None:
         self.config = config
         self.identity = identity or Identity.load_or_create(
-            Path(config.identity_dir) / KEY_FILENAME, create=config.create_identity,
+            Path(config.identity_dir) / KEY_FILENAME,
+            create=config.create_identity,
             pow_difficulty=config.pow_difficulty,
         )
         self._dht: hivemind.DHT | None = None
@@ -154,14 +155,20 @@ class SwarmTransport:
             # the batch first: a presence record must never announce a batch that is not stored yet, since
             # readers count an announced batch they cannot find as a ghost (evidence against its publisher)
             ok_batch = await self.dht.run_coroutine(
-                partial(store_from_file, key=batch_key(cfg.swarm, me, round), subkey=self._subkey, path=spill,
-                        expiration=expiration),  # fmt: skip
+                partial(
+                    store_from_file,
+                    key=batch_key(cfg.swarm, me, round),
+                    subkey=self._subkey,
+                    path=spill,
+                    expiration=expiration,
+                ),  # fmt: skip
                 return_future=True,
             )
             if not ok_batch:
                 return False, False
-            stored = await asyncio.gather(*(self.dht.store(home, presence, expiration, subkey=self._subkey,
-                                                           return_future=True) for home in homes))
+            stored = await asyncio.gather(
+                *(self.dht.store(home, presence, expiration, subkey=self._subkey, return_future=True) for home in homes)
+            )
             if not all(stored[1:]):  # peers that do not know work tiers refuse the tier key: readers still
                 logger.debug("round %d: presence not stored under our work tier's key", round)  # find tier 0
             return bool(ok_batch), bool(stored[0])  # homes[0] is the tier-0 key, where every reader looks
@@ -193,8 +200,7 @@ class SwarmTransport:
             f.write(value)
         return path
 
-    async def fetch(self, max_bytes: int | None = None,
-                    chooser: PublisherChooser | None = None) -> list[FetchedRecord]:
+    async def fetch(self, max_bytes: int | None = None, chooser: PublisherChooser | None = None) -> list[FetchedRecord]:
         """At most `fetch_max` new batches among a bounded sample, chosen by `chooser` (uniform by default),
         which also decides whom to skip before any batch is fetched (`PublisherChooser.allowed`). Records beyond
         `max_bytes` in total are dropped. Partial results on timeout; never raises on network trouble.
@@ -209,11 +215,16 @@ class SwarmTransport:
         deadline = started + self.config.fetch_timeout_s
         candidates = await self.sampler.sample(self._get_many, deadline, stats, chooser)
         tiers = {pub: self.sampler.tiers.get(pub, 0) for pub in candidates}
-        chosen = [(pub, candidates[pub]) for pub in chooser.choose(candidates, self.config.fetch_max, tiers)
-                  if pub in candidates][:self.config.fetch_max]
+        chosen = [
+            (pub, candidates[pub])
+            for pub in chooser.choose(candidates, self.config.fetch_max, tiers)
+            if pub in candidates
+        ][: self.config.fetch_max]
         stats.batches_requested = len(chosen)
-        gets = [asyncio.ensure_future(self._get_many([batch_key(self.config.swarm, pub, r)], deadline, missing=True))
-                for pub, r in chosen]
+        gets = [
+            asyncio.ensure_future(self._get_many([batch_key(self.config.swarm, pub, r)], deadline, missing=True))
+            for pub, r in chosen
+        ]
         out: list[FetchedRecord] = []
         total = 0
         for (pub, r), fut in zip(chosen, gets):
@@ -247,8 +258,9 @@ class SwarmTransport:
         """Fetch already-fetched batches again (benchmarks measure every sample as a fresh round)."""
         self.sampler.fetched.clear()
 
-    async def _get_many(self, keys: list[str], deadline: float | None = None,
-                        missing: bool = False) -> dict[str, dict[bytes, bytes]] | None:
+    async def _get_many(
+        self, keys: list[str], deadline: float | None = None, missing: bool = False
+    ) -> dict[str, dict[bytes, bytes]] | None:
         """key -> {publisher key -> envelope bytes} for the keys found, in one DHT search; None when the
         search timed out or failed (so a caller can tell "not there" from "no answer"). With `missing`,
         a key that was not found maps to {} (the search completed: evidence that nothing is stored).

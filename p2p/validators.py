@@ -127,8 +127,13 @@ class SapoRecordValidator(RecordValidatorBase):
     """Signs this peer's records and rejects every record that is not a valid owned SAPO record."""
 
     def __init__(
-        self, identity: Identity, swarm: str, caps: WireCaps = WireCaps(), max_ttl_s: float = MAX_RECORD_TTL_S,
-        pow_difficulty: int = 0, presence_shards: int = DEFAULT_PRESENCE_SHARDS,
+        self,
+        identity: Identity,
+        swarm: str,
+        caps: WireCaps = WireCaps(),
+        max_ttl_s: float = MAX_RECORD_TTL_S,
+        pow_difficulty: int = 0,
+        presence_shards: int = DEFAULT_PRESENCE_SHARDS,
         also_sign_for: tuple[Identity, ...] = (),
     ) -> None:
         """`also_sign_for`: more identities hosted by this DHT process (benchmarks and Sybil tests only)."""
@@ -146,13 +151,20 @@ class SapoRecordValidator(RecordValidatorBase):
     # DHT is a forked process today, but keep the validator picklable (run_coroutine pickles).
     def __getstate__(self) -> dict[str, Any]:
         seeds = [(i.private_bytes(), i.pow_nonce) for i in (self._identity, *self._also)]
-        return {"seeds": seeds, "swarm": self._swarm, "caps": self._caps, "ttl": self._max_ttl_s,
-                "pow": self._pow_difficulty, "shards": self._shards}
+        return {
+            "seeds": seeds,
+            "swarm": self._swarm,
+            "caps": self._caps,
+            "ttl": self._max_ttl_s,
+            "pow": self._pow_difficulty,
+            "shards": self._shards,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         ids = [Identity(Ed25519PrivateKey.from_private_bytes(seed), nonce) for seed, nonce in state["seeds"]]
-        self.__init__(ids[0], state["swarm"], state["caps"], state["ttl"], state["pow"],  # type: ignore[misc]
-                      state["shards"], tuple(ids[1:]))
+        SapoRecordValidator.__init__(
+            self, ids[0], state["swarm"], state["caps"], state["ttl"], state["pow"], state["shards"], tuple(ids[1:])
+        )
 
     @property
     def priority(self) -> int:
@@ -181,8 +193,10 @@ class SapoRecordValidator(RecordValidatorBase):
             self.rejections[reason_code(reason)] += 1
             if reason == OLD_VERSION_REASON and not self.old_version_logged:
                 self.old_version_logged = True  # one line per process, however many old records arrive
-                logger.warning(f"refusing DHT records of an older SAPO protocol (this peer speaks v{WIRE_VERSION}); "
-                               "peers still on it must upgrade to exchange with this swarm")
+                logger.warning(
+                    f"refusing DHT records of an older SAPO protocol (this peer speaks v{WIRE_VERSION}); "
+                    "peers still on it must upgrade to exchange with this swarm"
+                )
         return reason is None
 
     def check(self, record: DHTRecord) -> str | None:
@@ -263,8 +277,11 @@ def keep_valid_subkeys(protocol: Any) -> None:
         if validator is None:
             return True
         with dictionary.freeze():
-            bad = [subkey for subkey, (value, expiration) in dictionary.items()
-                   if not validator.validate(DHTRecord(key_bytes, serializer.dumps(subkey), value, expiration))]
+            bad = [
+                subkey
+                for subkey, (value, expiration) in dictionary.items()
+                if not validator.validate(DHTRecord(key_bytes, serializer.dumps(subkey), value, expiration))
+            ]
         for subkey in bad:
             del dictionary[subkey]
         return len(dictionary) > 0 or not bad

@@ -163,8 +163,14 @@ def presence_to_dict(rec: PresenceRecord) -> dict[str, Any]:
 
 def seal(payload: bytes, identity: Identity) -> bytes:
     """Wrap payload bytes in a signed envelope."""
-    return (MAGIC + bytes([ENVELOPE_VERSION]) + identity.public_key_bytes + identity.pow_nonce
-            + identity.sign(payload) + payload)
+    return (
+        MAGIC
+        + bytes([ENVELOPE_VERSION])
+        + identity.public_key_bytes
+        + identity.pow_nonce
+        + identity.sign(payload)
+        + payload
+    )
 
 
 def encode_signed(batch: RolloutBatch, identity: Identity) -> bytes:
@@ -331,12 +337,16 @@ def _check_group_schema(g: Any, caps: WireCaps) -> None:
     _require(_is_int(task.get("index")) and 0 <= task["index"] <= MAX_INT, "task.index must be an int in [0, 2^63)")
     comps, rewards = g.get("completions"), g.get("rewards")
     _require(isinstance(comps, list) and all(isinstance(c, str) for c in comps), "completions must be strings")
-    _require(isinstance(rewards, list) and all(_in_range(r, -MAX_ABS_REWARD, MAX_ABS_REWARD) for r in rewards),
-             "rewards must be finite numbers in range")
+    _require(
+        isinstance(rewards, list) and all(_in_range(r, -MAX_ABS_REWARD, MAX_ABS_REWARD) for r in rewards),
+        "rewards must be finite numbers in range",
+    )
     _require(len(rewards) == len(comps), "one reward per completion")
     if "logp_mean" in g:  # minor 1; a malformed one is the publisher's fault like any other schema error
-        _require(_valid_logp_mean(g["logp_mean"], len(comps)),
-                 f"logp_mean must hold one number in [{MIN_LOGP_MEAN}, 0] per completion")
+        _require(
+            _valid_logp_mean(g["logp_mean"], len(comps)),
+            f"logp_mean must hold one number in [{MIN_LOGP_MEAN}, 0] per completion",
+        )
 
 
 def _valid_logp_mean(values: Any, n: int) -> bool:

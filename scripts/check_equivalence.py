@@ -32,23 +32,84 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 ROUNDS = 3
 RESUME_AFTER = 2
-FLAGS = ["--model", "tiny-random", "--tasks", "smoke", "--rollout-engine", "torch", "--beta", "0",
-         "--lora-rank", "0", "--lr", "1e-3", "--generations", "4", "--num-local", "4", "--num-external", "0",
-         "--max-new-tokens", "12", "--eval-every", "1", "--eval-size", "16", "--seed", "3", "--threads", "1",
-         "--mixed-precision", "off", "--checkpoint-every", "1", "--ij-policy", "fixed", "--no-tensorboard"]
+FLAGS = [
+    "--model",
+    "tiny-random",
+    "--tasks",
+    "smoke",
+    "--rollout-engine",
+    "torch",
+    "--beta",
+    "0",
+    "--lora-rank",
+    "0",
+    "--lr",
+    "1e-3",
+    "--generations",
+    "4",
+    "--num-local",
+    "4",
+    "--num-external",
+    "0",
+    "--max-new-tokens",
+    "12",
+    "--eval-every",
+    "1",
+    "--eval-size",
+    "16",
+    "--seed",
+    "3",
+    "--threads",
+    "1",
+    "--mixed-precision",
+    "off",
+    "--checkpoint-every",
+    "1",
+    "--ij-policy",
+    "fixed",
+    "--no-tensorboard",
+]
 # what the node learned each round; timings, dates and memory are left out (they differ run to run)
-KEYS = ("round", "reward_mean", "reward_max", "loss", "kl", "clip_frac", "grad_norm", "ratio_mean",
-        "optimizer_steps", "tokens_generated", "num_local", "num_external", "target_local", "target_external",
-        "dropped_zero_adv_local", "dropped_zero_adv_external", "local_signal_frac", "entropy_mean",
-        "signal_frac", "eval_accuracy", "eval_baseline", "eval_size", "eval_scores", "eval_answers")
+KEYS = (
+    "round",
+    "reward_mean",
+    "reward_max",
+    "loss",
+    "kl",
+    "clip_frac",
+    "grad_norm",
+    "ratio_mean",
+    "optimizer_steps",
+    "tokens_generated",
+    "num_local",
+    "num_external",
+    "target_local",
+    "target_external",
+    "dropped_zero_adv_local",
+    "dropped_zero_adv_external",
+    "local_signal_frac",
+    "entropy_mean",
+    "signal_frac",
+    "eval_accuracy",
+    "eval_baseline",
+    "eval_size",
+    "eval_scores",
+    "eval_answers",
+)
 PREFIXES = ("eval_accuracy/", "eval_baseline/")  # per dataset
 
 
 def node_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAPO_")}  # only FLAGS configure the run
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", SAPO_POW_DIFFICULTY="0",
-               SAPO_COLLAPSE_GUARD="false")  # the collapse guard off; code from before it ignores the variable
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        SAPO_POW_DIFFICULTY="0",
+        SAPO_COLLAPSE_GUARD="false",
+    )  # the collapse guard off; code from before it ignores the variable
     return env
 
 
@@ -96,12 +157,16 @@ def last_checkpoint(run_dir: Path) -> dict[str, Any]:
     state.pop("config", None)
     state.pop("version", None)
     state.pop("guard", None)  # the collapse guard's state (off here), added after the reference was taken
-    return {"name": path.name,
-            "weights_sha256": digest(torch.load(path / "model.pt", map_location="cpu", weights_only=True)),
-            "optimizer_sha256": digest(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)),
-            "state_sha256": hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest(),
-            "next_round": state.get("next_round"), "totals": state.get("totals"), "ij_policy": state.get("ij_policy"),
-            "meta": json.loads((path / "MANIFEST.json").read_text()).get("meta")}
+    return {
+        "name": path.name,
+        "weights_sha256": digest(torch.load(path / "model.pt", map_location="cpu", weights_only=True)),
+        "optimizer_sha256": digest(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)),
+        "state_sha256": hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest(),
+        "next_round": state.get("next_round"),
+        "totals": state.get("totals"),
+        "ij_policy": state.get("ij_policy"),
+        "meta": json.loads((path / "MANIFEST.json").read_text()).get("meta"),
+    }
 
 
 def measure(repo: Path) -> dict[str, Any]:
@@ -111,18 +176,24 @@ def measure(repo: Path) -> dict[str, Any]:
         run_node(repo, straight, "--rounds", str(ROUNDS))
         run_node(repo, resumed, "--rounds", str(RESUME_AFTER))
         run_node(repo, resumed, "--rounds", str(ROUNDS), "--resume")
-        return {"flags": FLAGS, "straight": learned(straight), "resumed": learned(resumed),
-                "checkpoint": {"straight": last_checkpoint(straight), "resumed": last_checkpoint(resumed)}}
+        return {
+            "flags": FLAGS,
+            "straight": learned(straight),
+            "resumed": learned(resumed),
+            "checkpoint": {"straight": last_checkpoint(straight), "resumed": last_checkpoint(resumed)},
+        }
 
 
 def measure_rev(rev: str) -> dict[str, Any]:
     """The same figures for another commit, from a temporary git worktree of it."""
-    commit = subprocess.run(["git", "rev-parse", "--short", rev], cwd=REPO, check=True, capture_output=True,
-                            text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", rev], cwd=REPO, check=True, capture_output=True, text=True
+    ).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="sapo-equiv-rev-") as tmp:
         tree = Path(tmp) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], cwd=REPO, check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(tree), commit], cwd=REPO, check=True, capture_output=True
+        )
         try:
             return {"rev": commit, **measure(tree)}
         finally:
@@ -140,8 +211,10 @@ def differences(ref: dict[str, Any], now: dict[str, Any]) -> list[str]:
         for ra, rb in zip(a, b):
             for key in sorted(set(ra) | set(rb)):
                 if ra.get(key, "<missing>") != rb.get(key, "<missing>"):
-                    out.append(f"{run} round {ra.get('round')}: {key}: {ra.get(key, '<missing>')!r} "
-                               f"-> {rb.get(key, '<missing>')!r}")
+                    out.append(
+                        f"{run} round {ra.get('round')}: {key}: {ra.get(key, '<missing>')!r} "
+                        f"-> {rb.get(key, '<missing>')!r}"
+                    )
     for run, ca in ref.get("checkpoint", {}).items():
         cb = now.get("checkpoint", {}).get(run, {})
         for key in sorted(set(ca) | set(cb)):
@@ -167,8 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{len(diffs)} difference(s) from {args.compare} (rev {ref.get('rev')}):")
             print("\n".join(f"  {d}" for d in diffs))
             return 1
-        print(f"identical to {args.compare} (rev {ref.get('rev')}): {len(now['straight'])} rounds straight, "
-              f"{len(now['resumed'])} with a resume")
+        print(
+            f"identical to {args.compare} (rev {ref.get('rev')}): {len(now['straight'])} rounds straight, "
+            f"{len(now['resumed'])} with a resume"
+        )
     return 0
 
 

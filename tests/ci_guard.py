@@ -18,8 +18,12 @@ import pytest
 
 # node id prefixes of the tests whose skips must not pass silently in CI, by what they need
 GUARDED: dict[str, tuple[str, ...]] = {
-    "engine": ("tests/learn/test_engine.py", "tests/learn/test_eval_engine.py", "tests/e2e/test_engines_cli.py",
-               "tests/lab/test_survey.py"),
+    "engine": (
+        "tests/learn/test_engine.py",
+        "tests/learn/test_eval_engine.py",
+        "tests/e2e/test_engines_cli.py",
+        "tests/lab/test_survey.py",
+    ),
     "browser": ("tests/ops/test_dashboard.py",),
     "versions": ("tests/p2p/test_p2p_versions.py",),
     "models": ("tests/e2e/test_two_families.py",),
@@ -65,8 +69,10 @@ def verdict(nodeid: str, reason: str, env=os.environ) -> str | None:
     group = guarded_group(nodeid, reason)
     if not in_ci(env) or group is None or allowed(nodeid):
         return None
-    return (f"skipped in CI, where the {group} tests must run ({reason}). Fix the CI set-up (.ci/run), or add "
-            f"the test to ALLOWED in tests/ci_guard.py and say in docs/TESTING.md why it cannot run in CI.")
+    return (
+        f"skipped in CI, where the {group} tests must run ({reason}). Fix the CI set-up (.ci/run), or add "
+        f"the test to ALLOWED in tests/ci_guard.py and say in docs/TESTING.md why it cannot run in CI."
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)

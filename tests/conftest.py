@@ -104,8 +104,9 @@ def run_python(argv: list[str], timeout: float = 240, env: dict | None = None) -
     the preloaded interpreter (tests/forkserver.py) where it runs."""
     env = node_env() if env is None else env
     if not forkserver.usable():
-        return subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run(
+            [sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+        )
     with tempfile.TemporaryDirectory(prefix="run-python-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         child = forkserver.spawn(argv, REPO, env, out, err)
@@ -114,10 +115,12 @@ def run_python(argv: list[str], timeout: float = 240, env: dict | None = None) -
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait(30)
-            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, out.read_bytes(),
-                                            err.read_bytes()) from None
-        return subprocess.CompletedProcess([sys.executable, *argv], child.returncode,
-                                           out.read_text(errors="replace"), err.read_text(errors="replace"))
+            raise subprocess.TimeoutExpired(
+                [sys.executable, *argv], timeout, out.read_bytes(), err.read_bytes()
+            ) from None
+        return subprocess.CompletedProcess(
+            [sys.executable, *argv], child.returncode, out.read_text(errors="replace"), err.read_text(errors="replace")
+        )
 
 
 def run_node(*args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
@@ -128,13 +131,28 @@ def run_node(*args: str, timeout: float = 240, **env: str) -> subprocess.Complet
 @pytest.fixture
 def tiny_args():
     """A fast solo configuration on the tiny random model."""
-    return ["--model", "tiny-random", "--tasks", "smoke", "--generations", "4", "--num-local", "2",
-            "--max-new-tokens", "8", "--seed", "3", *NO_EVAL]
+    return [
+        "--model",
+        "tiny-random",
+        "--tasks",
+        "smoke",
+        "--generations",
+        "4",
+        "--num-local",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--seed",
+        "3",
+        *NO_EVAL,
+    ]
 
 
 # ------------------------------------------- real swarms: bootstrap and node subprocesses (scripts/bench/procs.py)
 
 FETCH_TIMEOUT_S = 30.0  # bare transports in tests: see transport()
+
+
 def sources(records: list[dict]) -> set[str]:
     return {src for r in records for src in r.get("external_sources", {})}
 
@@ -152,8 +170,9 @@ def wait_for(pred, procs: list[Proc], timeout: float, what: str, poll: float = 0
     while not pred():
         for p in procs:
             if not p.alive():
-                raise AssertionError(f"{p.out.name} exited (rc {p.p.returncode}) while waiting for {what}:\n"
-                                     f"{p.text()[-3000:]}")
+                raise AssertionError(
+                    f"{p.out.name} exited (rc {p.p.returncode}) while waiting for {what}:\n{p.text()[-3000:]}"
+                )
         if time.monotonic() > deadline:
             for p in procs:  # a node prints every thread's stack on SIGUSR1: where it is stuck
                 if p.alive() and p.dumps_stacks:
@@ -191,8 +210,9 @@ def smoke_group(seed: int, index_shift: int = 0, claimed=None) -> WireGroup:
     return WireGroup(TaskSpecWire(**task.spec.to_wire()), completions, rewards)
 
 
-def transport(tmp: Path, name: str, swarm: str, peers: list[str], identity: Identity | None = None,
-              **kw) -> SwarmTransport:
+def transport(
+    tmp: Path, name: str, swarm: str, peers: list[str], identity: Identity | None = None, **kw
+) -> SwarmTransport:
     """A bare SwarmTransport on loopback with the test swarm's (low) proof-of-work difficulty, and fetch and
     publish timeouts no loaded machine reaches on loopback: tests compare what a fetch returns with exact
     sets, a fetch returns what it has at its timeout, and a publish cut at its timeout returns False (seen
@@ -200,8 +220,10 @@ def transport(tmp: Path, name: str, swarm: str, peers: list[str], identity: Iden
     kw.setdefault("pow_difficulty", int(os.environ["SAPO_POW_DIFFICULTY"]))
     kw.setdefault("fetch_timeout_s", FETCH_TIMEOUT_S)
     kw.setdefault("publish_timeout_s", FETCH_TIMEOUT_S)
-    return SwarmTransport(TransportConfig(identity_dir=tmp / name, swarm=swarm, host_maddrs=[LOOPBACK],
-                                          initial_peers=peers, **kw), identity)
+    return SwarmTransport(
+        TransportConfig(identity_dir=tmp / name, swarm=swarm, host_maddrs=[LOOPBACK], initial_peers=peers, **kw),
+        identity,
+    )
 
 
 def tiny_gemma3(vocab: int, window: int, pad_id: int = 0, tie: bool = True) -> torch.nn.Module:
@@ -209,10 +231,21 @@ def tiny_gemma3(vocab: int, window: int, pad_id: int = 0, tie: bool = True) -> t
     mix of the real model's cache. Seed torch before calling for fixed weights."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    return Gemma3ForCausalLM(Gemma3TextConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=window, layer_types=["sliding_attention", "full_attention"],
-        pad_token_id=pad_id, tie_word_embeddings=tie))
+    return Gemma3ForCausalLM(
+        Gemma3TextConfig(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=window,
+            layer_types=["sliding_attention", "full_attention"],
+            pad_token_id=pad_id,
+            tie_word_embeddings=tie,
+        )
+    )
 
 
 def tiny_signal_groups(seed: int, max_new_tokens: int):
@@ -238,9 +271,23 @@ def tiny_memory_node(run_dir: Path, *args: str):
     from node.swarm.memory_exchange import MemoryBoard, MemoryExchange
     from node.swarm.verify import VerifyConfig
 
-    cfg = load_config(["--model", "tiny-random", "--tasks", "smoke", "--generations", "2", "--run-dir", str(run_dir),
-                       "--swarm", "mem", "--no-tensorboard", *args], env={})
+    cfg = load_config(
+        [
+            "--model",
+            "tiny-random",
+            "--tasks",
+            "smoke",
+            "--generations",
+            "2",
+            "--run-dir",
+            str(run_dir),
+            "--swarm",
+            "mem",
+            "--no-tensorboard",
+            *args,
+        ],
+        env={},
+    )
     model, tok = load_model("tiny-random", torch.device("cpu"))
     exchange = MemoryExchange(MemoryBoard(), Identity.generate(), PRESETS["smoke"], VerifyConfig(swarm="mem"), "tiny")
     return build_node(cfg, PRESETS["smoke"], model, tok, exchange, torch.device("cpu"))
-

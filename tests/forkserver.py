@@ -77,8 +77,15 @@ class _Client:
         self.count = 0
         self.dir = Path(tempfile.mkdtemp(prefix="sapo-forkserver-"))  # the children's return codes
         env = SERVER_ENV or dict(os.environ)
-        self.server = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       cwd=Path(__file__).resolve().parents[1], env=env, text=True, bufsize=1)
+        self.server = subprocess.Popen(
+            [sys.executable, __file__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=Path(__file__).resolve().parents[1],
+            env=env,
+            text=True,
+            bufsize=1,
+        )
         ready = self.server.stdout.readline()
         if ready.strip() != "ready":
             raise RuntimeError(f"fork server did not start: {ready!r}")
@@ -88,8 +95,14 @@ class _Client:
         with self.lock:
             self.count += 1
             status = self.dir / f"{self.count}.rc"
-            request = {"argv": argv, "cwd": str(cwd), "env": env, "out": str(out), "err": str(err or out),
-                       "status": str(status)}
+            request = {
+                "argv": argv,
+                "cwd": str(cwd),
+                "env": env,
+                "out": str(out),
+                "err": str(err or out),
+                "status": str(status),
+            }
             self.server.stdin.write(json.dumps(request) + "\n")
             self.server.stdin.flush()
             reply = self.server.stdout.readline()
@@ -172,8 +185,9 @@ def _child(req: dict) -> None:
 
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True,
-                                      errors="backslashreplace")
+        sys.stderr = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True, errors="backslashreplace"
+        )
         sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
         code = _run(req["argv"], req["cwd"])
     except SystemExit as exc:

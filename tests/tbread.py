@@ -13,12 +13,13 @@ from tensorboardX.record_writer import masked_crc32c
 def read_events(path: Path) -> list[Event]:
     data, pos, events = path.read_bytes(), 0, []
     while pos < len(data):
-        header = data[pos:pos + 8]
+        header = data[pos : pos + 8]
         (length,) = struct.unpack("<Q", header)
-        assert struct.unpack("<I", data[pos + 8:pos + 12])[0] == masked_crc32c(header), f"{path}: header CRC"
-        body = data[pos + 12:pos + 12 + length]
-        assert struct.unpack("<I", data[pos + 12 + length:pos + 16 + length])[0] == masked_crc32c(body), \
+        assert struct.unpack("<I", data[pos + 8 : pos + 12])[0] == masked_crc32c(header), f"{path}: header CRC"
+        body = data[pos + 12 : pos + 12 + length]
+        assert struct.unpack("<I", data[pos + 12 + length : pos + 16 + length])[0] == masked_crc32c(body), (
             f"{path}: record CRC"
+        )
         events.append(Event.FromString(body))
         pos += 16 + length
     return events

@@ -40,11 +40,11 @@ def test_guarded_files_exist_and_every_allowed_skip_is_explained_in_the_testing_
 def test_the_versions_test_skipped_in_ci_fails_the_run():
     """The real hook on a real guarded test: without the repository's history the versions test skips,
     and in CI pytest then exits 1, naming the skip and its reason."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-           "tests/p2p/test_p2p_versions.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/p2p/test_p2p_versions.py"]
     no_history = {"GIT_DIR": str(REPO / "no-such-git-dir")}
-    ci = subprocess.run(cmd, cwd=REPO, env=node_env(CI="true", **no_history), capture_output=True, text=True,
-                        timeout=180)
+    ci = subprocess.run(
+        cmd, cwd=REPO, env=node_env(CI="true", **no_history), capture_output=True, text=True, timeout=180
+    )
     assert ci.returncode == 1, ci.stdout[-3000:]
     assert "skipped in CI, where the versions tests must run" in ci.stdout and "1 failed" in ci.stdout
     assert "protocol v1 is not in this checkout's git history" in ci.stdout

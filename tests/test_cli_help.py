@@ -39,8 +39,9 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
     module, func = SCRIPTS[name].split(":")
     code = f"import sys; sys.argv[0] = {name!r}; from {module} import {func}; sys.exit({func}())"
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", COLUMNS="100")
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def parser_of(name: str):
@@ -76,15 +77,22 @@ def test_version_exits_0(name):
 # --- the options table of docs/CONFIGURATION.md ---------------------------------------------------------------------
 
 # Prose the table uses for a default, and the values it stands for.
-WORDS = {"off": (False, 0, ""), "on": (True,), "–": ([], ""), "all cores": (0,), "mix default": (0,),
-         "`--net-timeout`/3": (0.0,)}
+WORDS = {
+    "off": (False, 0, ""),
+    "on": (True,),
+    "–": ([], ""),
+    "all cores": (0,),
+    "mix default": (0,),
+    "`--net-timeout`/3": (0.0,),
+}
 
 
 def config_rows() -> list[tuple[str, str]]:
     """(flags cell, default cell) of each row of the table under '## Options' in docs/CONFIGURATION.md."""
     section = CONFIGURATION.split("\n## Options\n", 1)[1].split("\n## ", 1)[0]
-    rows = [[c.strip() for c in line.strip("|").split(" | ")] for line in section.splitlines()
-            if line.startswith("| `--")]
+    rows = [
+        [c.strip() for c in line.strip("|").split(" | ")] for line in section.splitlines() if line.startswith("| `--")
+    ]
     return [(cells[0], cells[1]) for cells in rows]
 
 
@@ -128,8 +136,9 @@ def test_readme_table_states_the_cpu_recipe_where_it_sets_a_flag():
         assert bool(note) == bool(set_here), f"{flags}: the recipe sets {set_here}; the row says {default!r}"
         if note:  # the recipe's numbers in the row's flag order, its words anywhere in the note
             numbers = [float(x) for x in re.findall(r"\d+(?:\.\d+)?(?:e-?\d+)?", note.group(1))]
-            assert numbers == [recipe[n] for n in set_here if not isinstance(recipe[n], str)], \
+            assert numbers == [recipe[n] for n in set_here if not isinstance(recipe[n], str)], (
                 f"{flags}: the recipe sets {[(n, recipe[n]) for n in set_here]}; the row says {note.group(0)!r}"
+            )
             assert all(recipe[n] in note.group(1) for n in set_here if isinstance(recipe[n], str)), note.group(0)
             seen.update(set_here)
     assert seen == set(recipe), f"the table states no recipe value for {set(recipe) - seen}"
@@ -153,8 +162,9 @@ def test_readme_config_flags_exist_with_their_default(flags, defaults):
         actual = getattr(config, name)
         if isinstance(actual, list) and text.startswith("`"):
             actual = " ".join(actual)
-        assert any(actual == v and type(actual) is not bool or actual is v for v in stated(text)), \
+        assert any(actual == v and type(actual) is not bool or actual is v for v in stated(text)), (
             f"docs/CONFIGURATION.md says {flag} defaults to {text!r}; the parser's default is {actual!r}"
+        )
 
 
 def other_value(name: str) -> str:
@@ -176,8 +186,9 @@ def test_readme_env_vars_are_read():
     that one of the shell scripts they document reads (local_swarm.sh, setup.sh, test.sh, container/build.sh), or
     one the package reads from the environment by name (e.g. SAPO_MODEL_CACHE, where packaged models are
     assembled), or the suite's process starter (tests/forkserver.py)."""
-    script = "".join((REPO / "scripts" / f).read_text()
-                     for f in ("local_swarm.sh", "setup.sh", "test.sh", "container/build.sh"))
+    script = "".join(
+        (REPO / "scripts" / f).read_text() for f in ("local_swarm.sh", "setup.sh", "test.sh", "container/build.sh")
+    )
     code = "".join(p.read_text() for p in [*(REPO / "node").rglob("*.py"), REPO / "tests" / "forkserver.py"])
     names = sorted(set(re.findall(r"\bSAPO_[A-Z][A-Z0-9_]*\b", USER_DOCS)))
     assert "SAPO_NUM_LOCAL" in names and "SAPO_RUN_ROOT" in names
@@ -185,8 +196,9 @@ def test_readme_env_vars_are_read():
     for env in names:
         if re.search(r"\$\{?" + env + r"\b", script) or re.search(r"environ[^\n]*[\"']" + env + r"[\"']", code):
             continue
-        assert env in option, (f"the docs name {env}; "
-                               f"neither sapo-node nor scripts/{{local_swarm,setup,test}}.sh reads it")
+        assert env in option, (
+            f"the docs name {env}; neither sapo-node nor scripts/{{local_swarm,setup,test}}.sh reads it"
+        )
         name = option[env]
         raw = other_value(name)
         assert getattr(load_config([], env={env: raw}), name) != getattr(NodeConfig(), name), env
@@ -198,13 +210,21 @@ def test_readme_env_vars_are_read():
 def test_help_and_config_checks_do_not_import_torch():
     """`sapo-node --help` and the config checks answer at once: the allowed values come from torch-free
     node/learn/choices.py, not from the modules that implement them."""
-    code = ("import sys\nfrom node.cli import main\nfrom node.ops.config import load_config\n"
-            "load_config(['--loss-type', 'dapo', '--ij-policy', 'ema', '--rollout-engine', 'llama'], env={})\n"
-            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "heavy = sorted(m for m in ('torch', 'transformers', 'hivemind') if m in sys.modules)\n"
-            "print('HEAVY', heavy, file=sys.stderr)\n")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
-                          capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys\nfrom node.cli import main\nfrom node.ops.config import load_config\n"
+        "load_config(['--loss-type', 'dapo', '--ij-policy', 'ema', '--rollout-engine', 'llama'], env={})\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'hivemind') if m in sys.modules)\n"
+        "print('HEAVY', heavy, file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "HEAVY []" in done.stderr, done.stderr[-500:]
 

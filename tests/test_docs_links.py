@@ -111,8 +111,12 @@ def test_docs_cite_no_issue_numbers():
     """A tracker's numbers mean nothing to a reader outside it: the docs say what was asked instead."""
     assert ISSUE_NUMBER.search("as issue 13 predicted") and ISSUE_NUMBER.search("fixed in #30.")
     assert not ISSUE_NUMBER.search("[7b](cpu-recipe.md#7b-x), (#5-the-plan), &#8594;, round 30")
-    found = [f"{path.relative_to(REPO)}:{number}: {match.group(0)}" for path in documents()
-             for number, line in prose_lines(path.read_text(encoding="utf-8")) for match in ISSUE_NUMBER.finditer(line)]
+    found = [
+        f"{path.relative_to(REPO)}:{number}: {match.group(0)}"
+        for path in documents()
+        for number, line in prose_lines(path.read_text(encoding="utf-8"))
+        for match in ISSUE_NUMBER.finditer(line)
+    ]
     assert not found, "issue numbers in the docs:\n" + "\n".join(found)
 
 
@@ -123,10 +127,14 @@ def test_the_checker_sees_links_and_github_slugs(tmp_path):
     assert slug("The test suite on a GPU (2026-11-27, at 3b36d23)") == "the-test-suite-on-a-gpu-2026-11-27-at-3b36d23"
     assert slug("Survey (default model, I = 4 prompts × G = 8, ≤ 32)") == "survey-default-model-i--4-prompts--g--8--32"
     page = tmp_path / "page.md"
-    page.write_text("# Title\n## Same\n## Same\nSee [a](#same-1), [b](#nope), ![c](missing.png), "
-                    "[d](https://example.org/x), `[e](in-code.md)`.\n```\n[f](fenced.md)\n```\n[g]: other.md\n")
+    page.write_text(
+        "# Title\n## Same\n## Same\nSee [a](#same-1), [b](#nope), ![c](missing.png), "
+        "[d](https://example.org/x), `[e](in-code.md)`.\n```\n[f](fenced.md)\n```\n[g]: other.md\n"
+    )
     assert anchors(page) == {"title", "same", "same-1"}
     assert [t for _, t in targets(page)] == ["#same-1", "#nope", "missing.png", "https://example.org/x", "other.md"]
     (tmp_path / "other.md").write_text("# Other\n")
-    assert broken_links(page, tmp_path) == ["page.md:4: #nope (no heading with the anchor #nope)",
-                                            "page.md:4: missing.png (no such file)"]
+    assert broken_links(page, tmp_path) == [
+        "page.md:4: #nope (no heading with the anchor #nope)",
+        "page.md:4: missing.png (no such file)",
+    ]

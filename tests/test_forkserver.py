@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(not forkserver.ENABLED, reason="SAPO_TEST_FORKSE
 def setup_module():
     assert forkserver.usable(), "the fork server did not start (its reason is on stderr)"
 
+
 REPORT = """
 import json, os, signal, sys
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("PROBE"),
@@ -31,14 +32,22 @@ sys.exit(int(sys.argv[1]))
 
 def test_a_child_gets_argv_cwd_env_streams_session_signals_and_exit_code(tmp_path):
     out, err = tmp_path / "out", tmp_path / "err"
-    child = forkserver.spawn(["-c", REPORT, "3", "x y"], tmp_path, {"PROBE": "seen", "PATH": os.environ["PATH"]},
-                             out, err)
+    child = forkserver.spawn(
+        ["-c", REPORT, "3", "x y"], tmp_path, {"PROBE": "seen", "PATH": os.environ["PATH"]}, out, err
+    )
     assert child.wait(60) == 3
     import json
 
     seen = json.loads(out.read_text())
-    assert seen == {"argv": ["-c", "3", "x y"], "cwd": str(tmp_path), "env": "seen", "sid": True, "int": True,
-                    "term": True, "path0": ""}
+    assert seen == {
+        "argv": ["-c", "3", "x y"],
+        "cwd": str(tmp_path),
+        "env": "seen",
+        "sid": True,
+        "int": True,
+        "term": True,
+        "path0": "",
+    }
     assert err.read_text() == "to stderr\n"
 
 
@@ -46,12 +55,18 @@ def test_a_module_runs_as_main_and_a_signal_or_an_uncaught_error_ends_it_as_pyth
     out = tmp_path / "out"
     done = forkserver.spawn(["-m", "node.cli", "--version"], tmp_path, dict(os.environ), out)
     assert done.wait(60) == 0 and out.read_text().strip(), out.read_text()
-    fresh = subprocess.run([sys.executable, "-m", "node.cli", "--version"], capture_output=True, text=True,
-                           cwd=forkserver.Path(forkserver.__file__).resolve().parents[1], timeout=60)
+    fresh = subprocess.run(
+        [sys.executable, "-m", "node.cli", "--version"],
+        capture_output=True,
+        text=True,
+        cwd=forkserver.Path(forkserver.__file__).resolve().parents[1],
+        timeout=60,
+    )
     assert out.read_text() == fresh.stdout + fresh.stderr
 
-    sleeper = forkserver.spawn(["-c", "import time; print('up', flush=True); time.sleep(60)"], tmp_path,
-                               dict(os.environ), tmp_path / "sleep")
+    sleeper = forkserver.spawn(
+        ["-c", "import time; print('up', flush=True); time.sleep(60)"], tmp_path, dict(os.environ), tmp_path / "sleep"
+    )
     deadline = time.monotonic() + 60
     while not (tmp_path / "sleep").exists() or "up" not in (tmp_path / "sleep").read_text():
         assert sleeper.poll() is None and time.monotonic() < deadline

@@ -87,8 +87,11 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
     for line, target, names in import_statements(path):
         out.append((line, target))
         # `from node import learn` names a subpackage: judge it as that subpackage
-        out += [(line, f"{target}.{name}") for name in names
-                if target in ("node",) and name in ("learn", "swarm", "ops", "lab", "loop", "cli")]
+        out += [
+            (line, f"{target}.{name}")
+            for name in names
+            if target in ("node",) and name in ("learn", "swarm", "ops", "lab", "loop", "cli")
+        ]
     return [(line, m) for line, m in out if m.split(".")[0] in PACKAGES]
 
 
@@ -130,6 +133,7 @@ def module_edges(path: Path, known: set[str]) -> set[str]:
     module of their own, or turn the dependency around). `from pkg import sub` of a submodule is an edge to
     `pkg.sub`, not to `pkg`: a package's `__init__` runs before any of its submodules whatever they import,
     so a submodule naming its siblings through the package is no circle."""
+
     def longest_known(dotted: str) -> str | None:  # `a.b.name` of a function `name` in a.b: a.b
         parts = dotted.split(".")
         while parts and ".".join(parts) not in known:
@@ -179,8 +183,9 @@ def test_no_import_circles():
     known = set(sources)
     graph = {mod: module_edges(path, known) for mod, path in sources.items()}
     circles = import_circles(graph)
-    assert not circles, "import circles (each a set of modules that import one another, lazily or not):\n" + \
-        "\n".join(" <-> ".join(c) for c in circles)
+    assert not circles, "import circles (each a set of modules that import one another, lazily or not):\n" + "\n".join(
+        " <-> ".join(c) for c in circles
+    )
 
 
 def test_the_checker_sees_an_import_circle(tmp_path, monkeypatch):
@@ -204,9 +209,12 @@ def statements(source: str) -> int:
 
 
 def test_long_modules_say_why():
-    long = [f"{p.relative_to(REPO)} ({n} statements)" for p in our_sources()
-            if (n := statements(p.read_text())) > LONG_MODULE_STATEMENTS
-            and LONG_MODULE_REASON not in (ast.get_docstring(ast.parse(p.read_text())) or "")]
+    long = [
+        f"{p.relative_to(REPO)} ({n} statements)"
+        for p in our_sources()
+        if (n := statements(p.read_text())) > LONG_MODULE_STATEMENTS
+        and LONG_MODULE_REASON not in (ast.get_docstring(ast.parse(p.read_text())) or "")
+    ]
     assert not long, f"over {LONG_MODULE_STATEMENTS} statements without '{LONG_MODULE_REASON}' in the docstring: {long}"
 
 

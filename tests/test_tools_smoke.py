@@ -42,8 +42,26 @@ def number(text: str, pattern: str) -> float:
 
 
 def test_round_benchmark(tmp_path):
-    out = tool("bench.round", *TINY, "--rounds", "1", "--repeats", "1", "--num-local", "2", "--generations", "2",
-               "--max-new-tokens", "8", "--threads", "1", "--eval-size", "4", "--json", str(tmp_path / "r.json"))
+    out = tool(
+        "bench.round",
+        *TINY,
+        "--rounds",
+        "1",
+        "--repeats",
+        "1",
+        "--num-local",
+        "2",
+        "--generations",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--threads",
+        "1",
+        "--eval-size",
+        "4",
+        "--json",
+        str(tmp_path / "r.json"),
+    )
     figures = json.loads((tmp_path / "r.json").read_text())
     assert {"generate", "train", "fetch", "verify"} <= set(figures["phase_s"])  # every step of a round
     assert figures["sequences"] == 4 and figures["speedup"] > 0 and figures["node_tokens_per_s"] > 0
@@ -51,40 +69,95 @@ def test_round_benchmark(tmp_path):
 
 
 def test_eval_benchmark(tmp_path):
-    out = tool("bench.eval", *TINY, "--size", "4", "--batches", "4", "--repeats", "1", "--json",
-               str(tmp_path / "e.json"))
+    out = tool(
+        "bench.eval", *TINY, "--size", "4", "--batches", "4", "--repeats", "1", "--json", str(tmp_path / "e.json")
+    )
     variants = json.loads((tmp_path / "e.json").read_text())["variants"]
     assert set(variants) == {"generate-32", "rows-4"} and "rows-4" in out
     assert variants["rows-4"]["differ"] == 0  # rows that leave their batch answer as `generate` does
 
 
 def test_lora_benchmark(tmp_path):
-    tool("bench.lora", "train", *TINY, "--ranks", "1", "--num-local", "2", "--generations", "2",
-         "--max-new-tokens", "8", "--repeats", "1", "--json", str(tmp_path / "l.json"))
+    tool(
+        "bench.lora",
+        "train",
+        *TINY,
+        "--ranks",
+        "1",
+        "--num-local",
+        "2",
+        "--generations",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--repeats",
+        "1",
+        "--json",
+        str(tmp_path / "l.json"),
+    )
     figures = json.loads((tmp_path / "l.json").read_text())
     assert figures["sequences"] == 4 and set(figures["train_times_s"]) == {"full", "lora_r1"}
 
 
 def test_engine_benchmark(tmp_path):
-    tool("bench.engine", "parity", *TINY, "--tasks-n", "4", "--samples", "1", "--batch", "4",
-         "--variants", "torch-bf16", "--json", str(tmp_path / "p.json"))
+    tool(
+        "bench.engine",
+        "parity",
+        *TINY,
+        "--tasks-n",
+        "4",
+        "--samples",
+        "1",
+        "--batch",
+        "4",
+        "--variants",
+        "torch-bf16",
+        "--json",
+        str(tmp_path / "p.json"),
+    )
     figures = json.loads((tmp_path / "p.json").read_text())
     assert set(figures["accuracy"]) == {"torch", "torch-bf16"}
     assert len(figures["versus_torch"]["torch-bf16"]["ci95"]) == 2
 
 
 def test_stop_benchmark(tmp_path):
-    out = tool("bench.stop", *TINY, "--threads", "1", "--repeats", "1", "--after-rounds", "1",
-               "--node-arg=--num-local=2", "--node-arg=--generations=2", "--node-arg=--max-new-tokens=8",
-               "--node-arg=--eval-every=0")
+    out = tool(
+        "bench.stop",
+        *TINY,
+        "--threads",
+        "1",
+        "--repeats",
+        "1",
+        "--after-rounds",
+        "1",
+        "--node-arg=--num-local=2",
+        "--node-arg=--generations=2",
+        "--node-arg=--max-new-tokens=8",
+        "--node-arg=--eval-every=0",
+    )
     assert number(out, r"load\+verify=([0-9.]+)") >= 0
     assert number(out, r"exit code (\d+) after") == 0 and "round 1 abandoned" in out
 
 
 def test_gossip_benchmark_summarises_run_dirs(tmp_path):
     run = tmp_path / "node0"
-    done = run_node(*TINY, "--rounds", "2", "--num-local", "2", "--generations", "2", "--max-new-tokens", "8",
-                    "--eval-every", "0", "--run-dir", str(run), "--threads", "1")
+    done = run_node(
+        *TINY,
+        "--rounds",
+        "2",
+        "--num-local",
+        "2",
+        "--generations",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--eval-every",
+        "0",
+        "--run-dir",
+        str(run),
+        "--threads",
+        "1",
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     out = tool("bench.gossip", "--metrics", str(run))
     assert str(run) in out and "rounds" in out
@@ -94,9 +167,26 @@ def test_gossip_benchmark_summarises_run_dirs(tmp_path):
 def test_churn_benchmark_runs_a_calm_swarm_and_reports(tmp_path):
     """Two loopback peers and a bootstrap for a quarter of a minute, no namespaces: the soak's plumbing (start,
     rounds, the report of rounds, waits, RSS and crashes) runs; the figures are the soak's, not checked here."""
-    out = tool("bench.churn", "--peers", "2", "--minutes", "0.25", "--swarms", "calm", "--netns-peers", "0",
-               "--late", "0", "--stagger", "0", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
-               timeout=240)
+    out = tool(
+        "bench.churn",
+        "--peers",
+        "2",
+        "--minutes",
+        "0.25",
+        "--swarms",
+        "calm",
+        "--netns-peers",
+        "0",
+        "--late",
+        "0",
+        "--stagger",
+        "0",
+        "--work",
+        str(tmp_path / "work"),
+        "--out",
+        str(tmp_path / "out"),
+        timeout=240,
+    )
     result = json.loads((tmp_path / "out" / "results.json").read_text())
     assert set(result["swarms"]) == {"calm"} and result["peers"] == 2 and "calm" in out
     assert (tmp_path / "out" / "report.md").read_text().strip()
@@ -111,12 +201,26 @@ def test_quickstart_benchmark_parses_its_arguments():
 def test_swarm_benchmarks(tmp_path):
     """Real DHT processes and nodes: gossip between peers, the scale benchmark, a Sybil attack (one after
     the other, on one worker)."""
-    out = tool("bench.gossip", "--peers", "2", "--samples", "2", "--groups", "1", "--completions", "2",
-               "--chars", "20")
+    out = tool("bench.gossip", "--peers", "2", "--samples", "2", "--groups", "1", "--completions", "2", "--chars", "20")
     assert "publish->visible" in out
     scale = tmp_path / "scale.json"
-    tool("bench.scale", "--publishers", "2", "--servers", "2", "--publisher-procs", "1", "--rounds", "1",
-         "--samples", "1", "--pow", "0", "--json", str(scale))
+    tool(
+        "bench.scale",
+        "--publishers",
+        "2",
+        "--servers",
+        "2",
+        "--publisher-procs",
+        "1",
+        "--rounds",
+        "1",
+        "--samples",
+        "1",
+        "--pow",
+        "0",
+        "--json",
+        str(scale),
+    )
     rows = json.loads(scale.read_text())
     assert len(rows) == 1 and rows[0]["publishers"] == 2
 
@@ -132,14 +236,24 @@ def test_answer_forms_reads_committed_cells():
 
 
 def test_plot_solo_draws_committed_runs(tmp_path):
-    out = tool("research.plot_solo", *map(str, sorted((DATA / "solo200").glob("*.metrics.jsonl"))[:2]),
-               "--out", str(tmp_path / "solo.png"))
+    out = tool(
+        "research.plot_solo",
+        *map(str, sorted((DATA / "solo200").glob("*.metrics.jsonl"))[:2]),
+        "--out",
+        str(tmp_path / "solo.png"),
+    )
     assert (tmp_path / "solo.png").stat().st_size > 0 and "wrote" in out
 
 
 def test_recipe_sweep_summarises_committed_cells(tmp_path):
-    tool("research.recipe_sweep", "summarize", "--data", str(DATA / "recipe-sweep-v3"), "--json",
-         str(tmp_path / "s.json"))
+    tool(
+        "research.recipe_sweep",
+        "summarize",
+        "--data",
+        str(DATA / "recipe-sweep-v3"),
+        "--json",
+        str(tmp_path / "s.json"),
+    )
     rows = json.loads((tmp_path / "s.json").read_text())["rows"]
     assert len(rows) == 6 and all(0.0 <= r["mean_final_accuracy"] <= 1.0 for r in rows)
 
@@ -158,23 +272,53 @@ def test_measure_signal(tmp_path):
 
 
 def test_measure_unseen(tmp_path):
-    tool("research.measure_unseen", "--model", "tiny-random", "--tasks", "cpu-learn", "--size", "4", "--json",
-         str(tmp_path / "u.json"))
+    tool(
+        "research.measure_unseen",
+        "--model",
+        "tiny-random",
+        "--tasks",
+        "cpu-learn",
+        "--size",
+        "4",
+        "--json",
+        str(tmp_path / "u.json"),
+    )
     sets = json.loads((tmp_path / "u.json").read_text())["sets"]
     assert set(sets) == {"in-distribution", "unseen"} and all(s["tasks"] == 4 for s in sets.values())
 
 
 def test_measure_prompt_formats():
-    out = tool("research.measure_prompt_formats", *TINY, "--formats", "chatml", "--size", "4", "--samples", "2",
-               "--threads", "1")
+    out = tool(
+        "research.measure_prompt_formats",
+        *TINY,
+        "--formats",
+        "chatml",
+        "--size",
+        "4",
+        "--samples",
+        "2",
+        "--threads",
+        "1",
+    )
     row = json.loads(out.strip().splitlines()[-1])
     assert row["format"] == "chatml" and row["size"] == 4 and 0.0 <= row["greedy_acc"] <= 1.0
 
 
 def test_survey_tasks_screens_a_dataset(tmp_path):
     log = tmp_path / "cells.jsonl"
-    tool("research.survey_tasks", "--model", "tiny-random", "--stages", "screen", "--datasets", "basic_arithmetic",
-         "--log", str(log), "--max-memory-gb", "0")
+    tool(
+        "research.survey_tasks",
+        "--model",
+        "tiny-random",
+        "--stages",
+        "screen",
+        "--datasets",
+        "basic_arithmetic",
+        "--log",
+        str(log),
+        "--max-memory-gb",
+        "0",
+    )
     cells = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(cells) == 1 and cells[0]["dataset"] == "basic_arithmetic" and 0.0 <= cells[0]["pass8"] <= 1.0
 
@@ -184,9 +328,27 @@ def test_eval_adapters_gives_back_what_the_node_recorded(tmp_path):
     answers are the ones its metrics recorded (the tool evaluates at the mix's own answer length, as the node
     does by default)."""
     cell = tmp_path / "cell"
-    done = run_node(*TINY, "--rounds", "1", "--num-local", "2", "--generations", "2", "--lora-rank", "2",
-                    "--eval-every", "1", "--eval-size", "4", "--mixed-precision", "off", "--threads", "1",
-                    "--run-dir", str(cell / "peer0"))
+    done = run_node(
+        *TINY,
+        "--rounds",
+        "1",
+        "--num-local",
+        "2",
+        "--generations",
+        "2",
+        "--lora-rank",
+        "2",
+        "--eval-every",
+        "1",
+        "--eval-size",
+        "4",
+        "--mixed-precision",
+        "off",
+        "--threads",
+        "1",
+        "--run-dir",
+        str(cell / "peer0"),
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     shutil.copytree(max((cell / "peer0" / "checkpoints").glob("round-*")), cell / "adapter")
     out = tool("research.eval_adapters", str(cell), *TINY, "--eval-size", "4", "--precision", "off")
@@ -204,8 +366,31 @@ def test_sybil_benchmark(tmp_path, monkeypatch):
 
     monkeypatch.setenv("SAPO_POW_DIFFICULTY", "8")  # main() sets it for the nodes it starts
     rows = tmp_path / "rows.json"
-    assert sybil.main(["--sybils", "2", "--attack", "ghost", "--honest", "2", "--warmup-s", "60", "--attack-s", "3",
-                       "--period", "1", "--newcomer-window-s", "1", "--newcomer-at", "0.5", "--json", str(rows)]) == 0
+    assert (
+        sybil.main(
+            [
+                "--sybils",
+                "2",
+                "--attack",
+                "ghost",
+                "--honest",
+                "2",
+                "--warmup-s",
+                "60",
+                "--attack-s",
+                "3",
+                "--period",
+                "1",
+                "--newcomer-window-s",
+                "1",
+                "--newcomer-at",
+                "0.5",
+                "--json",
+                str(rows),
+            ]
+        )
+        == 0
+    )
     row = json.loads(rows.read_text())[0]
     assert row["sybils"] == 2 and row["attack"] == "ghost" and row["honest_rounds"] > 0
     assert row["exit_codes"] and all(code == 0 for code in row["exit_codes"])

@@ -42,8 +42,9 @@ class Cell:
     @property
     def committed(self) -> bool:
         """Its run.json is in the data dir, and so are its weights where it keeps them (on this machine)."""
-        return (self.dest / "run.json").exists() and (self.adapter is None
-                                                      or (self.dest / ADAPTER / "MANIFEST.json").is_file())
+        return (self.dest / "run.json").exists() and (
+            self.adapter is None or (self.dest / ADAPTER / "MANIFEST.json").is_file()
+        )
 
 
 ADAPTER = "adapter"  # under a cell's data dir: the weights later cells start from
@@ -153,8 +154,9 @@ def done_fraction(run_dir: Path) -> float:
     done = []
     for p in range(peers):
         try:
-            done.append(len({r.get("round") for r in read_records(run_dir / f"peer{p}" / "metrics.jsonl",
-                                                                    partial_ok=True)}))
+            done.append(
+                len({r.get("round") for r in read_records(run_dir / f"peer{p}" / "metrics.jsonl", partial_ok=True)})
+            )
         except (OSError, ValueError):
             done.append(0)
     return min(done, default=0) / rounds if rounds > 0 else 0.0
@@ -166,6 +168,7 @@ class Deadline:
     session loses a cell it cut off. A cell's length: `cell_s` where given, else the longest this runner has
     measured for a cell of the same configuration (the same data dir parent), else the median of the committed
     ones' (measured on whichever machine ran them), else unknown (it starts)."""
+
     at: float
     cell_s: float | None = None
     measured: dict[Path, float] = field(default_factory=dict)
@@ -175,8 +178,13 @@ class Deadline:
             return self.cell_s, "as given"
         if cell.dest.parent in self.measured:
             return self.measured[cell.dest.parent], "measured here"
-        walls = [w for d in cell.dest.parent.glob("seed*") if (d / "run.json").exists()
-                 for w in [wall_seconds(d)] if w is not None]
+        walls = [
+            w
+            for d in cell.dest.parent.glob("seed*")
+            if (d / "run.json").exists()
+            for w in [wall_seconds(d)]
+            if w is not None
+        ]
         return (statistics.median(walls), f"median of {len(walls)} committed") if walls else (None, "unknown")
 
     def measure(self, cell: Cell, seconds: float) -> None:
@@ -194,19 +202,28 @@ def cell_status(cells: Sequence[Cell]) -> str:
         elif (done := done_fraction(cell.run_dir)) > 0:
             state = f"{done:.0%} of its rounds done in {cell.run_dir} (running, or resumes here)"
         else:
-            state = "to do" + (" (its weights are not on this machine: runs again)" if (cell.dest / "run.json").exists()
-                               else "")
+            state = "to do" + (
+                " (its weights are not on this machine: runs again)" if (cell.dest / "run.json").exists() else ""
+            )
         lines.append(f"{cell.label}: {state}")
     return "\n".join(lines + [f"{committed} of {len(cells)} cells committed"])
 
 
 def add_deadline_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--finish-by", default=None, metavar="HH:MM",
-                        help="start no cell that would not finish by then (local time, or an ISO date-time): "
-                        "on a machine whose run dirs end with the session, a cell cut off is lost")
-    parser.add_argument("--cell-minutes", type=float, default=None,
-                        help="how long one cell takes, for --finish-by (default: measured by this runner, else "
-                        "the median of the committed cells of its configuration)")
+    parser.add_argument(
+        "--finish-by",
+        default=None,
+        metavar="HH:MM",
+        help="start no cell that would not finish by then (local time, or an ISO date-time): "
+        "on a machine whose run dirs end with the session, a cell cut off is lost",
+    )
+    parser.add_argument(
+        "--cell-minutes",
+        type=float,
+        default=None,
+        help="how long one cell takes, for --finish-by (default: measured by this runner, else "
+        "the median of the committed cells of its configuration)",
+    )
 
 
 def deadline_of(args: argparse.Namespace) -> Deadline | None:
@@ -232,14 +249,20 @@ def run_cells(cells: Sequence[Cell], cwd: Path, tag: str, deadline: Deadline | N
             length, how = deadline.estimate(cell)
             if length is not None and time.time() + left * length > deadline.at:
                 by = datetime.fromtimestamp(deadline.at).strftime("%H:%M")
-                print(f"[{tag}] {cell.label}: not started, it would not finish by {by} (about "
-                      f"{left * length / 60:.0f} min left of a cell that takes {length / 60:.0f}, {how})", flush=True)
+                print(
+                    f"[{tag}] {cell.label}: not started, it would not finish by {by} (about "
+                    f"{left * length / 60:.0f} min left of a cell that takes {length / 60:.0f}, {how})",
+                    flush=True,
+                )
                 continue
         started = time.monotonic()
         if (cell.dest / "run.json").exists():
-            print(f"[{tag}] {cell.label}: its metrics are committed but its weights are not here "
-                  f"({cell.dest / ADAPTER}), which later cells start from: running it again (its metrics will be "
-                  "replaced)", flush=True)
+            print(
+                f"[{tag}] {cell.label}: its metrics are committed but its weights are not here "
+                f"({cell.dest / ADAPTER}), which later cells start from: running it again (its metrics will be "
+                "replaced)",
+                flush=True,
+            )
         print(f"[{tag}] {cell.label}: running", flush=True)
         rc = run_forwarding_stops(cell.command, cwd)
         if rc != 0:

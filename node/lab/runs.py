@@ -21,7 +21,6 @@ IJ_RE = re.compile(r"^(\d+)\s*[/_-]\s*(\d+)$")
 PEER_RE = re.compile(r"^peer[-_]?\w*$", re.IGNORECASE)  # a peer's run dir: scripts/local_swarm.sh's ROOT/peer<i>
 
 
-
 @dataclass
 class PeerSeries:
     """One agent's metrics, sorted by round (one entry per round)."""
@@ -96,7 +95,6 @@ class Run:
                 if np.any(v != 0):
                     return False
         return seen or ne == 0
-
 
 
 def _num(x: Any) -> float:
@@ -227,7 +225,7 @@ def _sum_sources(recs: list[dict]) -> dict[str, int]:
     total: dict[str, int] = {}
     for rec in recs:
         sources = rec.get("external_sources")
-        for key, n in (sources.items() if isinstance(sources, dict) else ()):
+        for key, n in sources.items() if isinstance(sources, dict) else ():
             if isinstance(key, str) and isinstance(n, int):
                 total[key] = total.get(key, 0) + n
     return total

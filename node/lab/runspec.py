@@ -25,11 +25,18 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     # the paper's table: 8 peers, I + J = 8, G = 8
-    "8/0": Preset(8, 8, 0), "6/2": Preset(8, 6, 2), "4/4": Preset(8, 4, 4), "2/6": Preset(8, 2, 6),
+    "8/0": Preset(8, 8, 0),
+    "6/2": Preset(8, 6, 2),
+    "4/4": Preset(8, 4, 4),
+    "2/6": Preset(8, 2, 6),
     # single-GPU (or CPU) variants: 5 peers, I + J = 4
-    "4/0": Preset(5, 4, 0), "3/1": Preset(5, 3, 1), "2/2": Preset(5, 2, 2), "1/3": Preset(5, 1, 3),
+    "4/0": Preset(5, 4, 0),
+    "3/1": Preset(5, 3, 1),
+    "2/2": Preset(5, 2, 2),
+    "1/3": Preset(5, 1, 3),
     # adaptive split, I + J = 4, starting at 2/2
-    "ema": Preset(5, 2, 2, ij_policy="ema"), "usefulness": Preset(5, 2, 2, ij_policy="usefulness"),
+    "ema": Preset(5, 2, 2, ij_policy="ema"),
+    "usefulness": Preset(5, 2, 2, ij_policy="usefulness"),
 }
 
 
@@ -68,13 +75,40 @@ class RunSpec:
     def node_args(self, p: int, run_dir: Path) -> list[str]:
         """Peer p's sapo-node flags: the common ones, then its own (argparse keeps the last of a repeated flag,
         so a peer's own value wins)."""
-        args = ["--model", self.model_of(p), "--tasks", self.tasks, "--num-local", str(self.num_local),
-                "--num-external", str(self.num_external), "--generations", str(self.generations),
-                "--ij-policy", self.ij_policy, "--rounds", str(self.rounds), "--seed", str(self.peer_seed(p)),
-                "--lr", str(self.lr), "--run-dir", str(run_dir), "--name", f"peer{p}",
-                "--threads", str(self.threads), "--eval-every", str(self.eval_every),
-                "--eval-size", str(self.eval_size), "--eval-engine", self.eval_engine,
-                "--lora-rank", str(self.lora_rank)]
+        args = [
+            "--model",
+            self.model_of(p),
+            "--tasks",
+            self.tasks,
+            "--num-local",
+            str(self.num_local),
+            "--num-external",
+            str(self.num_external),
+            "--generations",
+            str(self.generations),
+            "--ij-policy",
+            self.ij_policy,
+            "--rounds",
+            str(self.rounds),
+            "--seed",
+            str(self.peer_seed(p)),
+            "--lr",
+            str(self.lr),
+            "--run-dir",
+            str(run_dir),
+            "--name",
+            f"peer{p}",
+            "--threads",
+            str(self.threads),
+            "--eval-every",
+            str(self.eval_every),
+            "--eval-size",
+            str(self.eval_size),
+            "--eval-engine",
+            self.eval_engine,
+            "--lora-rank",
+            str(self.lora_rank),
+        ]
         if self.max_new_tokens:
             args += ["--max-new-tokens", str(self.max_new_tokens)]
         if self.lora_rank:
@@ -154,6 +188,9 @@ def node_learning_settings(args: argparse.Namespace, models: list[str]) -> tuple
             raise ValueError(str(exc)) from None
         resolved[model] = (cfg.recipe, cfg.tasks, cfg.lora_rank, cfg.lr)
     if len({r[0] for r in resolved.values()}) > 1:
-        raise ValueError("--models: their recipes differ here (" + ", ".join(f"{m}: {r[0]}" for m, r in
-                         resolved.items()) + "); name one for every peer, e.g. --node-arg=--recipe=cpu")
+        raise ValueError(
+            "--models: their recipes differ here ("
+            + ", ".join(f"{m}: {r[0]}" for m, r in resolved.items())
+            + "); name one for every peer, e.g. --node-arg=--recipe=cpu"
+        )
     return next(iter(resolved.values()))[1:]

@@ -66,8 +66,9 @@ def choose(records: list[dict[str, Any]], rule: SparseRule = SparseRule()) -> st
     return None
 
 
-def measure(name: str, mix: TaskMix, model, tokenizer, engine, groups: int, generations: int, eval_size: int,
-            seed: int) -> dict[str, Any]:
+def measure(
+    name: str, mix: TaskMix, model, tokenizer, engine, groups: int, generations: int, eval_size: int, seed: int
+) -> dict[str, Any]:
     """One candidate's record: fresh training groups sampled as a node samples them, and the held-out set's
     greedy accuracy (torch) and constant-answer baseline."""
     from node.learn.evaluate import constant_answer_baseline, greedy_texts
@@ -92,12 +93,21 @@ def measure(name: str, mix: TaskMix, model, tokenizer, engine, groups: int, gene
     greedy = greedy_texts(model, tokenizer, [prompter(t) for t in held_out], mix.max_new_tokens, 16)
     scores = [score_responses(t, [mix.answer_prefix + text])[0] for t, text in zip(held_out, greedy)]
     return {
-        "candidate": name, "mix": mix.to_dict(), "groups": groups, "generations": generations, "seed": seed,
-        "engine": engine.name, "signal_frac": round(mixed / groups, 4),
-        "sample_mean": round(sum(rewards) / len(rewards), 4), "median_tokens": statistics.median(lengths),
-        "eval_size": len(held_out), "pass1": round(sum(s >= 1.0 for s in scores) / len(scores), 4),
-        "baseline": round(constant_answer_baseline(held_out), 4), "has_unseen": mix.has_unseen(),
-        "sample_s": round(t_sample, 1), "seconds": round(time.perf_counter() - t0, 1),
+        "candidate": name,
+        "mix": mix.to_dict(),
+        "groups": groups,
+        "generations": generations,
+        "seed": seed,
+        "engine": engine.name,
+        "signal_frac": round(mixed / groups, 4),
+        "sample_mean": round(sum(rewards) / len(rewards), 4),
+        "median_tokens": statistics.median(lengths),
+        "eval_size": len(held_out),
+        "pass1": round(sum(s >= 1.0 for s in scores) / len(scores), 4),
+        "baseline": round(constant_answer_baseline(held_out), 4),
+        "has_unseen": mix.has_unseen(),
+        "sample_s": round(t_sample, 1),
+        "seconds": round(time.perf_counter() - t0, 1),
     }
 
 
@@ -127,16 +137,19 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     records = []
     for name in args.candidates:
-        rec = measure(name, CANDIDATES[name], model, tok, engine, args.groups, args.generations, args.eval_size,
-                      args.seed)
+        rec = measure(
+            name, CANDIDATES[name], model, tok, engine, args.groups, args.generations, args.eval_size, args.seed
+        )
         rec["rule_failures"] = SparseRule().failures(rec)
         rec["rule"] = asdict(SparseRule())
         records.append(rec)
         with args.out.open("a") as f:
             f.write(json.dumps(rec) + "\n")
-        print(f"{name:12s} signal {rec['signal_frac']:.3f}  pass@1 {rec['pass1']:.3f}  baseline {rec['baseline']:.3f}"
-              f"  median tokens {rec['median_tokens']}  {rec['seconds']:.0f}s  fails: {rec['rule_failures'] or '-'}",
-              flush=True)
+        print(
+            f"{name:12s} signal {rec['signal_frac']:.3f}  pass@1 {rec['pass1']:.3f}  baseline {rec['baseline']:.3f}"
+            f"  median tokens {rec['median_tokens']}  {rec['seconds']:.0f}s  fails: {rec['rule_failures'] or '-'}",
+            flush=True,
+        )
     engine.close()
     print(f"chosen: {choose(records)}")
 

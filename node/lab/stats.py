@@ -112,7 +112,7 @@ def eval_area(rounds: np.ndarray, acc: np.ndarray) -> float:
 
 def _tail_mean(series: Sequence[np.ndarray], frac: float = 0.25) -> float:
     """Mean over the last `frac` of each agent's rounds (at least one), pooled."""
-    vals = [x[-max(1, int(round(frac * x.size))):] for x in series if x.size]
+    vals = [x[-max(1, int(round(frac * x.size))) :] for x in series if x.size]
     v = np.concatenate(vals) if vals else np.array([])
     v = v[np.isfinite(v)]
     return float(v.mean()) if v.size else math.nan
@@ -141,8 +141,13 @@ def learning_health(rs: Sequence[Run]) -> dict:
             if acc.size:
                 final[r.seed], area[r.seed] = float(acc[-1]), eval_area(rounds, acc)
         for key, by_seed in (("final", final), ("area", area)):
-            out.update({f"{prefix}_{key}_by_seed": by_seed, f"{prefix}_{key}_mean": _fmean(list(by_seed.values())),
-                        f"{prefix}_{key}_std": _fstd(list(by_seed.values()))})
+            out.update(
+                {
+                    f"{prefix}_{key}_by_seed": by_seed,
+                    f"{prefix}_{key}_mean": _fmean(list(by_seed.values())),
+                    f"{prefix}_{key}_std": _fstd(list(by_seed.values())),
+                }
+            )
     peers = [p for r in rs for p in r.peers]
     finals = [p.final_eval for p in peers if p.final_eval is not None]
     reward = {r.seed: reward_per_agent_round(r) for r in rs}
@@ -169,8 +174,15 @@ def compare_heldout(d: dict, base: dict, n_boot: int, boot_seed: int) -> None:
             continue
         pt, lo, hi, note = bootstrap_improvement(list(cfg_v.values()), list(base_v.values()), n_boot, boot_seed)
         wins, n, p = paired_sign_test(cfg_v, base_v)
-        d[f"{key}_vs_base"] = {"pct": pt, "ci": [lo, hi], "note": note, "wins": wins, "seeds": n, "p": p,
-                               **paired_effect(cfg_v, base_v)}
+        d[f"{key}_vs_base"] = {
+            "pct": pt,
+            "ci": [lo, hi],
+            "note": note,
+            "wins": wins,
+            "seeds": n,
+            "p": p,
+            **paired_effect(cfg_v, base_v),
+        }
 
 
 def _pick_baseline(by_cfg: dict[str, list[Run]], requested: str | None) -> tuple[str | None, str]:
@@ -252,8 +264,12 @@ def summarize(
         has_acc = any(np.isfinite(p.accepted).any() or np.isfinite(p.rejected).any() for r in rs for p in r.peers)
         tj = np.concatenate([p.target_external for r in rs for p in r.peers])
         tj_fin = tj[np.isfinite(tj)]
-        final_j = [p.target_external[np.isfinite(p.target_external)][-1] for r in rs for p in r.peers
-                   if np.isfinite(p.target_external).any()]
+        final_j = [
+            p.target_external[np.isfinite(p.target_external)][-1]
+            for r in rs
+            for p in r.peers
+            if np.isfinite(p.target_external).any()
+        ]
         ne = np.concatenate([p.num_external for r in rs for p in r.peers])
         nl = np.concatenate([p.num_local for r in rs for p in r.peers])
         rs_s = np.concatenate([p.round_s for r in rs for p in r.peers])
@@ -313,15 +329,24 @@ def summarize(
                 d["paired_wins"], d["paired_seeds"], d["sign_test_p"] = paired_sign_test(cum, b["cumulative_by_seed"])
                 compare_heldout(d, b, n_boot, boot_seed)
             if other_agents or d["rounds"] != b["rounds"]:
-                warnings.append(f"{cfg}: agents {d['peers']} / rounds {d['rounds']} differ from baseline {base_name} "
-                                f"({b['peers']} / {b['rounds']}): cumulative sums are not directly comparable; see "
-                                "reward per agent-round" + ("; the swarm means (held-out too) average other agents: "
-                                "shown, not tested; compare one agent with --focus-peer" if other_agents else ""))
+                warnings.append(
+                    f"{cfg}: agents {d['peers']} / rounds {d['rounds']} differ from baseline {base_name} "
+                    f"({b['peers']} / {b['rounds']}): cumulative sums are not directly comparable; see "
+                    "reward per agent-round"
+                    + (
+                        "; the swarm means (held-out too) average other agents: "
+                        "shown, not tested; compare one agent with --focus-peer"
+                        if other_agents
+                        else ""
+                    )
+                )
 
     evaluators = sorted({e for d in per.values() for e in d["evaluators"]})
     if len(evaluators) > 1:
-        warnings.append(f"held-out answers were decoded by {' and '.join(evaluators)} (eval_engine; per configuration "
-                        "in summary.json): near-ties can go either way between them (docs/EVALUATION.md)")
+        warnings.append(
+            f"held-out answers were decoded by {' and '.join(evaluators)} (eval_engine; per configuration "
+            "in summary.json): near-ties can go either way between them (docs/EVALUATION.md)"
+        )
     skipped_by_file: dict[str, int] = {}
     for r in runs:
         skipped_by_file.update(r.skipped_by_file)
@@ -343,9 +368,11 @@ def summarize(
         "per_config": per,
         "has_eval": any(d["eval_final_by_seed"] for d in per.values()),
         "evaluators": evaluators,
-        "eval_baseline": next((p.eval_baseline for r in runs for p in r.peers if math.isfinite(p.eval_baseline)),
-                              math.nan),
+        "eval_baseline": next(
+            (p.eval_baseline for r in runs for p in r.peers if math.isfinite(p.eval_baseline)), math.nan
+        ),
         "has_unseen": any(d["unseen_final_by_seed"] for d in per.values()),
-        "unseen_baseline": next((p.unseen_baseline for r in runs for p in r.peers
-                                 if math.isfinite(p.unseen_baseline)), math.nan),
+        "unseen_baseline": next(
+            (p.unseen_baseline for r in runs for p in r.peers if math.isfinite(p.unseen_baseline)), math.nan
+        ),
     }

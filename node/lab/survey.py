@@ -54,12 +54,25 @@ FORMATS: dict[str, PromptFormat] = {
 # and long ranges are what made the default model fail on "easy" arithmetic). Other datasets get the
 # generic rule of `easiest_config`.
 EASIEST_OVERRIDES: dict[str, dict[str, Any]] = {
-    "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
-                         "allow_parentheses": False, "allow_negation": False},
+    "basic_arithmetic": {
+        "min_terms": 2,
+        "max_terms": 2,
+        "min_digits": 1,
+        "max_digits": 1,
+        "operators": ["+", "-"],
+        "allow_parentheses": False,
+        "allow_negation": False,
+    },
     "chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
     "products": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-    "decimal_chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
-                          "min_decimal_places": 1, "max_decimal_places": 1},
+    "decimal_chain_sum": {
+        "min_terms": 2,
+        "max_terms": 2,
+        "min_digits": 1,
+        "max_digits": 1,
+        "min_decimal_places": 1,
+        "max_decimal_places": 1,
+    },
     "decimal_arithmetic": {"min_terms": 2, "max_terms": 2, "min_num_decimal_places": 1, "max_num_decimal_places": 1},
     "gcd": {"max_value": 30},
     "lcm": {"max_value": 12},
@@ -68,22 +81,45 @@ EASIEST_OVERRIDES: dict[str, dict[str, Any]] = {
     "prime_factorization": {"max_value": 30},
     "letter_counting": {"min_words": 1, "max_words": 3},
     "leg_counting": {"min_animals": 1, "max_animals": 2, "min_instances": 1, "max_instances": 3},
-    "number_sorting": {"min_numbers": 3, "max_numbers": 3, "min_decimals": 0, "max_decimals": 0,
-                       "min_value": 0.0, "max_value": 50.0},
-    "number_filtering": {"min_numbers": 3, "max_numbers": 3, "min_decimals": 0, "max_decimals": 0,
-                         "min_value": 0.0, "max_value": 50.0},
+    "number_sorting": {
+        "min_numbers": 3,
+        "max_numbers": 3,
+        "min_decimals": 0,
+        "max_decimals": 0,
+        "min_value": 0.0,
+        "max_value": 50.0,
+    },
+    "number_filtering": {
+        "min_numbers": 3,
+        "max_numbers": 3,
+        "min_decimals": 0,
+        "max_decimals": 0,
+        "min_value": 0.0,
+        "max_value": 50.0,
+    },
     "number_sequence": {"min_terms": 4, "max_terms": 5, "min_value": 0, "max_value": 20, "max_complexity": 1},
     "spell_backward": {"min_word_len": 3, "max_word_len": 4},
     "word_sequence_reversal": {"min_words": 3, "max_words": 3},
     "word_sorting": {"min_words": 3, "max_words": 3, "min_word_length": 3, "max_word_length": 5},
-    "simple_equations": {"min_terms": 2, "max_terms": 2, "max_value": 10, "operators": ["+", "-"],
-                         "operators_weights": [0.5, 0.5]},
+    "simple_equations": {
+        "min_terms": 2,
+        "max_terms": 2,
+        "max_value": 10,
+        "operators": ["+", "-"],
+        "operators_weights": [0.5, 0.5],
+    },
     "base_conversion": {"max_base": 10, "max_value": 20},
     "coin_flip": {"min_trials": 3, "max_trials": 4},
     "ransom_note": {"max_note_length": 4, "max_magazine_length": 10},
     "power_function": {"min_base": -10.0, "max_base": 10.0, "min_exponent": 0, "max_exponent": 2},
-    "complex_arithmetic": {"min_real": -3, "max_real": 3, "min_imag": -3, "max_imag": 3, "operations": ["+", "-"],
-                           "operations_weights": [0.5, 0.5]},
+    "complex_arithmetic": {
+        "min_real": -3,
+        "max_real": 3,
+        "min_imag": -3,
+        "max_imag": 3,
+        "operations": ["+", "-"],
+        "operations_weights": [0.5, 0.5],
+    },
     "fraction_simplification": {"max_value": 20, "max_factor": 5, "styles": ["plain"]},
     "palindrome_generation": {"min_length": 3, "max_length": 4},
     "caesar_cipher": {"min_words": 1, "max_words": 2, "max_rotation": 3},
@@ -101,8 +137,11 @@ EASIEST_OVERRIDES: dict[str, dict[str, Any]] = {
 def default_config(name: str) -> dict[str, Any]:
     """The dataset's own defaults, as plain values (the 'harder' level)."""
     _, config_cls = gym.datasets()[name]
-    return {f.name: _plain(getattr(config_cls(), f.name)) for f in dataclasses.fields(config_cls)
-            if f.name not in ("seed", "size")}
+    return {
+        f.name: _plain(getattr(config_cls(), f.name))
+        for f in dataclasses.fields(config_cls)
+        if f.name not in ("seed", "size")
+    }
 
 
 def _plain(value: Any) -> Any:
@@ -133,9 +172,13 @@ def level_config(name: str, level: str) -> dict[str, Any]:
 
 
 def single_mix(name: str, config: dict[str, Any], fmt: PromptFormat) -> TaskMix:
-    return TaskMix(name=f"survey-{name}", datasets={name: {"weight": 1.0, "config": config}},
-                   system_prompt=fmt.system_prompt, answer_prefix=fmt.answer_prefix,
-                   max_new_tokens=fmt.max_new_tokens)
+    return TaskMix(
+        name=f"survey-{name}",
+        datasets={name: {"weight": 1.0, "config": config}},
+        system_prompt=fmt.system_prompt,
+        answer_prefix=fmt.answer_prefix,
+        max_new_tokens=fmt.max_new_tokens,
+    )
 
 
 @contextmanager
@@ -177,8 +220,9 @@ class Cell:
         return f"{self.dataset}|{self.level}|{self.fmt}|t{self.temperature:g}|n{self.n_tasks}"
 
 
-def measure_cell(model, tokenizer, cell: Cell, samples: int = 8, batch_tasks: int = 4,
-                 greedy_batch: int = 16, engine=None) -> dict[str, Any]:
+def measure_cell(
+    model, tokenizer, cell: Cell, samples: int = 8, batch_tasks: int = 4, greedy_batch: int = 16, engine=None
+) -> dict[str, Any]:
     """One survey record. Raises only on task-building failures (the caller records the error).
 
     Greedy answers always come from torch; the samples from `engine` (a RolloutEngine: llama.cpp samples
@@ -199,10 +243,13 @@ def measure_cell(model, tokenizer, cell: Cell, samples: int = 8, batch_tasks: in
     lengths: list[int] = []
     correct_answers: set[str] = set()
     for start in range(0, len(tasks), batch_tasks):
-        chunk = tasks[start: start + batch_tasks]
-        chunk_prompts = prompts[start: start + batch_tasks]
-        groups = (engine.sample(chunk_prompts, samples, cfg) if engine is not None
-                  else sample_groups(model, tokenizer, chunk_prompts, samples, cfg))
+        chunk = tasks[start : start + batch_tasks]
+        chunk_prompts = prompts[start : start + batch_tasks]
+        groups = (
+            engine.sample(chunk_prompts, samples, cfg)
+            if engine is not None
+            else sample_groups(model, tokenizer, chunk_prompts, samples, cfg)
+        )
         for task, group in zip(chunk, groups):
             responses = [fmt.answer_prefix + text for text in group.texts]
             scores = score_responses(task, responses)
@@ -215,7 +262,10 @@ def measure_cell(model, tokenizer, cell: Cell, samples: int = 8, batch_tasks: in
     seconds = time.perf_counter() - t0
     n = len(tasks)
     return {
-        "key": cell.key(), **dataclasses.asdict(cell), "config": config, "samples": samples,
+        "key": cell.key(),
+        **dataclasses.asdict(cell),
+        "config": config,
+        "samples": samples,
         "engine": engine.name if engine is not None else "torch",
         "greedy_acc": round(sum(greedy_scores) / n, 4),  # mean score, partial credit included
         "pass1": round(sum(s >= 1.0 for s in greedy_scores) / n, 4),
@@ -228,8 +278,10 @@ def measure_cell(model, tokenizer, cell: Cell, samples: int = 8, batch_tasks: in
         "median_tokens": statistics.median(lengths) if lengths else 0,
         "s_per_task": round(seconds / n, 3),
         "greedy_s": round(t_greedy, 2),
-        "examples": [{"q": tasks[i].question[-160:], "gold": tasks[i].answer[:60], "greedy": greedy[i][:120]}
-                     for i in range(min(2, n))],
+        "examples": [
+            {"q": tasks[i].question[-160:], "gold": tasks[i].answer[:60], "greedy": greedy[i][:120]}
+            for i in range(min(2, n))
+        ],
     }
 
 
@@ -256,8 +308,9 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
         f.flush()
 
 
-def run_cells(model, tokenizer, cells: list[Cell], log_path: Path, samples: int = 8,
-              on_record=None, engine=None) -> int:
+def run_cells(
+    model, tokenizer, cells: list[Cell], log_path: Path, samples: int = 8, on_record=None, engine=None
+) -> int:
     """Measures every cell not already in the log, appending each as it finishes; returns how many ran.
     A dataset that fails to build is recorded with its error (and not retried). The log is read again
     before each cell, so processes sharing one log skip what another has finished meanwhile."""
@@ -283,8 +336,9 @@ SCREEN_TASKS = 16
 STAGES = ("screen", "full", "harder", "rescreen", "harder-screen")
 
 
-def passed_screen(records: dict[str, dict[str, Any]], name: str, fmt: str = "direct",
-                  temperature: float = 1.0) -> bool | None:
+def passed_screen(
+    records: dict[str, dict[str, Any]], name: str, fmt: str = "direct", temperature: float = 1.0
+) -> bool | None:
     """Did the dataset's 16-task easiest cell in this format solve anything? None: not screened yet."""
     rec = records.get(Cell(name, "easiest", fmt, temperature, SCREEN_TASKS).key())
     if rec is None:
@@ -292,22 +346,36 @@ def passed_screen(records: dict[str, dict[str, Any]], name: str, fmt: str = "dir
     return "error" not in rec and rec.get("pass8", 0) > 0
 
 
-def stage_cells(stage: str, names: list[str], records: dict[str, dict[str, Any]], n_tasks: int,
-                temperature: float, screen_formats: tuple[str, ...] = ("direct",)) -> list[Cell]:
+def stage_cells(
+    stage: str,
+    names: list[str],
+    records: dict[str, dict[str, Any]],
+    n_tasks: int,
+    temperature: float,
+    screen_formats: tuple[str, ...] = ("direct",),
+) -> list[Cell]:
     """The cells of one stage, given what earlier stages recorded (see scripts/research/survey_tasks.py)."""
     if stage == "screen":
         return [Cell(n, "easiest", fmt, temperature, SCREEN_TASKS) for fmt in screen_formats for n in names]
     direct = {n: records.get(Cell(n, "easiest", "direct", temperature, SCREEN_TASKS).key()) for n in names}
     if stage == "rescreen":
-        return [Cell(n, "easiest", "reason", temperature, SCREEN_TASKS) for n in names
-                if passed_screen(records, n, temperature=temperature) is False and "error" not in (direct[n] or {})]
-    passed = [n for n in names if passed_screen(records, n, temperature=temperature)
-              or passed_screen(records, n, "reason", temperature)]
+        return [
+            Cell(n, "easiest", "reason", temperature, SCREEN_TASKS)
+            for n in names
+            if passed_screen(records, n, temperature=temperature) is False and "error" not in (direct[n] or {})
+        ]
+    passed = [
+        n
+        for n in names
+        if passed_screen(records, n, temperature=temperature) or passed_screen(records, n, "reason", temperature)
+    ]
     if stage == "harder-screen":
         # a dataset never solved (or never built) at its easiest: does its default config differ, build, solve?
-        return [Cell(n, "harder", "direct", temperature, SCREEN_TASKS) for n in names
-                if n not in passed and direct[n] is not None
-                and level_config(n, "easiest") != level_config(n, "harder")]
+        return [
+            Cell(n, "harder", "direct", temperature, SCREEN_TASKS)
+            for n in names
+            if n not in passed and direct[n] is not None and level_config(n, "easiest") != level_config(n, "harder")
+        ]
     level = {"full": "easiest", "harder": "harder"}[stage]
     # format-major: the cheap direct cells of every dataset before the 3x longer reasoning ones
     return [Cell(n, level, fmt, temperature, n_tasks) for fmt in FORMATS for n in passed]
@@ -319,19 +387,23 @@ def summarize(log_path: Path, out_dir: Path) -> str:
     rows = sorted(load_records(log_path).values(), key=lambda r: (r["n_tasks"], r["dataset"], r["level"], r["fmt"]))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "survey.json").write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
-    lines = ["| dataset | level | format | n | pass@1 (greedy) | pass@8 | pass@8 − pass@1 | sampled mean "
-             "| groups with signal | constant baseline | distinct gold / correct | median tokens | s/task | sampler |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| dataset | level | format | n | pass@1 (greedy) | pass@8 | pass@8 − pass@1 | sampled mean "
+        "| groups with signal | constant baseline | distinct gold / correct | median tokens | s/task | sampler |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     errors = []
     for r in rows:
         if "error" in r:
             errors.append(f"- {r['dataset']} ({r['level']}, {r['fmt']}): {r['error']}")
             continue
         passk = r[f"pass{r['samples']}"]
-        lines.append(f"| {r['dataset']} | {r['level']} | {r['fmt']} | {r['n_tasks']} | {r['pass1']:.2f} | "
-                     f"{passk:.2f} | {passk - r['pass1']:+.2f} | {r['sample_mean']:.2f} | "
-                     f"{r['signal_frac']:.2f} | {r['baseline']:.2f} | {r['distinct_gold']} / {r['distinct_correct']} | "
-                     f"{r['median_tokens']:g} | {r['s_per_task']:.2f} | {r.get('engine', 'torch')} |")
+        lines.append(
+            f"| {r['dataset']} | {r['level']} | {r['fmt']} | {r['n_tasks']} | {r['pass1']:.2f} | "
+            f"{passk:.2f} | {passk - r['pass1']:+.2f} | {r['sample_mean']:.2f} | "
+            f"{r['signal_frac']:.2f} | {r['baseline']:.2f} | {r['distinct_gold']} / {r['distinct_correct']} | "
+            f"{r['median_tokens']:g} | {r['s_per_task']:.2f} | {r.get('engine', 'torch')} |"
+        )
     text = "\n".join(lines) + ("\n\nFailed to build:\n" + "\n".join(errors) if errors else "") + "\n"
     (out_dir / "survey.md").write_text(text)
     return text
@@ -349,20 +421,27 @@ class PresetRule:
     max_median_tokens: float = 48
 
     def admits(self, rec: dict[str, Any]) -> bool:
-        return ("error" not in rec and rec["baseline"] <= self.max_baseline
-                and rec[f"pass{rec['samples']}"] - rec["pass1"] >= self.min_gap
-                and rec["distinct_correct"] >= self.min_distinct_correct
-                and rec["median_tokens"] <= self.max_median_tokens)
+        return (
+            "error" not in rec
+            and rec["baseline"] <= self.max_baseline
+            and rec[f"pass{rec['samples']}"] - rec["pass1"] >= self.min_gap
+            and rec["distinct_correct"] >= self.min_distinct_correct
+            and rec["median_tokens"] <= self.max_median_tokens
+        )
 
 
-def choose_preset(records: list[dict[str, Any]], rule: PresetRule = PresetRule(), min_tasks: int = 64,
-                  max_datasets: int = 4) -> tuple[str | None, list[dict[str, Any]]]:
+def choose_preset(
+    records: list[dict[str, Any]], rule: PresetRule = PresetRule(), min_tasks: int = 64, max_datasets: int = 4
+) -> tuple[str | None, list[dict[str, Any]]]:
     """(format, admitted cells) of the format whose admitted cells carry the most signal in total (one
     format per mix: the prompt is the mix's), best cells first, one per dataset, at most `max_datasets`."""
     best: tuple[float, str | None, list[dict[str, Any]]] = (0.0, None, [])
     for fmt in sorted({r["fmt"] for r in records}):
-        cells = sorted((r for r in records if r["fmt"] == fmt and r["n_tasks"] >= min_tasks and rule.admits(r)),
-                       key=lambda r: r["signal_frac"], reverse=True)
+        cells = sorted(
+            (r for r in records if r["fmt"] == fmt and r["n_tasks"] >= min_tasks and rule.admits(r)),
+            key=lambda r: r["signal_frac"],
+            reverse=True,
+        )
         chosen: list[dict[str, Any]] = []
         for r in cells:
             if r["dataset"] not in {c["dataset"] for c in chosen} and len(chosen) < max_datasets:

@@ -37,8 +37,12 @@ def pct(x: float) -> str:
 
 def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     """A markdown table and the blank line after it."""
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(row) + " |" for row in rows), ""]
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+    ]
 
 
 def unpaired(d: dict, is_base: bool) -> str | None:
@@ -64,43 +68,63 @@ def heldout_section(summary: dict) -> list[str]:
     per, L = summary["per_config"], []
     if summary.get("has_eval"):
         L.append("## Held-out accuracy\n")
-        L.append("Greedy answers to the task mix's fixed evaluation set (never trained on), scored like training. "
-                 "Per seed: the swarm mean over agents at the last evaluation (final), and the area under the "
-                 "swarm-mean curve divided by its round span (the mean accuracy over the run)."
-                 + (" % vs baseline, 95% bootstrap CI over seeds and the paired sign test as for the cumulative "
-                    "reward below." if summary["baseline"] is not None else "") + "\n")
+        L.append(
+            "Greedy answers to the task mix's fixed evaluation set (never trained on), scored like training. "
+            "Per seed: the swarm mean over agents at the last evaluation (final), and the area under the "
+            "swarm-mean curve divided by its round span (the mean accuracy over the run)."
+            + (
+                " % vs baseline, 95% bootstrap CI over seeds and the paired sign test as for the cumulative "
+                "reward below."
+                if summary["baseline"] is not None
+                else ""
+            )
+            + "\n"
+        )
         if summary.get("evaluators"):
-            L.append(f"Decoded by: {', '.join(summary['evaluators'])} (the records' `eval_engine`; "
-                     "docs/EVALUATION.md).\n")
+            L.append(
+                f"Decoded by: {', '.join(summary['evaluators'])} (the records' `eval_engine`; docs/EVALUATION.md).\n"
+            )
         if math.isfinite(summary.get("eval_baseline", math.nan)):
-            L.append(f"Constant-answer baseline: **{summary['eval_baseline']:.4f}**, what one fixed answer per "
-                     "dataset scores on this set (e.g. always \"True\"). A policy that collapsed onto such answers "
-                     "scores about this; only accuracy above it shows the model answering the question.\n")
+            L.append(
+                f"Constant-answer baseline: **{summary['eval_baseline']:.4f}**, what one fixed answer per "
+                'dataset scores on this set (e.g. always "True"). A policy that collapsed onto such answers '
+                "scores about this; only accuracy above it shows the model answering the question.\n"
+            )
         L += heldout_table(summary, "eval")
     if summary.get("has_unseen"):
         L.append("## Unseen held-out accuracy\n")
-        L.append("The same, on the unseen set: questions whose content (the arithmetic fact, in either dataset's "
-                 "phrasing) the task mix reserves, so no training task and no accepted group ever asks one. "
-                 "Accuracy here is learned beyond the facts trained on.\n")
+        L.append(
+            "The same, on the unseen set: questions whose content (the arithmetic fact, in either dataset's "
+            "phrasing) the task mix reserves, so no training task and no accepted group ever asks one. "
+            "Accuracy here is learned beyond the facts trained on.\n"
+        )
         if math.isfinite(summary.get("unseen_baseline", math.nan)):
             L.append(f"Constant-answer baseline of the unseen set: **{summary['unseen_baseline']:.4f}**.\n")
         L += heldout_table(summary, "unseen")
     L.append("## Collapse signs\n")
-    L.append("Agents collapsed at their last held-out evaluation (docs/experiments/cpu-recipe.md: accuracy within 0.05 "
-             "of the constant-answer baseline, or distinct greedy answers under half of the gold answers' "
-             "share); the share of groups (local and external) whose rewards differ, and the mean token entropy "
-             "(nats) of the sampled completions: over all rounds and over each agent's last quarter of rounds.\n")
-    L += md_table(["config", "collapsed agents", "groups with signal", "… last quarter", "token entropy",
-                   "… last quarter"], [
-        [c, collapsed_cell(per[c])] + [num(per[c][k], ".3f") for k in (
-            "signal_frac_mean", "signal_frac_last_quarter", "entropy_mean", "entropy_last_quarter")]
-        for c in summary["configs"]])
+    L.append(
+        "Agents collapsed at their last held-out evaluation (docs/experiments/cpu-recipe.md: accuracy within 0.05 "
+        "of the constant-answer baseline, or distinct greedy answers under half of the gold answers' "
+        "share); the share of groups (local and external) whose rewards differ, and the mean token entropy "
+        "(nats) of the sampled completions: over all rounds and over each agent's last quarter of rounds.\n"
+    )
+    L += md_table(
+        ["config", "collapsed agents", "groups with signal", "… last quarter", "token entropy", "… last quarter"],
+        [
+            [c, collapsed_cell(per[c])]
+            + [
+                num(per[c][k], ".3f")
+                for k in ("signal_frac_mean", "signal_frac_last_quarter", "entropy_mean", "entropy_last_quarter")
+            ]
+            for c in summary["configs"]
+        ],
+    )
     L.append(f"![held-out accuracy and collapse signs]({FIGURES['health']})\n")
     return L
 
 
 def collapsed_cell(d: dict) -> str:
-    """"k of n" agents collapsed at their last evaluation; a dash where none evaluated."""
+    """ "k of n" agents collapsed at their last evaluation; a dash where none evaluated."""
     return f"{d['collapsed_final']} of {d['evaluated_peers']}" if d.get("evaluated_peers") else "—"
 
 
@@ -110,28 +134,41 @@ def heldout_table(summary: dict, prefix: str, figure: bool = True) -> list[str]:
     per = summary["per_config"]
     if summary["baseline"] is not None:
         return heldout_comparison(summary, prefix, figure)
-    return md_table(["config", "final (mean ± std)", "area (mean ± std)"], [
-        [c, f"{num(per[c][f'{prefix}_final_mean'], '.4f')} ± {num(per[c][f'{prefix}_final_std'], '.4f')}",
-         f"{num(per[c][f'{prefix}_area_mean'], '.4f')} ± {num(per[c][f'{prefix}_area_std'], '.4f')}"]
-        for c in summary["configs"]])
+    return md_table(
+        ["config", "final (mean ± std)", "area (mean ± std)"],
+        [
+            [
+                c,
+                f"{num(per[c][f'{prefix}_final_mean'], '.4f')} ± {num(per[c][f'{prefix}_final_std'], '.4f')}",
+                f"{num(per[c][f'{prefix}_area_mean'], '.4f')} ± {num(per[c][f'{prefix}_area_std'], '.4f')}",
+            ]
+            for c in summary["configs"]
+        ],
+    )
 
 
 def heldout_comparison(summary: dict, prefix: str = "eval", figure: bool = True) -> list[str]:
     """Held-out accuracy of each configuration against the baseline: %, CI, sign test, paired effect."""
     per, base, L = summary["per_config"], summary["baseline"], []
-    L.append("| config | final (mean ± std) | vs baseline | 95% CI | seeds ahead (p) | area (mean ± std) "
-             "| vs baseline | 95% CI | seeds ahead (p) |")
+    L.append(
+        "| config | final (mean ± std) | vs baseline | 95% CI | seeds ahead (p) | area (mean ± std) "
+        "| vs baseline | 95% CI | seeds ahead (p) |"
+    )
     L.append("|---|---|---|---|---|---|---|---|---|")
     for c in summary["configs"]:
         d = per[c]
-        L.append(f"| {c} | {num(d[f'{prefix}_final_mean'], '.4f')} ± {num(d[f'{prefix}_final_std'], '.4f')} | "
-                 + " | ".join(vs_cells(d, f"{prefix}_final", c == base)) + f" | {num(d[f'{prefix}_area_mean'], '.4f')}"
-                 f" ± {num(d[f'{prefix}_area_std'], '.4f')} | " + " | ".join(vs_cells(d, f"{prefix}_area", c == base))
-                 + " |")
+        L.append(
+            f"| {c} | {num(d[f'{prefix}_final_mean'], '.4f')} ± {num(d[f'{prefix}_final_std'], '.4f')} | "
+            + " | ".join(vs_cells(d, f"{prefix}_final", c == base))
+            + f" | {num(d[f'{prefix}_area_mean'], '.4f')}"
+            f" ± {num(d[f'{prefix}_area_std'], '.4f')} | " + " | ".join(vs_cells(d, f"{prefix}_area", c == base)) + " |"
+        )
     L.append("")
-    L.append("Paired effect over seeds (config − baseline, same seeds): mean difference in accuracy points "
-             "with its 95% bootstrap CI over seeds, Cohen's d_z (mean / sd of the differences) and the "
-             "two-sided exact permutation p.\n")
+    L.append(
+        "Paired effect over seeds (config − baseline, same seeds): mean difference in accuracy points "
+        "with its 95% bootstrap CI over seeds, Cohen's d_z (mean / sd of the differences) and the "
+        "two-sided exact permutation p.\n"
+    )
     L.append("| config | final: mean diff | 95% CI | d_z | p | area: mean diff | 95% CI | d_z | p |")
     L.append("|---|---|---|---|---|---|---|---|---|")
     for c in summary["configs"]:
@@ -139,8 +176,16 @@ def heldout_comparison(summary: dict, prefix: str = "eval", figure: bool = True)
         for key in (f"{prefix}_final", f"{prefix}_area"):
             v = per[c].get(f"{key}_vs_base") or {}
             ci = f"[{num(v.get('ci_low', math.nan), '+.4f')}, {num(v.get('ci_high', math.nan), '+.4f')}]" if v else ""
-            cells += [num(v.get("mean_diff", math.nan), '+.4f'), ci, num(v.get("d_z", math.nan), '+.2f'),
-                      num(v.get("p_perm", math.nan), '.3f')] if v else [vs_cells(per[c], key, c == base)[0]] + ["—"] * 3
+            cells += (
+                [
+                    num(v.get("mean_diff", math.nan), "+.4f"),
+                    ci,
+                    num(v.get("d_z", math.nan), "+.2f"),
+                    num(v.get("p_perm", math.nan), ".3f"),
+                ]
+                if v
+                else [vs_cells(per[c], key, c == base)[0]] + ["—"] * 3
+            )
         L.append(f"| {c} | " + " | ".join(cells) + " |")
     L.append("")
     if prefix == "eval" and figure:
@@ -162,8 +207,9 @@ def console_table(summary: dict) -> str:
             vs, ci, _ = vs_cells(d, f"{prefix}_final", c == base)
             tail = "" if base is None else f"{vs:>13}  {'' if ci == '—' else ci}"
             fallen = collapsed_cell(d) if prefix == "eval" else ""
-            rows.append(f"{c:<16}{d['n_seeds']:>6}{agents[c]:>8}{num(d[f'{prefix}_final_mean'], '.3f'):>18}"
-                        f"{fallen:>11}{tail}")
+            rows.append(
+                f"{c:<16}{d['n_seeds']:>6}{agents[c]:>8}{num(d[f'{prefix}_final_mean'], '.3f'):>18}{fallen:>11}{tail}"
+            )
         rows.append("")
     rows.append(f"{head}{'cumulative':>22}{vs_head}")
     for c, d in summary["per_config"].items():
@@ -188,14 +234,17 @@ def view_lines(summary: dict) -> list[str]:
                 v = d.get(f"{key}_vs_base")
                 if v:
                     holm = f", Holm p = {v['p_holm']:.3f}" if "p_holm" in v else ""
-                    rows.append(f"{name} {c} − {summary['baseline']}, held-out {label}: {v['mean_diff']:+.4f} "
-                                f"[{v['ci_low']:+.4f}, {v['ci_high']:+.4f}], p = {v['p_perm']:.3f}{holm} "
-                                f"({v['n']} seeds)")
+                    rows.append(
+                        f"{name} {c} − {summary['baseline']}, held-out {label}: {v['mean_diff']:+.4f} "
+                        f"[{v['ci_low']:+.4f}, {v['ci_high']:+.4f}], p = {v['p_perm']:.3f}{holm} "
+                        f"({v['n']} seeds)"
+                    )
     return [""] + rows if rows else []
 
 
 def agents_table(runs: Sequence[Run], window: int = 10) -> list[str]:
     """One row per agent: how each peer of a single configuration did (the curves are in the figures)."""
+
     def last(values: np.ndarray) -> str:
         values = values[np.isfinite(values)] if values.size else values
         return num(float(values[-1]) if values.size else math.nan, ".4f")
@@ -205,18 +254,32 @@ def agents_table(runs: Sequence[Run], window: int = 10) -> list[str]:
     for r in runs:
         for p in r.peers:
             ma = moving_average(p.reward, window)
-            rows.append([f"seed {r.seed}", p.peer, str(p.rounds.size), num(float(np.nanmean(p.reward)), ".4f"),
-                         num(float(ma[-1]) if ma.size else math.nan, ".4f"), last(p.eval_acc)]
-                        + [last(p.unseen_acc)] * unseen)
-    return md_table(["run", "agent", "rounds", "mean reward", "last moving average", "final held-out accuracy"]
-                    + ["final unseen accuracy"] * unseen, rows)
+            rows.append(
+                [
+                    f"seed {r.seed}",
+                    p.peer,
+                    str(p.rounds.size),
+                    num(float(np.nanmean(p.reward)), ".4f"),
+                    num(float(ma[-1]) if ma.size else math.nan, ".4f"),
+                    last(p.eval_acc),
+                ]
+                + [last(p.unseen_acc)] * unseen
+            )
+    return md_table(
+        ["run", "agent", "rounds", "mean reward", "last moving average", "final held-out accuracy"]
+        + ["final unseen accuracy"] * unseen,
+        rows,
+    )
 
 
 def view_summary(summary: dict, per: dict) -> dict:
     """A summary of a subset view (`node.lab.views`) in the shape the held-out tables read."""
     configs = [c for c in summary["configs"] if c in per]
-    return {"per_config": per, "configs": configs, "baseline": summary["baseline"] if summary["baseline"] in per
-            else None}
+    return {
+        "per_config": per,
+        "configs": configs,
+        "baseline": summary["baseline"] if summary["baseline"] in per else None,
+    }
 
 
 def view_tables(summary: dict, per: dict) -> list[str]:
@@ -224,7 +287,8 @@ def view_tables(summary: dict, per: dict) -> list[str]:
     view = view_summary(summary, per)
     unseen = any(d.get("unseen_final_by_seed") for d in per.values())
     return heldout_table(view, "eval", figure=False) + (
-        ["Unseen set:\n", *heldout_table(view, "unseen", figure=False)] if unseen else [])
+        ["Unseen set:\n", *heldout_table(view, "unseen", figure=False)] if unseen else []
+    )
 
 
 def families_section(summary: dict) -> list[str]:
@@ -232,11 +296,13 @@ def families_section(summary: dict) -> list[str]:
     fam = summary.get("families")
     if not fam:
         return []
-    L = ["## Per model family\n",
-         "The swarms mix models, so each family is judged on its own peers: the held-out measures above, "
-         "computed over the family's peers only (mean over them per seed), paired by seed against the "
-         "baseline's peers of the same family. The p-values of the families' tests are Holm-corrected "
-         f"across the {len(fam['families'])} families (the table after the families).\n"]
+    L = [
+        "## Per model family\n",
+        "The swarms mix models, so each family is judged on its own peers: the held-out measures above, "
+        "computed over the family's peers only (mean over them per seed), paired by seed against the "
+        "baseline's peers of the same family. The p-values of the families' tests are Holm-corrected "
+        f"across the {len(fam['families'])} families (the table after the families).\n",
+    ]
     holm_rows = []
     for f in fam["families"]:
         per = fam["per_family"][f]
@@ -252,12 +318,14 @@ def families_section(summary: dict) -> list[str]:
     L += reward_table(summary, fam["per_family"], "each family")
     sources = fam.get("sources") or {}
     if sources:
-        columns = fam["families"] + (["unknown"] if any("unknown" in d for c in sources.values() for d in c.values())
-                                     else [])
+        columns = fam["families"] + (
+            ["unknown"] if any("unknown" in d for c in sources.values() for d in c.values()) else []
+        )
         L.append("External groups each family trained on, by the family whose peer sampled them (all seeds):\n")
-        L += md_table(["config", "family", *(f"from {c}" for c in columns)],
-                      [[c, f, *(str(d.get(src, 0)) for src in columns)] for c, per in sources.items()
-                       for f, d in per.items()])
+        L += md_table(
+            ["config", "family", *(f"from {c}" for c in columns)],
+            [[c, f, *(str(d.get(src, 0)) for src in columns)] for c, per in sources.items() for f, d in per.items()],
+        )
     L.append(f"![held-out accuracy per family]({FIGURES['families']})\n")
     return L
 
@@ -270,19 +338,50 @@ def reward_table(summary: dict, views: dict[str, dict], what: str) -> list[str]:
     for name, per in views.items():
         for c, d in per.items():
             v = d.get("reward_vs_base")
-            vs = [num(v["mean_diff"], "+.4f"), f"[{num(v['ci_low'], '+.4f')}, {num(v['ci_high'], '+.4f')}]",
-                  num(v["d_z"], "+.2f"), num(v["p_perm"], ".3f"), f"{v['wins']}/{v['seeds']}"] if v else \
-                ["baseline" if c == summary["baseline"] else "—"] + ["—"] * 4
-            rows.append([c, name, f"{num(d['reward_mean'], '.4f')} ± {num(d['reward_std'], '.4f')}", *vs,
-                         num(d["entropy_mean"], ".3f"), num(d["entropy_last_quarter"], ".3f")])
+            vs = (
+                [
+                    num(v["mean_diff"], "+.4f"),
+                    f"[{num(v['ci_low'], '+.4f')}, {num(v['ci_high'], '+.4f')}]",
+                    num(v["d_z"], "+.2f"),
+                    num(v["p_perm"], ".3f"),
+                    f"{v['wins']}/{v['seeds']}",
+                ]
+                if v
+                else ["baseline" if c == summary["baseline"] else "—"] + ["—"] * 4
+            )
+            rows.append(
+                [
+                    c,
+                    name,
+                    f"{num(d['reward_mean'], '.4f')} ± {num(d['reward_std'], '.4f')}",
+                    *vs,
+                    num(d["entropy_mean"], ".3f"),
+                    num(d["entropy_last_quarter"], ".3f"),
+                ]
+            )
     if not rows:
         return []
-    return [f"Training reward of {what}: the mean reward of the peer's own sampled completions per round (the "
-            "paper's measure; a mean over the peers per seed), paired by seed with the baseline (mean "
-            "difference, 95% bootstrap CI, d_z, exact permutation p, seeds ahead), and the mean token entropy "
-            "of those samples, all rounds and the last quarter:\n",
-            *md_table(["config", "peers", "reward per peer-round (mean ± std)", "mean diff", "95% CI", "d_z", "p",
-                       "seeds ahead", "token entropy", "… last quarter"], rows)]
+    return [
+        f"Training reward of {what}: the mean reward of the peer's own sampled completions per round (the "
+        "paper's measure; a mean over the peers per seed), paired by seed with the baseline (mean "
+        "difference, 95% bootstrap CI, d_z, exact permutation p, seeds ahead), and the mean token entropy "
+        "of those samples, all rounds and the last quarter:\n",
+        *md_table(
+            [
+                "config",
+                "peers",
+                "reward per peer-round (mean ± std)",
+                "mean diff",
+                "95% CI",
+                "d_z",
+                "p",
+                "seeds ahead",
+                "token entropy",
+                "… last quarter",
+            ],
+            rows,
+        ),
+    ]
 
 
 def focus_section(summary: dict) -> list[str]:
@@ -291,22 +390,29 @@ def focus_section(summary: dict) -> list[str]:
     if not foc:
         return []
     per, peer = foc["per_config"], foc["peer"]
-    L = [f"## Focus peer: {peer}\n",
-         f"The held-out measures of {peer} alone (its area: trapezoids over its own evaluations divided by their "
-         f"round span), paired by seed against {peer} of the baseline. The other peers of each run are the "
-         "veterans (per configuration: "
-         + ", ".join(f"{c}: {', '.join(map(str, v))}" for c, v in foc["veterans"].items()) + ").\n"]
+    L = [
+        f"## Focus peer: {peer}\n",
+        f"The held-out measures of {peer} alone (its area: trapezoids over its own evaluations divided by their "
+        f"round span), paired by seed against {peer} of the baseline. The other peers of each run are the "
+        "veterans (per configuration: "
+        + ", ".join(f"{c}: {', '.join(map(str, v))}" for c, v in foc["veterans"].items())
+        + ").\n",
+    ]
     L += view_tables(summary, per)
     rows = []
     for c, d in per.items():
         vs = d.get("rounds_to_half_vs_base")
         if d.get("rounds_to_half_by_seed"):
-            rows.append([c, ", ".join(f"s{s}: {v}" for s, v in d["rounds_to_half_by_seed"].items())]
-                        + ([num(vs["mean_diff"], "+.1f"), num(vs["p_perm"], ".3f")] if vs else ["baseline", "—"]))
+            rows.append(
+                [c, ", ".join(f"s{s}: {v}" for s, v in d["rounds_to_half_by_seed"].items())]
+                + ([num(vs["mean_diff"], "+.1f"), num(vs["p_perm"], ".3f")] if vs else ["baseline", "—"])
+            )
     if rows:
-        L.append(f"Rounds until {peer} first reached half of the veterans' mean accuracy at their first evaluation "
-                 "(same seed; the run's round count when it never did), and the paired difference with the "
-                 "baseline (negative: sooner) with its exact permutation p:\n")
+        L.append(
+            f"Rounds until {peer} first reached half of the veterans' mean accuracy at their first evaluation "
+            "(same seed; the run's round count when it never did), and the paired difference with the "
+            "baseline (negative: sooner) with its exact permutation p:\n"
+        )
         L += md_table(["config", "per seed", "vs baseline (rounds)", "p"], rows)
     L += reward_table(summary, {peer: per}, peer)
     L.append(f"![{peer} against the veterans]({FIGURES['focus']})\n")

@@ -66,8 +66,11 @@ def heldout_view(runs: Sequence[Run], summary: dict) -> dict[str, dict]:
             if c != base:
                 compare_heldout(d, per[base], summary["n_boot"], summary["boot_seed"])
                 wins, seeds, _ = paired_sign_test(d["reward_by_seed"], per[base]["reward_by_seed"])
-                d["reward_vs_base"] = {"wins": wins, "seeds": seeds,
-                                       **paired_effect(d["reward_by_seed"], per[base]["reward_by_seed"])}
+                d["reward_vs_base"] = {
+                    "wins": wins,
+                    "seeds": seeds,
+                    **paired_effect(d["reward_by_seed"], per[base]["reward_by_seed"]),
+                }
     return per
 
 

@@ -85,11 +85,15 @@ class EvalResult:
     def log_line(self, r: int | None) -> str:
         """One line for node.log; `r` None for the starting weights, evaluated before round 0."""
         when = f"after round {r}" if r is not None else "of the starting weights, before round 0"
-        line = (f"held-out accuracy {self.accuracy:.3f} {when} ({self.size} tasks, greedy by {self.engine}, "
-                f"{self.seconds:.1f}s; one constant answer per dataset scores {self.baseline or 0.0:.3f})")
+        line = (
+            f"held-out accuracy {self.accuracy:.3f} {when} ({self.size} tasks, greedy by {self.engine}, "
+            f"{self.seconds:.1f}s; one constant answer per dataset scores {self.baseline or 0.0:.3f})"
+        )
         if self.unseen is not None:
-            line += (f"; unseen accuracy {self.unseen.accuracy:.3f} ({self.unseen.size} tasks whose content "
-                     f"training never draws; constant answer {self.unseen.baseline or 0.0:.3f})")
+            line += (
+                f"; unseen accuracy {self.unseen.accuracy:.3f} ({self.unseen.size} tasks whose content "
+                f"training never draws; constant answer {self.unseen.baseline or 0.0:.3f})"
+            )
         return line
 
 
@@ -106,8 +110,10 @@ def constant_answer_baselines(tasks: list[Task]) -> dict[str, float]:
     by_dataset: dict[str, list[Task]] = {}
     for task in tasks:
         by_dataset.setdefault(task.spec.dataset, []).append(task)
-    return {name: max(sum(score(t, answer) for t in group) for answer in {str(t.answer) for t in group}) / len(group)
-            for name, group in by_dataset.items()}
+    return {
+        name: max(sum(score(t, answer) for t in group) for answer in {str(t.answer) for t in group}) / len(group)
+        for name, group in by_dataset.items()
+    }
 
 
 def constant_answer_baseline(tasks: list[Task], by_dataset: dict[str, float] | None = None) -> float:
@@ -123,8 +129,15 @@ def constant_answer_baseline(tasks: list[Task], by_dataset: dict[str, float] | N
 
 
 @torch.no_grad()
-def greedy_texts(model: torch.nn.Module, tokenizer, prompts: list[str], max_new_tokens: int,
-                 batch_size: int, stop: StopRequest | None = None, compact: bool = True) -> list[str]:
+def greedy_texts(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int,
+    batch_size: int,
+    stop: StopRequest | None = None,
+    compact: bool = True,
+) -> list[str]:
     """Greedy completions, `batch_size` prompts per batch, decoded without special tokens, in the order of
     `prompts`. Batches hold prompts of similar length (sorted), so little of a batch is padding, and a row
     that has answered leaves its batch (`greedy_rows`; `compact=False` decodes with `generate` instead,
@@ -143,24 +156,37 @@ def greedy_texts(model: torch.nn.Module, tokenizer, prompts: list[str], max_new_
         for start in range(0, len(prompts), batch_size):
             if stop is not None:
                 stop.check()
-            batch = order[start: start + batch_size]
+            batch = order[start : start + batch_size]
             rows = [ids[i] for i in batch]
             with stop.watch(model) if stop is not None else nullcontext():
                 new = None
                 if compact:
                     try:
-                        new = greedy_rows(model, *_batch_inputs(prefix, rows, tokenizer.pad_token_id, device),
-                                          max_new_tokens, stop_ids)
+                        new = greedy_rows(
+                            model,
+                            *_batch_inputs(prefix, rows, tokenizer.pad_token_id, device),
+                            max_new_tokens,
+                            stop_ids,
+                        )
                     except TypeError as exc:  # a model whose forward takes no positions or cache: generate
                         log.warning("greedy decoding falls back to generate (%s)", exc)
                         compact = False
                 if new is None:  # fresh inputs: a failed greedy_rows may have left the cache half extended
                     input_ids, attn, cache = _batch_inputs(prefix, rows, tokenizer.pad_token_id, device)
-                    out = model.generate(input_ids=input_ids, attention_mask=attn, past_key_values=cache,
-                                         do_sample=False, max_new_tokens=max_new_tokens, use_cache=True,
-                                         pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_ids,
-                                         temperature=None, top_p=None, top_k=None)
-                    new = out[:, input_ids.shape[1]:]
+                    out = model.generate(
+                        input_ids=input_ids,
+                        attention_mask=attn,
+                        past_key_values=cache,
+                        do_sample=False,
+                        max_new_tokens=max_new_tokens,
+                        use_cache=True,
+                        pad_token_id=tokenizer.pad_token_id,
+                        eos_token_id=stop_ids,
+                        temperature=None,
+                        top_p=None,
+                        top_k=None,
+                    )
+                    new = out[:, input_ids.shape[1] :]
             for i, text in zip(batch, tokenizer.batch_decode(new, skip_special_tokens=True)):
                 texts[i] = text
     finally:
@@ -168,8 +194,9 @@ def greedy_texts(model: torch.nn.Module, tokenizer, prompts: list[str], max_new_
     return texts
 
 
-def _batch_inputs(prefix: CommonPrefix | None, rows: list[list[int]], pad_id: int,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
+def _batch_inputs(
+    prefix: CommonPrefix | None, rows: list[list[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """(input ids, attention mask, cache or None) of a batch: on a copy of the common prefix's cache, or
     left-padded from scratch."""
     if prefix is not None:
@@ -179,8 +206,9 @@ def _batch_inputs(prefix: CommonPrefix | None, rows: list[list[int]], pad_id: in
 
 
 @torch.no_grad()
-def greedy_rows(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, cache, max_new_tokens: int,
-                stop_ids: list[int]) -> list[list[int]]:
+def greedy_rows(
+    model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, cache, max_new_tokens: int, stop_ids: list[int]
+) -> list[list[int]]:
     """Greedy decoding of a left-padded batch, continuing from `cache` (a DynamicCache holding the rows'
     first tokens) or from nothing (None). A row that emits a stop token leaves the batch, its cache rows
     with it: answers here are mostly a few tokens, and with `generate` one rambling row kept all the others
@@ -189,9 +217,15 @@ def greedy_rows(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, c
     tokens, its stop token included."""
     positions = generate_positions(attn)
     start, length = (cache.get_seq_length() if cache is not None else 0), ids.shape[1]
-    out = model(input_ids=ids[:, start:], attention_mask=attn, position_ids=positions[:, start:],
-                past_key_values=cache, cache_position=torch.arange(start, length, device=ids.device),
-                use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=ids[:, start:],
+        attention_mask=attn,
+        position_ids=positions[:, start:],
+        past_key_values=cache,
+        cache_position=torch.arange(start, length, device=ids.device),
+        use_cache=True,
+        logits_to_keep=1,
+    )
     logits, cache = out.logits[:, -1], out.past_key_values
     rows, pos = torch.arange(ids.shape[0]), positions[:, -1:]
     stops = torch.tensor(stop_ids, device=ids.device)
@@ -209,14 +243,28 @@ def greedy_rows(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, c
             cache.batch_select_indices(keep)
         attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
         pos = pos + 1
-        logits = model(input_ids=token[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache,
-                       cache_position=torch.tensor([length + step], device=ids.device), use_cache=True).logits[:, -1]
+        logits = model(
+            input_ids=token[:, None],
+            attention_mask=attn,
+            position_ids=pos,
+            past_key_values=cache,
+            cache_position=torch.tensor([length + step], device=ids.device),
+            use_cache=True,
+        ).logits[:, -1]
     return new
 
 
-def evaluate(model: torch.nn.Module, tokenizer, prompter: Prompter, tasks: list[Task], max_new_tokens: int,
-             batch_size: int = EVAL_BATCH, stop: StopRequest | None = None,
-             unseen: list[Task] | None = None, engine: RolloutEngine | None = None) -> EvalResult:
+def evaluate(
+    model: torch.nn.Module,
+    tokenizer,
+    prompter: Prompter,
+    tasks: list[Task],
+    max_new_tokens: int,
+    batch_size: int = EVAL_BATCH,
+    stop: StopRequest | None = None,
+    unseen: list[Task] | None = None,
+    engine: RolloutEngine | None = None,
+) -> EvalResult:
     """Accuracy of greedy answers on `tasks`, scored by the same reward function as training; with
     `unseen`, that set's too (`.unseen`), generated in the same batches. With `engine` (one that has
     `greedy`, synced to `model`'s current weights), the engine decodes them instead of torch."""
@@ -233,7 +281,7 @@ def evaluate(model: torch.nn.Module, tokenizer, prompter: Prompter, tasks: list[
         torch.random.set_rng_state(rng_state)
     result = scored(tasks, texts[: len(tasks)], prompter)
     if unseen:
-        result.unseen = scored(unseen, texts[len(tasks):], prompter)
+        result.unseen = scored(unseen, texts[len(tasks) :], prompter)
     result.seconds = time.perf_counter() - t0
     result.engine = engine.name if engine is not None else "torch"
     return result
@@ -269,8 +317,12 @@ class EvalSet:
     @staticmethod
     def of(tasks: list[Task]) -> EvalSet:
         by_dataset = constant_answer_baselines(tasks)
-        return EvalSet(tasks, constant_answer_baseline(tasks, by_dataset), by_dataset,
-                       distinct_share([t.spec.dataset for t in tasks], [str(t.answer) for t in tasks]))
+        return EvalSet(
+            tasks,
+            constant_answer_baseline(tasks, by_dataset),
+            by_dataset,
+            distinct_share([t.spec.dataset for t in tasks], [str(t.answer) for t in tasks]),
+        )
 
     def label(self, result: EvalResult) -> EvalResult:
         result.baseline, result.distinct_gold = self.baseline, self.distinct_gold
@@ -285,8 +337,17 @@ class HeldOutEval:
     batch. `engine`: the rollout engine that decodes the answers (None: torch; node/learn/engines
     `eval_engine` chooses), which the caller syncs to the weights before `run`."""
 
-    def __init__(self, mix: TaskMix, size: int, every: int, rounds: int, unseen_size: int = 0,
-                 batch_size: int = EVAL_BATCH, at: tuple[int, ...] = (), engine: RolloutEngine | None = None):
+    def __init__(
+        self,
+        mix: TaskMix,
+        size: int,
+        every: int,
+        rounds: int,
+        unseen_size: int = 0,
+        batch_size: int = EVAL_BATCH,
+        at: tuple[int, ...] = (),
+        engine: RolloutEngine | None = None,
+    ):
         self.mix, self.size, self.every, self.rounds = mix, size, every, rounds
         self.batch_size, self.at, self.engine = batch_size, frozenset(at), engine
         self.unseen_size = unseen_size or size
@@ -306,14 +367,29 @@ class HeldOutEval:
             return None
         return min([r + -r % self.every, self.rounds - 1, *(a for a in self.at if a >= r)])
 
-    def run(self, model: torch.nn.Module, tokenizer, prompter: Prompter, max_new_tokens: int,
-            stop: StopRequest | None = None) -> EvalResult:
+    def run(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        prompter: Prompter,
+        max_new_tokens: int,
+        stop: StopRequest | None = None,
+    ) -> EvalResult:
         if self.seen is None:
             self.seen = EvalSet.of(eval_tasks(self.mix, self.size))
             unseen = eval_tasks(self.mix, self.unseen_size, unseen=True)
             self.unseen = EvalSet.of(unseen) if unseen else None
-        result = evaluate(model, tokenizer, prompter, self.seen.tasks, max_new_tokens, self.batch_size, stop=stop,
-                          unseen=self.unseen.tasks if self.unseen is not None else None, engine=self.engine)
+        result = evaluate(
+            model,
+            tokenizer,
+            prompter,
+            self.seen.tasks,
+            max_new_tokens,
+            self.batch_size,
+            stop=stop,
+            unseen=self.unseen.tasks if self.unseen is not None else None,
+            engine=self.engine,
+        )
         if result.unseen is not None and self.unseen is not None:
             self.unseen.label(result.unseen)
         return self.seen.label(result)

@@ -27,26 +27,37 @@ class ChatFormat:
     stop: str | None = None  # text that ends a completion (one token, the tokenizer's EOS); None: the model's own
 
 
-CHATML = ChatFormat("chatml", (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-))
+CHATML = ChatFormat(
+    "chatml",
+    (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
+)
 # Gemma's turns: no system role (the system prompt opens the first user turn); BOS first, as Gemma expects.
-GEMMA_CHAT = ChatFormat("gemma-chat", (
-    "{{ bos_token }}{% for m in messages if m['role'] != 'system' %}"
-    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
-    "{% if loop.first and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
-    "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-), stop="<end_of_turn>")
+GEMMA_CHAT = ChatFormat(
+    "gemma-chat",
+    (
+        "{{ bos_token }}{% for m in messages if m['role'] != 'system' %}"
+        "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+        "{% if loop.first and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+        "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    ),
+    stop="<end_of_turn>",
+)
 # A plain document for a base model: the instructions, then "Question: ... / Answer: ..."; a new line ends
 # the answer (a base model goes on with the next made-up question otherwise).
-COMPLETION = ChatFormat("completion", (
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
-    "{% elif m['role'] == 'user' %}Question: {{ m['content'] }}\n"
-    "{% else %}Answer: {{ m['content'] }}\n\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}Answer: {% endif %}"
-), stop="\n")
+COMPLETION = ChatFormat(
+    "completion",
+    (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+        "{% elif m['role'] == 'user' %}Question: {{ m['content'] }}\n"
+        "{% else %}Answer: {{ m['content'] }}\n\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}Answer: {% endif %}"
+    ),
+    stop="\n",
+)
 
 FORMATS: dict[str, ChatFormat] = {f.name: f for f in (CHATML, GEMMA_CHAT, COMPLETION)}
 # model_type (transformers config) -> format, for families whose files ship no template
@@ -71,8 +82,11 @@ def apply_format(tokenizer, fmt: ChatFormat) -> None:
             raise ValueError(f"prompt format {fmt.name}: stop {fmt.stop!r} is {len(ids)} tokens here, not one")
         unit = tokenizer.convert_ids_to_tokens(ids[0])
         tokenizer.eos_token = unit
-        runs = [i for i, t in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
-                if t and t != unit and t == unit * (len(t) // len(unit))]
+        runs = [
+            i
+            for i, t in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+            if t and t != unit and t == unit * (len(t) // len(unit))
+        ]
         setattr(tokenizer, STOP_IDS_ATTR, [ids[0], *runs])
     tokenizer.chat_template = fmt.template
 

@@ -71,8 +71,9 @@ class Selection:
         return self.external_available / offered if offered else 0.0
 
 
-def select_groups(local: list[Group], external: list[Group], num_local: int, num_external: int,
-                  rng: random.Random) -> Selection:
+def select_groups(
+    local: list[Group], external: list[Group], num_local: int, num_external: int, rng: random.Random
+) -> Selection:
     """Drop zero-advantage groups, keep up to I local ones, sample J external ones uniformly (seeded)."""
     useful_local = [g for g in local if g.signal()]
     useful_external = [g for g in external if g.signal()]
@@ -101,8 +102,9 @@ def mean_abs_advantage(groups: list[Group]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def to_sequences(groups: list[Group], tokenizer, prompt_for, scale_std: bool,
-                 external_loss: str = "sapo") -> list[Sequence]:
+def to_sequences(
+    groups: list[Group], tokenizer, prompt_for, scale_std: bool, external_loss: str = "sapo"
+) -> list[Sequence]:
     """Training sequences with group-relative advantages.
 
     Local groups keep their sampled token ids and behaviour log-probs (when exact: sampled by the trained
@@ -126,7 +128,7 @@ def to_sequences(groups: list[Group], tokenizer, prompt_for, scale_std: bool,
         for i, (response, a) in enumerate(zip(g.responses, adv)):
             if not keeps_external(external_loss, a, mu is not None):
                 continue
-            body = response[len(prefix):] if prefix and response.startswith(prefix) else response
+            body = response[len(prefix) :] if prefix and response.startswith(prefix) else response
             prompt_ids, completion_ids = encode_completion(tokenizer, prompt, body)
             seqs.append(Sequence(prompt_ids, completion_ids, a, behaviour_mean_logp=None if mu is None else mu[i]))
     return seqs

@@ -64,8 +64,7 @@ def collapse_signs(e: EvalSummary, margin: float = MARGIN) -> list[str]:
     if e.accuracy <= e.baseline + margin:
         signs.append(f"held-out accuracy {e.accuracy:.3f} is within {margin} of the constant answer ({e.baseline:.3f})")
     if e.distinct < 0.5 * e.distinct_gold:
-        signs.append(f"distinct greedy answers {e.distinct:.3f} are under half the gold answers' "
-                     f"{e.distinct_gold:.3f}")
+        signs.append(f"distinct greedy answers {e.distinct:.3f} are under half the gold answers' {e.distinct_gold:.3f}")
     return signs
 
 
@@ -150,11 +149,15 @@ class CollapseGuard:
         if best.accuracy - e.accuracy >= self.cfg.drop:
             return f"{' and '.join(signs)}; accuracy {best.accuracy - e.accuracy:.3f} below {round_name(best.round)}'s"
         if e.accuracy < e.baseline and best.accuracy - e.accuracy >= self.cfg.margin:
-            return (f"held-out accuracy {e.accuracy:.3f} is below the constant answer's ({e.baseline:.3f}) and "
-                    f"{best.accuracy - e.accuracy:.3f} below {round_name(best.round)}'s")
+            return (
+                f"held-out accuracy {e.accuracy:.3f} is below the constant answer's ({e.baseline:.3f}) and "
+                f"{best.accuracy - e.accuracy:.3f} below {round_name(best.round)}'s"
+            )
         if e.distinct < 0.5 * best.distinct:
-            return (f"distinct greedy answers fell to {e.distinct:.3f} from {best.distinct:.3f} at "
-                    f"{round_name(best.round)} (gold answers: {e.distinct_gold:.3f})")
+            return (
+                f"distinct greedy answers fell to {e.distinct:.3f} from {best.distinct:.3f} at "
+                f"{round_name(best.round)} (gold answers: {e.distinct_gold:.3f})"
+            )
         return ""
 
     def state_dict(self) -> dict[str, Any]:

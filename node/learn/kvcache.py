@@ -25,9 +25,9 @@ def is_full_attention_cache(cache, longest: int) -> bool:
     always; sliding-window layers when `longest` fits their window (recurrent state or encoder-decoder
     caches never)."""
     return isinstance(cache, DynamicCache) and all(
-        type(layer) is DynamicLayer
-        or (type(layer) is DynamicSlidingWindowLayer and longest <= layer.sliding_window)
-        for layer in cache.layers)
+        type(layer) is DynamicLayer or (type(layer) is DynamicSlidingWindowLayer and longest <= layer.sliding_window)
+        for layer in cache.layers
+    )
 
 
 def attention_window(model: torch.nn.Module) -> int | None:
@@ -48,8 +48,8 @@ def left_padded(rows: list[list[int]] | list[tuple[int, ...]], pad_id: int) -> t
     attn = torch.zeros((len(rows), width), dtype=torch.long)
     for i, row in enumerate(rows):
         if row:
-            ids[i, width - len(row):] = torch.tensor(row)
-            attn[i, width - len(row):] = 1
+            ids[i, width - len(row) :] = torch.tensor(row)
+            attn[i, width - len(row) :] = 1
     return ids, attn
 
 
@@ -77,8 +77,9 @@ def _reusable_cache(model: torch.nn.Module, what: str, longest: int, **inputs):
     return cache
 
 
-def shared_prompt_cache(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, group_size: int,
-                        max_new_tokens: int):
+def shared_prompt_cache(
+    model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, group_size: int, max_new_tokens: int
+):
     """Each prompt but its last token run once, the KV cache repeated over its group: `generate` then
     continues from the last prompt token. Without it every prompt is prefilled `group_size` times, which
     on short-answer mixes is most of a round's generation. None when the model's cache cannot be shared
@@ -86,8 +87,14 @@ def shared_prompt_cache(model: torch.nn.Module, ids: torch.Tensor, attn: torch.T
     if group_size < 2 or ids.shape[1] < 2:
         return None
     positions = generate_positions(attn)
-    cache = _reusable_cache(model, "prompt prefill", ids.shape[1] + max_new_tokens, input_ids=ids[:, :-1],
-                            attention_mask=attn[:, :-1], position_ids=positions[:, :-1])
+    cache = _reusable_cache(
+        model,
+        "prompt prefill",
+        ids.shape[1] + max_new_tokens,
+        input_ids=ids[:, :-1],
+        attention_mask=attn[:, :-1],
+        position_ids=positions[:, :-1],
+    )
     if cache is None:
         return None
     for layer in cache.layers:
@@ -121,8 +128,9 @@ class CommonPrefix:
             return None
         device = next(model.parameters()).device
         longest = max(map(len, prompts)) + max_new_tokens  # a batch is [prefix | pad | rest]: its longest prompt
-        cache = _reusable_cache(model, "common prompt prefix", longest,
-                                input_ids=torch.tensor([prompts[0][:n]], device=device))
+        cache = _reusable_cache(
+            model, "common prompt prefix", longest, input_ids=torch.tensor([prompts[0][:n]], device=device)
+        )
         if cache is None:
             return None
         return cls(prompts[0][:n], [(layer.keys, layer.values) for layer in cache.layers])
@@ -134,6 +142,7 @@ class CommonPrefix:
         ids = torch.cat([torch.tensor([self.ids]).expand(B, n), rest_ids], dim=1)
         attn = torch.cat([torch.ones((B, n), dtype=torch.long), rest_attn], dim=1)
         device = self.layers[0][0].device
-        cache = DynamicCache([(k.expand(B, -1, -1, -1).contiguous(), v.expand(B, -1, -1, -1).contiguous())
-                              for k, v in self.layers])
+        cache = DynamicCache(
+            [(k.expand(B, -1, -1, -1).contiguous(), v.expand(B, -1, -1, -1).contiguous()) for k, v in self.layers]
+        )
         return ids.to(device), attn.to(device), cache

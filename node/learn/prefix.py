@@ -116,12 +116,15 @@ class SharedPrefix:
         self.attn = attn.to(device)
         self.lengths = self.attn.sum(dim=1)
         positions = (self.attn.cumsum(dim=1) - 1).clamp(min=0)
-        out = model(input_ids=ids.to(device), attention_mask=self.attn, position_ids=positions, use_cache=True,
-                    logits_to_keep=1)
+        out = model(
+            input_ids=ids.to(device), attention_mask=self.attn, position_ids=positions, use_cache=True, logits_to_keep=1
+        )
         cache = out.past_key_values
         if not is_full_attention_cache(cache, longest):
-            raise TypeError(f"prefix sharing needs a DynamicCache that attends fully over {longest} tokens, "
-                            f"got {type(cache).__name__}")
+            raise TypeError(
+                f"prefix sharing needs a DynamicCache that attends fully over {longest} tokens, "
+                f"got {type(cache).__name__}"
+            )
         self.graph = [out.logits[:, -1]] + [t for layer in cache.layers for t in (layer.keys, layer.values)]
         grad = torch.is_grad_enabled()
         self.leaves = [t.detach().requires_grad_(grad) for t in self.graph]
@@ -145,8 +148,13 @@ class SharedPrefix:
             cache = DynamicCache(list(zip(kv[0::2], kv[1::2])))
             attn = torch.cat([self.attn.index_select(0, index), comp_mask[:, : C - 1].long()], dim=1)
             positions = self.lengths.index_select(0, index).unsqueeze(1) + torch.arange(C - 1, device=device)
-            rest = self.model(input_ids=comp_ids[:, : C - 1], attention_mask=attn, position_ids=positions,
-                              past_key_values=cache, use_cache=True).logits
+            rest = self.model(
+                input_ids=comp_ids[:, : C - 1],
+                attention_mask=attn,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            ).logits
             # log-probs of the two parts joined, not their [B, C, vocab] logits (a copy the size of the batch)
             rest_logp, _ = completion_logprobs(rest, comp_ids[:, 1:], comp_mask[:, 1:], temperature)
             logp = torch.cat([logp, rest_logp], dim=1)
@@ -160,8 +168,9 @@ class SharedPrefix:
         self.graph, self.leaves = [], []
 
 
-def micro_batches(model: torch.nn.Module, seqs: list[Sequence], pad_id: int, temperature: float,
-                  micro_batch_size: int, shared: bool) -> Iterator[tuple[list[Sequence], torch.Tensor, torch.Tensor]]:
+def micro_batches(
+    model: torch.nn.Module, seqs: list[Sequence], pad_id: int, temperature: float, micro_batch_size: int, shared: bool
+) -> Iterator[tuple[list[Sequence], torch.Tensor, torch.Tensor]]:
     """(sequences, [B, C] logp, [B, C] mask) per micro-batch: plain, `micro_batch_size` sequences; shared,
     as many groups or completions as fit in the same number of tokens (`token_budget`).
 
@@ -175,7 +184,7 @@ def micro_batches(model: torch.nn.Module, seqs: list[Sequence], pad_id: int, tem
         shared = longest <= window  # past the window a sliding layer forgets: the plain layout is exact
     if not shared:
         for start in range(0, len(seqs), micro_batch_size):
-            chunk = seqs[start: start + micro_batch_size]
+            chunk = seqs[start : start + micro_batch_size]
             logp, mask = token_logprobs(model, chunk, pad_id, temperature)
             yield chunk, logp, mask
         return
@@ -190,7 +199,7 @@ def micro_batches(model: torch.nn.Module, seqs: list[Sequence], pad_id: int, tem
         room = budget - _padded_cost(unit.prompts, [])  # the prefix's activations live as long as the unit
         start = 0
         for size in split_completions([len(seqs[i].completion_ids) for _, i in flat], room):
-            part = flat[start: start + size]
+            part = flat[start : start + size]
             start += size
             chunk = [seqs[i] for _, i in part]
             logp, mask = prefix.logprobs([row for row, _ in part], chunk, temperature)
@@ -209,7 +218,7 @@ def supports_prefix_sharing(model: torch.nn.Module, pad_id: int) -> bool:
     model.eval()  # no dropout in the probe
     try:
         plain, mask = token_logprobs(model, seqs, pad_id, 1.0)
-        (_, shared, _), = micro_batches(model, seqs, pad_id, 1.0, len(seqs), shared=True)
+        ((_, shared, _),) = micro_batches(model, seqs, pad_id, 1.0, len(seqs), shared=True)
         order = [0, 2, 1]  # plan_units buckets by prompt
         shared = shared[torch.tensor([order.index(i) for i in range(3)])]
     except Exception as exc:  # any model that cannot take a split cache

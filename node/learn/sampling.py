@@ -123,16 +123,22 @@ def sample_groups(
     watch = stop.watch(model) if stop is not None else contextlib.nullcontext()
     try:
         with watch:
-            inputs = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
-                      "num_return_sequences": group_size}
+            inputs = {
+                "input_ids": enc["input_ids"],
+                "attention_mask": enc["attention_mask"],
+                "num_return_sequences": group_size,
+            }
             cache = None
             if share_prompt:
-                cache = shared_prompt_cache(model, enc["input_ids"], enc["attention_mask"], group_size,
-                                            cfg.max_new_tokens)
+                cache = shared_prompt_cache(
+                    model, enc["input_ids"], enc["attention_mask"], group_size, cfg.max_new_tokens
+                )
             if cache is not None:  # rows already in group order: prompt p's completions at p*G ... p*G + G-1
-                inputs = {"input_ids": enc["input_ids"].repeat_interleave(group_size, dim=0),
-                          "attention_mask": enc["attention_mask"].repeat_interleave(group_size, dim=0),
-                          "past_key_values": cache}
+                inputs = {
+                    "input_ids": enc["input_ids"].repeat_interleave(group_size, dim=0),
+                    "attention_mask": enc["attention_mask"].repeat_interleave(group_size, dim=0),
+                    "past_key_values": cache,
+                }
             out = model.generate(
                 **inputs,
                 do_sample=True,
@@ -164,10 +170,9 @@ def sample_groups(
             ents.append(float(entropies[p * group_size + g, :n].mean()) if n else 0.0)
             # the text ends before the stop token: a plain-text stop ("\n") is no part of the answer that peers
             # re-encode in their own format
-            body = row[:n - 1] if n and row[n - 1] in stops else row[:n]
+            body = row[: n - 1] if n and row[n - 1] in stops else row[:n]
             texts.append(tokenizer.decode(body, skip_special_tokens=True))
-        groups.append(SampledGroup(prompt_ids=ids, completion_ids=comp, behaviour_logp=lps, texts=texts,
-                                   entropy=ents))
+        groups.append(SampledGroup(prompt_ids=ids, completion_ids=comp, behaviour_logp=lps, texts=texts, entropy=ents))
     return groups
 
 
@@ -228,8 +233,9 @@ def token_logprobs(model: torch.nn.Module, seqs: list[Sequence], pad_id: int, te
     device = next(model.parameters()).device
     ids, attn, positions, comp_ids, comp_mask = pad_batch(seqs, pad_id, device)
     C = comp_ids.shape[1]
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False,
-                   logits_to_keep=C + 1).logits[:, :-1]  # logits at t-1 predict token t
+    logits = model(
+        input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False, logits_to_keep=C + 1
+    ).logits[:, :-1]  # logits at t-1 predict token t
     return completion_logprobs(logits, comp_ids, comp_mask, temperature)
 
 

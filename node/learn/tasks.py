@@ -82,8 +82,9 @@ NODE_KEYS = frozenset({ANSWER_RULE})
 
 @lru_cache(maxsize=256)
 def _dataset(name: str, config: tuple, seed: int):
-    return gym.create_dataset(name, seed=seed, size=DATASET_SIZE,
-                              **{k: v for k, v in _thaw(config).items() if k not in NODE_KEYS})
+    return gym.create_dataset(
+        name, seed=seed, size=DATASET_SIZE, **{k: v for k, v in _thaw(config).items() if k not in NODE_KEYS}
+    )
 
 
 class TaskError(ValueError):
@@ -136,7 +137,7 @@ def extract_answer(response: str) -> str | None:
     matches = ANSWER_RE.findall(response)
     if matches:
         text = matches[-1]
-        if "</answer>" not in response[response.rfind("<answer>"):]:
+        if "</answer>" not in response[response.rfind("<answer>") :]:
             text = text.split("\n", 1)[0]
         return text.strip()
     lines = [line.strip() for line in response.strip().splitlines() if line.strip()]
@@ -194,8 +195,15 @@ PAPER_SYSTEM_PROMPT = (
 )
 
 PAPER_DATASETS = [
-    "base_conversion", "basic_arithmetic", "arc_1d", "bf", "propositional_logic",
-    "fraction_simplification", "decimal_arithmetic", "calendar_arithmetic", "binary_matrix",
+    "base_conversion",
+    "basic_arithmetic",
+    "arc_1d",
+    "bf",
+    "propositional_logic",
+    "fraction_simplification",
+    "decimal_arithmetic",
+    "calendar_arithmetic",
+    "binary_matrix",
 ]
 
 # Measured with the default model: a generic one-line example plus a forced "<answer>" prefix makes it
@@ -204,16 +212,31 @@ CPU_EASY_SYSTEM_PROMPT = (
     "Reply with only the final answer inside <answer></answer> tags. Example: What is 7 - 2? <answer>5</answer>"
 )
 
+
 def arithmetic_mix(name: str, terms: int, min_digits: int, max_digits: int) -> TaskMix:
     """cpu-learn's family: basic_arithmetic (+ and - only) and chain_sum, answers read by their result, the
     cpu-easy prompt, a fifth of the arithmetic facts kept for the unseen evaluation."""
-    shape = {"min_terms": terms, "max_terms": terms, "min_digits": min_digits, "max_digits": max_digits,
-             ANSWER_RULE: "result"}
-    return TaskMix(name=name, datasets={
-        "basic_arithmetic": {"weight": 1.0, "config": {**shape, "operators": ["+", "-"], "allow_parentheses": False,
-                                                       "allow_negation": False}},
-        "chain_sum": {"weight": 1.0, "config": shape},
-    }, system_prompt=CPU_EASY_SYSTEM_PROMPT, answer_prefix="<answer>", max_new_tokens=32, unseen_share=0.2)
+    shape = {
+        "min_terms": terms,
+        "max_terms": terms,
+        "min_digits": min_digits,
+        "max_digits": max_digits,
+        ANSWER_RULE: "result",
+    }
+    return TaskMix(
+        name=name,
+        datasets={
+            "basic_arithmetic": {
+                "weight": 1.0,
+                "config": {**shape, "operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False},
+            },
+            "chain_sum": {"weight": 1.0, "config": shape},
+        },
+        system_prompt=CPU_EASY_SYSTEM_PROMPT,
+        answer_prefix="<answer>",
+        max_new_tokens=32,
+        unseen_share=0.2,
+    )
 
 
 PRESETS: dict[str, TaskMix] = {
@@ -264,10 +287,11 @@ PRESETS: dict[str, TaskMix] = {
     # node that learns from its reward answers in the rewarded format within about five rounds.
     "test-learn": TaskMix(
         name="test-learn",
-        datasets={"chain_sum": {"weight": 1.0, "config": {"min_terms": 1, "max_terms": 1, "min_digits": 1,
-                                                          "max_digits": 1}}},
+        datasets={
+            "chain_sum": {"weight": 1.0, "config": {"min_terms": 1, "max_terms": 1, "min_digits": 1, "max_digits": 1}}
+        },
         system_prompt="Reply with the final answer inside <answer></answer> tags. "
-                      "Example: What is 7 - 2? <answer>The answer is 5</answer>",
+        "Example: What is 7 - 2? <answer>The answer is 5</answer>",
         answer_prefix="<answer>",
         max_new_tokens=8,
     ),
@@ -282,8 +306,10 @@ def resolve_mix(value: str | dict[str, Any]) -> TaskMix:
             raise TaskError(f"unknown base preset {value.get('base')!r}")
         mix = TaskMix(
             name=str(value.get("name", "custom")),
-            datasets={k: {"weight": float(v.get("weight", 1.0)), "config": dict(v.get("config", {}))}
-                      for k, v in value.get("datasets", {}).items()},
+            datasets={
+                k: {"weight": float(v.get("weight", 1.0)), "config": dict(v.get("config", {}))}
+                for k, v in value.get("datasets", {}).items()
+            },
             system_prompt=str(value.get("system_prompt", base.system_prompt)),
             answer_prefix=str(value.get("answer_prefix", base.answer_prefix)),
             max_new_tokens=int(value.get("max_new_tokens", base.max_new_tokens)),
@@ -294,8 +320,12 @@ def resolve_mix(value: str | dict[str, Any]) -> TaskMix:
     else:
         names = [n.strip() for n in str(value).split(",") if n.strip()]
         base = PRESETS["paper"]
-        mix = TaskMix(name="custom", datasets={n: {"weight": 1.0, "config": {}} for n in names},
-                      system_prompt=base.system_prompt, max_new_tokens=base.max_new_tokens)
+        mix = TaskMix(
+            name="custom",
+            datasets={n: {"weight": 1.0, "config": {}} for n in names},
+            system_prompt=base.system_prompt,
+            max_new_tokens=base.max_new_tokens,
+        )
     validate_mix(mix)
     return mix
 

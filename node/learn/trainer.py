@@ -65,8 +65,15 @@ class Trainer:
     model with the adapters disabled; otherwise every weight, and the reference a frozen copy. Peers that
     share one base activate their adapter before handing the trainer a step (`Adapter.activate`)."""
 
-    def __init__(self, model: torch.nn.Module, pad_id: int, cfg: TrainConfig, seed: int = 0,
-                 stop: StopRequest | None = None, adapter: Adapter | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pad_id: int,
+        cfg: TrainConfig,
+        seed: int = 0,
+        stop: StopRequest | None = None,
+        adapter: Adapter | None = None,
+    ):
         cfg.validate()
         self.stop = stop
         self.steps_taken = 0  # optimizer steps since this trainer was made (counted as each one starts)
@@ -101,8 +108,9 @@ class Trainer:
         return self._shared
 
     def _micro_batches(self, model: torch.nn.Module, seqs: list[Sequence]):
-        return micro_batches(model, seqs, self.pad_id, self.cfg.temperature, self.cfg.micro_batch_size,
-                             self.shared_prefix)
+        return micro_batches(
+            model, seqs, self.pad_id, self.cfg.temperature, self.cfg.micro_batch_size, self.shared_prefix
+        )
 
     @property
     def single_step(self) -> bool:
@@ -184,8 +192,9 @@ class Trainer:
         acc["grad_norm"] = float(grad_norm)
         return acc
 
-    def _accumulate(self, minibatch: list[Sequence], refs: dict[int, list[float]] | None, acc: dict[str, float],
-                    total_tokens: int) -> dict[str, float]:
+    def _accumulate(
+        self, minibatch: list[Sequence], refs: dict[int, list[float]] | None, acc: dict[str, float], total_tokens: int
+    ) -> dict[str, float]:
         """Forward and backward of every micro-batch; gradients add up in the parameters."""
         cfg = self.cfg
         for chunk, logp, mask in self._micro_batches(self.model, minibatch):
@@ -194,8 +203,19 @@ class Trainer:
             adv = torch.tensor([s.advantage for s in chunk], dtype=logp.dtype, device=logp.device)
             seq_weight = self._external_weights(chunk, old, mask)
             self._safe_point()
-            loss, st = grpo_loss(logp, old, adv, mask, cfg.eps_low, cfg.eps_high, cfg.loss_type, cfg.beta, ref,
-                                 cfg.max_completion_len, seq_weight)
+            loss, st = grpo_loss(
+                logp,
+                old,
+                adv,
+                mask,
+                cfg.eps_low,
+                cfg.eps_high,
+                cfg.loss_type,
+                cfg.beta,
+                ref,
+                cfg.max_completion_len,
+                seq_weight,
+            )
             # Weight each micro-batch so the sum equals the loss over the whole minibatch.
             n_tokens = int(mask.sum())
             weight = n_tokens / max(total_tokens, 1) if cfg.loss_type == "dapo" else len(chunk) / len(minibatch)

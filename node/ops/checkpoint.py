@@ -34,7 +34,7 @@ def dir_name(round_: int) -> str:
 
 def round_of(path: Path) -> int | None:
     """The round a checkpoint directory's name says; None for a name that is no checkpoint's."""
-    suffix = path.name[len(PREFIX):] if path.name.startswith(PREFIX) else ""
+    suffix = path.name[len(PREFIX) :] if path.name.startswith(PREFIX) else ""
     return START_ROUND if suffix == START_NAME else int(suffix) if suffix.isdigit() else None
 
 
@@ -84,8 +84,14 @@ class CheckpointStore:
         self.keep = max(1, keep)
         self.dir.mkdir(parents=True, exist_ok=True)
 
-    def save(self, round_: int, weights: dict[str, Any], optimizer: dict[str, Any], state: dict[str, Any],
-             meta: dict[str, Any] | None = None) -> Path:
+    def save(
+        self,
+        round_: int,
+        weights: dict[str, Any],
+        optimizer: dict[str, Any],
+        state: dict[str, Any],
+        meta: dict[str, Any] | None = None,
+    ) -> Path:
         """`weights` and `optimizer` are state dicts (the whole model's, or only a LoRA adapter's)."""
         final = self.dir / dir_name(round_)
         tmp = self.dir / f".tmp-{dir_name(round_)}-{os.getpid()}"
@@ -126,15 +132,19 @@ class CheckpointStore:
             dest.parent.mkdir(exist_ok=True)
             shutil.rmtree(dest, ignore_errors=True)
             path.rename(dest)
-            log.warning("%s is newer than the %s just saved: moved to %s (this run went back past it)",
-                        path.name, dir_name(round_), dest)
+            log.warning(
+                "%s is newer than the %s just saved: moved to %s (this run went back past it)",
+                path.name,
+                dir_name(round_),
+                dest,
+            )
 
     def _complete_dirs(self) -> list[Path]:
         rounds = {p: r for p in self.dir.glob(f"{PREFIX}*") if p.is_dir() and (r := round_of(p)) is not None}
         return sorted(rounds, key=rounds.__getitem__, reverse=True)
 
     def _prune(self) -> None:
-        for stale in self._complete_dirs()[self.keep:]:
+        for stale in self._complete_dirs()[self.keep :]:
             shutil.rmtree(stale, ignore_errors=True)
         for tmp in self.dir.glob(".tmp-*"):
             if not tmp.name.endswith(f"-{os.getpid()}"):
@@ -161,10 +171,19 @@ class CheckpointStore:
         manifest = CheckpointStore.verify(path)
         state = json.loads((path / "state.json").read_text())
         model = torch.load(path / "model.pt", map_location=map_location, weights_only=True)
-        optimizer = (torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True)
-                     if "optimizer.pt" in manifest["files"] else None)
-        return Checkpoint(round=int(state["round"]), path=path, model=model, optimizer=optimizer, state=state,
-                          meta=manifest.get("meta"))
+        optimizer = (
+            torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True)
+            if "optimizer.pt" in manifest["files"]
+            else None
+        )
+        return Checkpoint(
+            round=int(state["round"]),
+            path=path,
+            model=model,
+            optimizer=optimizer,
+            state=state,
+            meta=manifest.get("meta"),
+        )
 
     def load_latest(self, map_location: str | torch.device = "cpu") -> Checkpoint | None:
         """Newest checkpoint that verifies and loads; older ones are the fallback. None if there is none."""
@@ -212,5 +231,6 @@ def load_from(path: Path, map_location: str | torch.device = "cpu") -> Checkpoin
         ckpt = CheckpointStore(path, keep=10**6).load_latest(map_location)
         if ckpt is not None:
             return ckpt
-    raise CheckpointError(f"{path}: neither a checkpoint directory (round-*/MANIFEST.json) nor a run dir "
-                          "with a checkpoint")
+    raise CheckpointError(
+        f"{path}: neither a checkpoint directory (round-*/MANIFEST.json) nor a run dir with a checkpoint"
+    )

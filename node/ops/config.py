@@ -42,20 +42,31 @@ def opt(default: Any, help: str, **extra: Any) -> Any:
 @dataclass
 class NodeConfig:
     # model and tasks
-    model: str = opt("default", "HF model id, local dir, .gguf file, 'default' (embedded SmolLM2-135M-Instruct) "
-                                "or 'tiny-random' / 'tiny-random-smol'")
-    tasks: str = opt("paper", "task mix: a preset (paper, cpu-learn, cpu-sparse, cpu-easy, smoke, "
-                              "test-learn) "
-                              "or comma-separated reasoning-gym datasets")
+    model: str = opt(
+        "default",
+        "HF model id, local dir, .gguf file, 'default' (embedded SmolLM2-135M-Instruct) "
+        "or 'tiny-random' / 'tiny-random-smol'",
+    )
+    tasks: str = opt(
+        "paper",
+        "task mix: a preset (paper, cpu-learn, cpu-sparse, cpu-easy, smoke, "
+        "test-learn) "
+        "or comma-separated reasoning-gym datasets",
+    )
     device: str = opt("auto", "auto, cpu, cuda, cuda:N")
-    recipe: str = opt("auto", "defaults for what no flag, variable or file sets: cpu (the CPU recipe: cpu-learn, "
-                              "LoRA rank 8, its learning rate, beta 0.04, 2/2), none (the paper's setup), auto "
-                              "(cpu on a CPU and for the packaged models, none on a GPU for other models); see "
-                              "docs/CONFIGURATION.md 'Defaults'")
+    recipe: str = opt(
+        "auto",
+        "defaults for what no flag, variable or file sets: cpu (the CPU recipe: cpu-learn, "
+        "LoRA rank 8, its learning rate, beta 0.04, 2/2), none (the paper's setup), auto "
+        "(cpu on a CPU and for the packaged models, none on a GPU for other models); see "
+        "docs/CONFIGURATION.md 'Defaults'",
+    )
     threads: int = opt(0, "torch CPU threads for this process (0 = all cores)")
     # SAPO round
-    num_local: int = opt(4, "I: local groups (tasks sampled and trained on) per round; at most 64 "
-                               "in a swarm (peers refuse larger batches)")
+    num_local: int = opt(
+        4,
+        "I: local groups (tasks sampled and trained on) per round; at most 64 in a swarm (peers refuse larger batches)",
+    )
     num_external: int = opt(4, "J: external groups from other peers per round (upper bound for adaptive policies)")
     ij_policy: str = opt("fixed", f"how J changes each round: {', '.join(IJ_POLICIES)}")
     generations: int = opt(8, "G: completions per task; at most 32 in a swarm (peers refuse larger groups)")
@@ -65,84 +76,133 @@ class NodeConfig:
     max_new_tokens: int = opt(0, "max new tokens per completion (0 = the task mix's default)")
     temperature: float = opt(1.0, "sampling temperature")
     top_p: float = opt(1.0, "nucleus sampling p")
-    rollout_engine: str = opt("auto", "what samples the completions: auto (llama on a CPU where it imports, else "
-                                      "torch), torch (the training model), llama (llama.cpp, CPU: the wheel setup "
-                                      "installs or a source build) or vllm (GPU, untested); one that cannot load "
-                                      "falls back to torch with a warning")
-    engine_weights: str = opt("auto", "weights the llama engine samples with: auto (bf16 with the ik-llama wheel; "
-                                      "a source build: bf16 on a CPU with native bf16, else f16), bf16, f16, "
-                                      "q8_0, f32; rewritten after each update, a LoRA adapter merged in (a source "
-                                      "build with f16/q8_0 and LoRA: the base written once, then only the adapter)")
+    rollout_engine: str = opt(
+        "auto",
+        "what samples the completions: auto (llama on a CPU where it imports, else "
+        "torch), torch (the training model), llama (llama.cpp, CPU: the wheel setup "
+        "installs or a source build) or vllm (GPU, untested); one that cannot load "
+        "falls back to torch with a warning",
+    )
+    engine_weights: str = opt(
+        "auto",
+        "weights the llama engine samples with: auto (bf16 with the ik-llama wheel; "
+        "a source build: bf16 on a CPU with native bf16, else f16), bf16, f16, "
+        "q8_0, f32; rewritten after each update, a LoRA adapter merged in (a source "
+        "build with f16/q8_0 and LoRA: the base written once, then only the adapter)",
+    )
     # GRPO
-    lr: float = opt(1e-6, "Adam learning rate (chosen by 200-round solo runs: "
-                          "docs/experiments/learning-rate-cpu-easy.md); with "
-                          "--lora-rank and no explicit --lr, 10x that (LoRA Without Regret)")
+    lr: float = opt(
+        1e-6,
+        "Adam learning rate (chosen by 200-round solo runs: "
+        "docs/experiments/learning-rate-cpu-easy.md); with "
+        "--lora-rank and no explicit --lr, 10x that (LoRA Without Regret)",
+    )
     loss_type: str = opt("grpo", f"loss aggregation: {', '.join(LOSS_TYPES)}")
     eps_low: float = opt(0.2, "lower clip range")
     eps_high: float = opt(0.28, "upper clip range")
-    beta: float = opt(0.0, "KL weight against the reference: the initial model, with LoRA the base without the "
-                                  "adapter (0 = no reference model)")
+    beta: float = opt(
+        0.0,
+        "KL weight against the reference: the initial model, with LoRA the base without the "
+        "adapter (0 = no reference model)",
+    )
     scale_std: bool = opt(True, "divide advantages by the group's reward std (off = Dr. GRPO)")
-    external_loss: str = opt("sapo", "how other peers' completions are trained on: sapo (as our own, the paper's "
-                                     "rule), positive (only those with positive advantage), is (weighted by "
-                                     "min(1, pi_old/mu), mu the publisher's log-probs), ftis (both); "
-                                     "docs/experiments/off-policy-sharing.md")
+    external_loss: str = opt(
+        "sapo",
+        "how other peers' completions are trained on: sapo (as our own, the paper's "
+        "rule), positive (only those with positive advantage), is (weighted by "
+        "min(1, pi_old/mu), mu the publisher's log-probs), ftis (both); "
+        "docs/experiments/off-policy-sharing.md",
+    )
     epochs: int = opt(1, "passes over the round's sequences")
     minibatches: int = opt(1, "optimizer steps per epoch")
-    micro_batch_size: int = opt(4, "sequences per forward/backward (memory bound); with prefix sharing, as many "
-                                   "tokens as that many of the longest sequences")
+    micro_batch_size: int = opt(
+        4,
+        "sequences per forward/backward (memory bound); with prefix sharing, as many "
+        "tokens as that many of the longest sequences",
+    )
     max_grad_norm: float = opt(1.0, "gradient clipping norm")
-    mixed_precision: str = opt("auto", "matmuls in bf16 under torch.autocast, weights, optimizer and loss in fp32: "
-                                       "auto (on a CPU with native bf16: AVX512-BF16/AMX, and on a GPU with bf16), "
-                                       "bf16, off")
-    prefix_sharing: str = opt("auto", "train each group's prompt once under its G completions: auto (when the "
-                                      "model's KV cache allows it), on, off")
-    lora_rank: int = opt(0, "LoRA rank on every linear layer of the decoder (0 = off: full fine-tuning); "
-                            "only the adapter is trained and checkpointed")
+    mixed_precision: str = opt(
+        "auto",
+        "matmuls in bf16 under torch.autocast, weights, optimizer and loss in fp32: "
+        "auto (on a CPU with native bf16: AVX512-BF16/AMX, and on a GPU with bf16), "
+        "bf16, off",
+    )
+    prefix_sharing: str = opt(
+        "auto",
+        "train each group's prompt once under its G completions: auto (when the model's KV cache allows it), on, off",
+    )
+    lora_rank: int = opt(
+        0,
+        "LoRA rank on every linear layer of the decoder (0 = off: full fine-tuning); "
+        "only the adapter is trained and checkpointed",
+    )
     lora_alpha: float = opt(32.0, "LoRA alpha (the adapter's update is scaled by alpha / rank)")
-    lora_init: str = opt("", "start the adapter from this checkpoint (a round-* dir or a run dir: its newest good "
-                             "checkpoint; adapter weights only, same base and rank); --resume takes precedence")
+    lora_init: str = opt(
+        "",
+        "start the adapter from this checkpoint (a round-* dir or a run dir: its newest good "
+        "checkpoint; adapter weights only, same base and rank); --resume takes precedence",
+    )
     # held-out evaluation
     eval_every: int = opt(10, "greedy held-out evaluation every N rounds (0 = off; 10 keeps its cost near 6 percent)")
     eval_size: int = opt(64, "tasks in the held-out evaluation set (fixed per task mix, never trained on)")
-    collapse_guard: bool = opt(True, "at each held-out evaluation, restore the best evaluation's weights and "
-                                     "lower the learning rate when the policy has collapsed; a fresh node first "
-                                     "evaluates its starting weights (docs/OPERATING.md)")
+    collapse_guard: bool = opt(
+        True,
+        "at each held-out evaluation, restore the best evaluation's weights and "
+        "lower the learning rate when the policy has collapsed; a fresh node first "
+        "evaluates its starting weights (docs/OPERATING.md)",
+    )
     guard_lr_factor: float = opt(0.5, "the collapse guard multiplies the learning rate by this on each restore")
     eval_unseen_size: int = opt(0, "tasks in the unseen evaluation set of a mix split by content (0 = --eval-size)")
-    eval_at: str = opt("", "also evaluate after these rounds, comma-separated (e.g. 3,6: the first rise shows "
-                           "early; scripts/local_swarm.sh's default)")
-    eval_engine: str = opt("auto", "what decodes the held-out answers: auto (the rollout engine where it is not "
-                                   "torch: llama.cpp, synced first), torch (the training model), engine; each "
-                                   "record names it (eval_engine; docs/EVALUATION.md)")
+    eval_at: str = opt(
+        "",
+        "also evaluate after these rounds, comma-separated (e.g. 3,6: the first rise shows "
+        "early; scripts/local_swarm.sh's default)",
+    )
+    eval_engine: str = opt(
+        "auto",
+        "what decodes the held-out answers: auto (the rollout engine where it is not "
+        "torch: llama.cpp, synced first), torch (the training model), engine; each "
+        "record names it (eval_engine; docs/EVALUATION.md)",
+    )
     # run dir, checkpoints, logs
     run_dir: str = opt("runs/node", "where metrics, logs, identity and checkpoints live")
     resume: bool = opt(False, "continue from the newest good checkpoint in --run-dir")
-    checkpoint_every: int = opt(5, "checkpoint every N rounds (and always on exit or a stop); a kill -9 loses "
-                                   "at most the N - 1 rounds since the last one (docs/benchmarks/stop.md: cost)")
+    checkpoint_every: int = opt(
+        5,
+        "checkpoint every N rounds (and always on exit or a stop); a kill -9 loses "
+        "at most the N - 1 rounds since the last one (docs/benchmarks/stop.md: cost)",
+    )
     keep_checkpoints: int = opt(2, "how many checkpoints to keep")
     log_level: str = opt("INFO", ", ".join(LOG_LEVELS))
     name: str = opt("", "display name in logs (default: from the public key)")
     # swarm
     peers: list = opt([], "multiaddrs of peers to join (none = silo, or first peer with --swarm-start)")
-    require_peers: bool = opt(False, "exit when no --peers answers at start (default: train in silo meanwhile "
-                                     "and join when one answers; docs/OPERATING.md)")
+    require_peers: bool = opt(
+        False,
+        "exit when no --peers answers at start (default: train in silo meanwhile "
+        "and join when one answers; docs/OPERATING.md)",
+    )
     swarm: str = opt("sapo-default", "swarm name; DHT keys are namespaced by it")
     host_maddrs: list = opt(["/ip4/0.0.0.0/tcp/0"], "libp2p listen multiaddrs")
     announce_maddrs: list = opt([], "multiaddrs to announce (public IP)")
     client_mode: bool = opt(False, "DHT client mode (behind NAT: not dialable)")
     swarm_start: bool = opt(False, "start a new swarm with no --peers (first peer) instead of running in silo")
     window: int = opt(2, "W: a publisher's W newest rounds are accepted (round > its newest - W)")
-    fetch_max: int = opt(16, "K: batches fetched per round at most; most go to publishers proven useful, "
-                             ">= K/4 explore")
+    fetch_max: int = opt(
+        16, "K: batches fetched per round at most; most go to publishers proven useful, >= K/4 explore"
+    )
     pow_difficulty: int = opt(20, "swarm-wide proof-of-work bits on every peer key (all peers must agree)")
-    identity_tier: int = opt(1, "work tier of this node's own key: 4 bits above --pow-difficulty per tier (16x the "
-                                "mint each, once: ~16 s at tier 1 and 20 bits); peers try never-tried keys of "
-                                "higher tiers first, so Sybils minted cheaper cannot delay this node's first "
-                                "fetch (docs/PROTOCOL.md, node policy)")
+    identity_tier: int = opt(
+        1,
+        "work tier of this node's own key: 4 bits above --pow-difficulty per tier (16x the "
+        "mint each, once: ~16 s at tier 1 and 20 bits); peers try never-tried keys of "
+        "higher tiers first, so Sybils minted cheaper cannot delay this node's first "
+        "fetch (docs/PROTOCOL.md, node policy)",
+    )
     net_timeout: float = opt(10.0, "upper bound in seconds on swarm I/O per round")
-    verify_budget_s: float = opt(0.0, "seconds of verification per round; the rest waits a round "
-                                      "(0 = --net-timeout / 3)")
+    verify_budget_s: float = opt(
+        0.0, "seconds of verification per round; the rest waits a round (0 = --net-timeout / 3)"
+    )
     verify_budget_mb: float = opt(32.0, "MiB of received batches verified per round; the rest waits a round")
     ban_s: float = opt(3600.0, "first ban of a misbehaving publisher in seconds; each repeat doubles it")
     reset_reputation: bool = opt(False, "forget every publisher score and ban at start (unban everyone)")
@@ -173,10 +233,29 @@ class ConfigError(ValueError):
     """One clear line naming the offending option."""
 
 
-POSITIVE = {"num_local", "generations", "rounds", "epochs", "minibatches", "micro_batch_size",
-            "checkpoint_every", "keep_checkpoints", "window", "fetch_max"}
-NON_NEGATIVE = {"num_external", "max_new_tokens", "threads", "beta", "status_port", "seed", "eval_every",
-                "lora_rank", "eval_unseen_size"}
+POSITIVE = {
+    "num_local",
+    "generations",
+    "rounds",
+    "epochs",
+    "minibatches",
+    "micro_batch_size",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "window",
+    "fetch_max",
+}
+NON_NEGATIVE = {
+    "num_external",
+    "max_new_tokens",
+    "threads",
+    "beta",
+    "status_port",
+    "seed",
+    "eval_every",
+    "lora_rank",
+    "eval_unseen_size",
+}
 MAX_EVAL_SIZE = 10_000  # held-out tasks per set: found before round 0, not after an hour of searching
 LORA_LR_SCALE = 10.0  # LoRA Without Regret (Thinking Machines, 2025): LoRA's best RL learning rate is ~10x
 
@@ -202,11 +281,18 @@ SMALL_MODELS = (*PACKAGED, "tiny-random", "tiny-random-smol")  # models `auto` g
 
 
 # the allowed values of a flag: the implementation's own list (node/learn/choices.py), one source for both
-CHOICES = {"loss_type": LOSS_TYPES, "external_loss": EXTERNAL_LOSSES, "ij_policy": IJ_POLICIES,
-           "log_level": LOG_LEVELS,
-           "prefix_sharing": PREFIX_SHARING, "rollout_engine": ENGINES, "engine_weights": ENGINE_WEIGHTS,
-           "eval_engine": EVAL_ENGINES,
-           "mixed_precision": MIXED_PRECISION, "recipe": RECIPE_CHOICES}
+CHOICES = {
+    "loss_type": LOSS_TYPES,
+    "external_loss": EXTERNAL_LOSSES,
+    "ij_policy": IJ_POLICIES,
+    "log_level": LOG_LEVELS,
+    "prefix_sharing": PREFIX_SHARING,
+    "rollout_engine": ENGINES,
+    "engine_weights": ENGINE_WEIGHTS,
+    "eval_engine": EVAL_ENGINES,
+    "mixed_precision": MIXED_PRECISION,
+    "recipe": RECIPE_CHOICES,
+}
 
 
 def resolve_recipe(name: str, device: str, model: str = "default") -> str:
@@ -289,10 +375,14 @@ def validate(cfg: NodeConfig) -> None:
         raise bad("device", "must be auto, cpu or cuda[:N]")
     for peer in cfg.peers:
         if not str(peer).startswith("/"):
-            hint = ("; a number in SAPO_PEERS is scripts/local_swarm.sh's peer count, not for sapo-node"
-                    if str(peer).isdigit() else "")
-            raise ConfigError(f"--peers takes multiaddrs like /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo... (got {peer!r})"
-                              + hint)
+            hint = (
+                "; a number in SAPO_PEERS is scripts/local_swarm.sh's peer count, not for sapo-node"
+                if str(peer).isdigit()
+                else ""
+            )
+            raise ConfigError(
+                f"--peers takes multiaddrs like /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo... (got {peer!r})" + hint
+            )
 
 
 def _convert(name: str, kind: Any, raw: Any) -> Any:
@@ -380,8 +470,9 @@ def load_config(argv: list[str] | None = None, env: Mapping[str, str] | None = N
             values[name] = _convert(name, kind, raw)
     values.update(args)
     values["config"] = config_path
-    recipe = resolve_recipe(str(values.get("recipe", "auto")), str(values.get("device", "auto")),
-                            str(values.get("model", "default")))
+    recipe = resolve_recipe(
+        str(values.get("recipe", "auto")), str(values.get("device", "auto")), str(values.get("model", "default"))
+    )
     if recipe not in RECIPES:
         raise ConfigError(f"--recipe must be one of {', '.join(RECIPE_CHOICES)} (got {recipe!r})")
     values["recipe"] = recipe
@@ -396,4 +487,3 @@ def load_config(argv: list[str] | None = None, env: Mapping[str, str] | None = N
     cfg = NodeConfig(**values)
     validate(cfg)
     return cfg
-

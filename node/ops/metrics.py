@@ -77,8 +77,9 @@ def silence_std_streams() -> None:
     os.close(devnull)
 
 
-def setup_logging(run_dir: Path, level: str = "INFO", name: str = "",
-                  on_console_lost: Callable[[], None] | None = None) -> None:
+def setup_logging(
+    run_dir: Path, level: str = "INFO", name: str = "", on_console_lost: Callable[[], None] | None = None
+) -> None:
     """Console + RUN_DIR/node.log, so nothing a node says is lost when the terminal goes away.
     `on_console_lost` is called once (from any thread) if stderr's reader goes away."""
     run_dir.mkdir(parents=True, exist_ok=True)

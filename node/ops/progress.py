@@ -295,20 +295,22 @@ def format_table(views: Sequence[RunView], now: float | None = None) -> str:
         r, ev = v.last or {}, v.last_eval or {}
         age = f"{now - v.updated_at:.0f}s ago" if v.updated_at else ("waiting" if not v.tail.path.exists() else "-")
         at = f" @{ev.get('round')}" if ev else ""
-        rows.append((
-            v.name,
-            _clean(v.model or "-"),
-            str(r.get("round", "-")),
-            _f(r.get("reward_mean")),
-            _f(v.reward_ma),
-            str(r.get("num_local", "-")),
-            str(r.get("num_external", "-")),
-            (held_out_cell(ev) or "-") + at,
-            *(((held_out_cell(ev, "eval_unseen") or "-") + at,) * unseen),
-            *((f"after {d}" if d is not None else "-",) * nxt),
-            _f(r.get("round_s"), 1),
-            age,
-        ))
+        rows.append(
+            (
+                v.name,
+                _clean(v.model or "-"),
+                str(r.get("round", "-")),
+                _f(r.get("reward_mean")),
+                _f(v.reward_ma),
+                str(r.get("num_local", "-")),
+                str(r.get("num_external", "-")),
+                (held_out_cell(ev) or "-") + at,
+                *(((held_out_cell(ev, "eval_unseen") or "-") + at,) * unseen),
+                *((f"after {d}" if d is not None else "-",) * nxt),
+                _f(r.get("round_s"), 1),
+                age,
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = []
     for j, row in enumerate(rows):
@@ -367,8 +369,10 @@ def main(argv: Iterable[str] | None = None) -> int:
     args = ap.parse_args(list(argv) if argv is not None else None)
 
     models = [m.strip() or None for m in args.models.split(",")] if args.models else []
-    views = [RunView(d, MetricsTail(d / "metrics.jsonl"), model=models[i] if i < len(models) else None)
-             for i, d in enumerate(args.run_dirs)]
+    views = [
+        RunView(d, MetricsTail(d / "metrics.jsonl"), model=models[i] if i < len(models) else None)
+        for i, d in enumerate(args.run_dirs)
+    ]
     # Explicit handlers: a shell script that starts us with `&` makes us inherit SIGINT as *ignored*,
     # and Python then never raises KeyboardInterrupt; SIGTERM ends the view the same quiet way.
     for sig in (signal.SIGINT, signal.SIGTERM):

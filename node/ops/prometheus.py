@@ -18,8 +18,11 @@ TOTALS = (
     ("sapo_tokens_generated_total", "tokens_generated", "Completion tokens generated locally."),
     ("sapo_groups_local_total", "groups_local", "Rollout groups generated locally and used for training."),
     ("sapo_groups_external_total", "groups_external", "Rollout groups from other peers used for training."),
-    ("sapo_dropped_zero_advantage_total", "dropped_zero_adv",
-     "Rollout groups dropped because all advantages were zero."),
+    (
+        "sapo_dropped_zero_advantage_total",
+        "dropped_zero_adv",
+        "Rollout groups dropped because all advantages were zero.",
+    ),
 )
 REPUTATION = (
     ("sapo_publishers_tracked", "tracked", "Publishers in this node's reputation table (bounded)."),
@@ -30,7 +33,6 @@ VERIFY = (
     ("sapo_verify_bytes_last_round", "last_round_bytes", "Bytes of received batches verified in the last round."),
     ("sapo_verify_batches_last_round", "last_round_batches", "Received batches verified in the last round."),
 )
-
 
 
 def escape_label_value(value: Any) -> str:
@@ -137,29 +139,56 @@ def render_metrics(snap: Mapping[str, Any], kind: str = "node") -> str:
     if isinstance(phase, str):
         phases = list(PHASES) if phase in PHASES else [*PHASES, phase]
         for p in phases:
-            m.add("sapo_phase", "gauge", "Current phase of the round loop (1 for the active phase).",
-                  int(p == phase), {"phase": p})
+            m.add(
+                "sapo_phase",
+                "gauge",
+                "Current phase of the round loop (1 for the active phase).",
+                int(p == phase),
+                {"phase": p},
+            )
 
-    m.add("sapo_reward_last", "gauge", "Mean reward of local completions in the last round.",
-          num(snap.get("last_reward")))
-    m.add("sapo_reward_moving_average", "gauge", "Moving average of the per-round mean reward.",
-          num(snap.get("reward_ma")))
+    m.add(
+        "sapo_reward_last", "gauge", "Mean reward of local completions in the last round.", num(snap.get("last_reward"))
+    )
+    m.add(
+        "sapo_reward_moving_average",
+        "gauge",
+        "Moving average of the per-round mean reward.",
+        num(snap.get("reward_ma")),
+    )
     for p, secs in as_dict(snap.get("phase_s")).items():
-        m.add("sapo_phase_duration_seconds", "gauge", "Duration of each phase in the last finished round.",
-              num(secs), {"phase": p})
-    m.add("sapo_last_round_timestamp_seconds", "gauge",
-          "Unix time at which the last round finished.", num(snap.get("last_round_at")))
+        m.add(
+            "sapo_phase_duration_seconds",
+            "gauge",
+            "Duration of each phase in the last finished round.",
+            num(secs),
+            {"phase": p},
+        )
+    m.add(
+        "sapo_last_round_timestamp_seconds",
+        "gauge",
+        "Unix time at which the last round finished.",
+        num(snap.get("last_round_at")),
+    )
     learning_health(m, snap)
 
     m.add_fields("counter", snap.get("totals"), TOTALS)
 
     membership = as_dict(snap.get("membership"))
     if membership.get("state") in ("joined", "solo"):
-        m.add("sapo_swarm_solo", "gauge", "1 while the node trains solo, waiting for peers (p2p.membership).",
-              int(membership["state"] == "solo"))
+        m.add(
+            "sapo_swarm_solo",
+            "gauge",
+            "1 while the node trains solo, waiting for peers (p2p.membership).",
+            int(membership["state"] == "solo"),
+        )
         if membership["state"] == "solo":
-            m.add("sapo_swarm_solo_since_timestamp_seconds", "gauge", "Unix time since which the node is solo.",
-                  num(membership.get("since")))
+            m.add(
+                "sapo_swarm_solo_since_timestamp_seconds",
+                "gauge",
+                "Unix time since which the node is solo.",
+                num(membership.get("since")),
+            )
 
     peers = snap.get("peers")
     if isinstance(peers, dict):
@@ -167,32 +196,66 @@ def render_metrics(snap: Mapping[str, Any], kind: str = "node") -> str:
         for key, raw in peers.items():
             info = as_dict(raw)
             if isinstance(info.get("name"), str):
-                m.add("sapo_peer_info", "gauge", "Peer public key to self-reported name (constant 1).", 1,
-                      {"peer": key, "name": info["name"]})
-            m.add("sapo_peer_last_round", "gauge", "Last round announced by a peer.",
-                  num(info.get("last_round")), {"peer": key})
-            m.add("sapo_peer_last_seen_timestamp_seconds", "gauge", "Unix time a peer was last seen.",
-                  num(info.get("last_seen")), {"peer": key})
+                m.add(
+                    "sapo_peer_info",
+                    "gauge",
+                    "Peer public key to self-reported name (constant 1).",
+                    1,
+                    {"peer": key, "name": info["name"]},
+                )
+            m.add(
+                "sapo_peer_last_round",
+                "gauge",
+                "Last round announced by a peer.",
+                num(info.get("last_round")),
+                {"peer": key},
+            )
+            m.add(
+                "sapo_peer_last_seen_timestamp_seconds",
+                "gauge",
+                "Unix time a peer was last seen.",
+                num(info.get("last_seen")),
+                {"peer": key},
+            )
 
     groups = as_dict(snap.get("groups"))
     for key, count in as_dict(groups.get("accepted")).items():
-        m.add("sapo_groups_accepted_total", "counter", "External rollout groups accepted, by peer.",
-              num(count), {"peer": key})
+        m.add(
+            "sapo_groups_accepted_total",
+            "counter",
+            "External rollout groups accepted, by peer.",
+            num(count),
+            {"peer": key},
+        )
     for key, reasons in as_dict(groups.get("rejected")).items():
         for reason, count in as_dict(reasons).items():
-            m.add("sapo_groups_rejected_total", "counter", "External rollout groups rejected, by peer and reason.",
-                  num(count), {"peer": key, "reason": reason})
+            m.add(
+                "sapo_groups_rejected_total",
+                "counter",
+                "External rollout groups rejected, by peer and reason.",
+                num(count),
+                {"peer": key, "reason": reason},
+            )
 
     # reputation: aggregate gauges, and per peer only the bounded table /status lists (label cardinality)
     rep = as_dict(snap.get("reputation"))
     m.add_fields("gauge", rep, REPUTATION)
     for key, raw in as_dict(rep.get("peers")).items():
         info = as_dict(raw)
-        m.add("sapo_publisher_score", "gauge",
-              "Reputation score of the publishers listed in /status (bans, the worst and the best few).",
-              num(info.get("score")), {"peer": key})
-        m.add("sapo_publisher_banned_until_timestamp_seconds", "gauge",
-              "Unix time at which a listed publisher's ban ends.", num(info.get("banned_until")), {"peer": key})
+        m.add(
+            "sapo_publisher_score",
+            "gauge",
+            "Reputation score of the publishers listed in /status (bans, the worst and the best few).",
+            num(info.get("score")),
+            {"peer": key},
+        )
+        m.add(
+            "sapo_publisher_banned_until_timestamp_seconds",
+            "gauge",
+            "Unix time at which a listed publisher's ban ends.",
+            num(info.get("banned_until")),
+            {"peer": key},
+        )
     m.add_fields("gauge", snap.get("verify"), VERIFY)
 
     if "healthy" in snap:
@@ -202,26 +265,56 @@ def render_metrics(snap: Mapping[str, Any], kind: str = "node") -> str:
 
 def learning_health(m, snap: dict) -> None:
     """Held-out accuracy (overall and per dataset) and the signs of collapse (entropy, groups with signal)."""
-    m.add("sapo_token_entropy", "gauge", "Mean token entropy (nats) of the last round's sampled completions.",
-          num(snap.get("entropy")))
-    m.add("sapo_signal_fraction", "gauge", "Share of the last round's groups whose rewards differ.",
-          num(snap.get("signal_frac")))
+    m.add(
+        "sapo_token_entropy",
+        "gauge",
+        "Mean token entropy (nats) of the last round's sampled completions.",
+        num(snap.get("entropy")),
+    )
+    m.add(
+        "sapo_signal_fraction",
+        "gauge",
+        "Share of the last round's groups whose rewards differ.",
+        num(snap.get("signal_frac")),
+    )
     ev = as_dict(snap.get("eval"))
     # the in-distribution set, and the unseen one (questions whose content training never draws) where
     # the mix splits by content: absent values are not exported
     for key, what in (("eval", "Held-out"), ("eval_unseen", "Unseen")):
-        m.add(f"sapo_{key}_accuracy", "gauge", f"{what} accuracy (greedy) at the last evaluation.",
-              num(ev.get(f"{key}_accuracy")))
+        m.add(
+            f"sapo_{key}_accuracy",
+            "gauge",
+            f"{what} accuracy (greedy) at the last evaluation.",
+            num(ev.get(f"{key}_accuracy")),
+        )
         for name, value in sorted(ev.items()):
             if name.startswith(f"{key}_accuracy/"):
-                m.add(f"sapo_{key}_accuracy_by_dataset", "gauge", f"{what} accuracy at the last evaluation, by "
-                      "dataset.", num(value), {"dataset": name.split("/", 1)[1]})
-        m.add(f"sapo_{key}_constant_baseline", "gauge", "Accuracy of one fixed answer per dataset on the "
-              f"{what.lower()} evaluation set: a collapsed policy scores about this.", num(ev.get(f"{key}_baseline")))
+                m.add(
+                    f"sapo_{key}_accuracy_by_dataset",
+                    "gauge",
+                    f"{what} accuracy at the last evaluation, by dataset.",
+                    num(value),
+                    {"dataset": name.split("/", 1)[1]},
+                )
+        m.add(
+            f"sapo_{key}_constant_baseline",
+            "gauge",
+            "Accuracy of one fixed answer per dataset on the "
+            f"{what.lower()} evaluation set: a collapsed policy scores about this.",
+            num(ev.get(f"{key}_baseline")),
+        )
     m.add("sapo_eval_round", "gauge", "Round of the last held-out evaluation.", num(ev.get("round")))
     m.add("sapo_eval_duration_seconds", "gauge", "Seconds the last held-out evaluation took.", num(ev.get("eval_s")))
     guard = as_dict(snap.get("guard"))
-    m.add("sapo_guard_restores_total", "counter", "Times the collapse guard restored the best evaluation's weights.",
-          num(guard.get("restores")))
-    m.add("sapo_learning_rate", "gauge", "The learning rate of the last round (the collapse guard lowers it).",
-          num(guard.get("lr")))
+    m.add(
+        "sapo_guard_restores_total",
+        "counter",
+        "Times the collapse guard restored the best evaluation's weights.",
+        num(guard.get("restores")),
+    )
+    m.add(
+        "sapo_learning_rate",
+        "gauge",
+        "The learning rate of the last round (the collapse guard lowers it).",
+        num(guard.get("lr")),
+    )

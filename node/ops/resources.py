@@ -94,8 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="default")
     ap.add_argument("--peers", type=int, default=5)
     ap.add_argument("--models", default="", help="comma list, one model per peer (overrides --model and --peers)")
-    ap.add_argument("--lora-rank", type=int, default=None, help="> 0: peers train a LoRA adapter (no full "
-                    "gradients/Adam); default: the rank the peers' arguments after -- resolve to")
+    ap.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="> 0: peers train a LoRA adapter (no full "
+        "gradients/Adam); default: the rank the peers' arguments after -- resolve to",
+    )
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("node_args", nargs=argparse.REMAINDER, help="-- then the peers' sapo-node arguments")
     args = ap.parse_args(argv)
@@ -117,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         rank = args.lora_rank if args.lora_rank is not None else node_lora_rank(node_args, model)
         need_one, count = peer_bytes(n_params, device, lora=rank > 0), models.count(model)
         need += need_one * count
-        print(f"memory check: {count} peers x {need_one / GIB:.2f} GiB ({model}: {n_params / 1e6:.0f}M params, "
-              f"{device}{', LoRA' if rank > 0 else ''})")
+        print(
+            f"memory check: {count} peers x {need_one / GIB:.2f} GiB ({model}: {n_params / 1e6:.0f}M params, "
+            f"{device}{', LoRA' if rank > 0 else ''})"
+        )
     free = free_bytes(device)
     where = "GPU" if device == "cuda" else "RAM"
     print(f"memory check: {len(models)} peers need {need / GIB:.1f} GiB, {free / GIB:.1f} GiB {where} free")

@@ -31,7 +31,9 @@ class RunDirLock:
         except OSError:
             owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise RunDirBusy(f"run dir {self.path.parent} is in use by pid {owner} (lock {self.path}); "
-                             "stop that node first or choose another --run-dir") from None
+            raise RunDirBusy(
+                f"run dir {self.path.parent} is in use by pid {owner} (lock {self.path}); "
+                "stop that node first or choose another --run-dir"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # fd stays open: the process's exit drops the lock

@@ -79,7 +79,7 @@ def install_stack_dumps(fd: int = 2) -> None:
         data = format_stacks(owner).encode(errors="replace")
         try:  # straight to the fd: no stream lock the interrupted main thread might hold
             while data:
-                data = data[os.write(fd, data):]
+                data = data[os.write(fd, data) :]
         except OSError:
             pass  # the console is gone (node.log keeps the log): a dump must never stop the node
 

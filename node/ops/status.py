@@ -186,8 +186,11 @@ def _make_app(
             return error_response(f"snapshot failed: {e}", False)
         except Exception as e:  # noqa: BLE001
             return error_response(f"health check failed: {type(e).__name__}: {e}", False)
-        return web.Response(status=200 if ok else 503, text=("ok" if ok else f"unhealthy: {reason}") + "\n",
-                            headers={"Cache-Control": "no-store"})
+        return web.Response(
+            status=200 if ok else 503,
+            text=("ok" if ok else f"unhealthy: {reason}") + "\n",
+            headers={"Cache-Control": "no-store"},
+        )
 
     page = "bootstrap.html" if kind == "bootstrap" else "index.html"
 
@@ -294,7 +297,8 @@ def start_status_server_in_thread(
         asyncio.set_event_loop(loop)
         try:
             started["server"] = loop.run_until_complete(
-                start_status_server(snapshot, host, port, kind, stale_after_s=stale_after_s))
+                start_status_server(snapshot, host, port, kind, stale_after_s=stale_after_s)
+            )
         except BaseException as e:  # noqa: BLE001 - reported to the caller
             started["error"] = e
             ready.set()

@@ -70,10 +70,15 @@ NESTED = {"phase_s": "time/phase/", "rejected_by_reason": "groups/rejected/"}
 # per-dataset keys: metrics.jsonl prefix -> tag prefix
 PER_DATASET = {"eval_accuracy/": "eval/accuracy/", "eval_unseen_accuracy/": "eval/unseen_accuracy/"}
 # TensorBoard's "custom scalars" tab: accuracy and the line it must beat in one chart
-LAYOUT = {"held-out": {
-    "accuracy vs constant-answer baseline": ["Multiline", ["eval/accuracy", "eval/constant_answer_baseline"]],
-    "unseen accuracy vs constant-answer baseline": [
-        "Multiline", ["eval/unseen_accuracy", "eval/unseen_constant_answer_baseline"]]}}
+LAYOUT = {
+    "held-out": {
+        "accuracy vs constant-answer baseline": ["Multiline", ["eval/accuracy", "eval/constant_answer_baseline"]],
+        "unseen accuracy vs constant-answer baseline": [
+            "Multiline",
+            ["eval/unseen_accuracy", "eval/unseen_constant_answer_baseline"],
+        ],
+    }
+}
 
 
 def _number(v: Any) -> TypeGuard[float]:
@@ -88,8 +93,13 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         if isinstance(value, dict):
             out.update({prefix + str(k): float(v) for k, v in value.items() if _number(v)})
     for key_prefix, tag_prefix in PER_DATASET.items():
-        out.update({tag_prefix + key[len(key_prefix):]: float(v) for key, v in record.items()
-                    if key.startswith(key_prefix) and _number(v)})
+        out.update(
+            {
+                tag_prefix + key[len(key_prefix) :]: float(v)
+                for key, v in record.items()
+                if key.startswith(key_prefix) and _number(v)
+            }
+        )
     return out
 
 
@@ -168,11 +178,21 @@ class TensorBoardLog:
 
         values = [Summary.Value(tag=tag, simple_value=v) for tag, v in scalars(record).items()]
         wall = record.get("t_end")
-        self._writer.write_event(Event(wall_time=float(wall) if _number(wall) else time.time(),
-                                       step=int(record["round"]), summary=Summary(value=values)))
+        self._writer.write_event(
+            Event(
+                wall_time=float(wall) if _number(wall) else time.time(),
+                step=int(record["round"]),
+                summary=Summary(value=values),
+            )
+        )
 
     def _fail(self, exc: BaseException) -> None:
-        log.warning("TensorBoard event files turned off for this run: %s: %s (metrics.jsonl is unaffected; "
-                    "the next start rebuilds %s from it)", type(exc).__name__, exc, self.dir)
+        log.warning(
+            "TensorBoard event files turned off for this run: %s: %s (metrics.jsonl is unaffected; "
+            "the next start rebuilds %s from it)",
+            type(exc).__name__,
+            exc,
+            self.dir,
+        )
         self.enabled = False
         self.close()

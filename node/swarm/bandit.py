@@ -79,8 +79,9 @@ class PublisherBandit:
     """The node's publisher chooser (`p2p.presence.PublisherChooser`): whom to skip (`reputation`'s bans), preferred
     keys, fresh candidates, choice, ghosts. Without a reputation, nobody is skipped."""
 
-    def __init__(self, cfg: BanditConfig | None = None, rng: random.Random | None = None,
-                 reputation: Reputation | None = None):
+    def __init__(
+        self, cfg: BanditConfig | None = None, rng: random.Random | None = None, reputation: Reputation | None = None
+    ):
         self.cfg = cfg or BanditConfig()
         self.rng = rng or random.Random()
         self.reputation = reputation
@@ -173,8 +174,8 @@ class PublisherBandit:
         explore_min = max(1, math.floor(limit * self.cfg.explore_share))
         with self._lock:
             ranked = sorted(((r.mean, k) for k, r in self._table.items() if self._proven(r)), key=lambda mk: -mk[0])
-            proven = [k for _, k in ranked[:max(0, limit - explore_min)]]
-            head = sorted(self._queue, key=self._queue_order)[:limit - len(proven)]
+            proven = [k for _, k in ranked[: max(0, limit - explore_min)]]
+            head = sorted(self._queue, key=self._queue_order)[: limit - len(proven)]
             self._asked = set(head)
         return [p for p in proven + head if self.reputation is None or self.reputation.allowed(p)]
 
@@ -220,7 +221,7 @@ class PublisherBandit:
         keys = list(candidates)
         self.rng.shuffle(keys)  # ties broken at random
         proven = sorted((p for p in keys if self._proven(recs.get(p))), key=lambda p: -recs[p].mean)
-        exploit = proven[:max(0, k - explore_min)]
+        exploit = proven[: max(0, k - explore_min)]
         slots = k - len(exploit)
         with self._lock:
             self._enqueue([p for p in keys if p not in recs], tiers or {})
@@ -228,8 +229,10 @@ class PublisherBandit:
             turned_away = [p for p in keys if p not in recs and p not in self._queue]
         # keys a full queue turned away still get a slot the queued ones leave free
         new = queued + sorted(turned_away, key=lambda p: -(tiers or {}).get(p, 0))
-        retry = sorted((p for p in keys if p in recs and not self._proven(recs[p]) and recs[p].next_try <= now),
-                       key=lambda p: (recs[p].fails_in_row, -recs[p].mean))
+        retry = sorted(
+            (p for p in keys if p in recs and not self._proven(recs[p]) and recs[p].next_try <= now),
+            key=lambda p: (recs[p].fails_in_row, -recs[p].mean),
+        )
         n_retry = min(len(retry), max(1, slots // 4), slots)
         n_new = min(len(new), slots - n_retry)
         n_retry = min(len(retry), slots - n_new)  # what the new keys leave over
@@ -239,6 +242,9 @@ class PublisherBandit:
         with self._lock:
             recs = list(self._table.values())
             queued = len(self._queue)
-        return {"tracked": len(recs), "proven": sum(1 for r in recs if self._proven(r)),
-                "parked": sum(1 for r in recs if not self._proven(r) and r.next_try > self.round),
-                "queued": queued}
+        return {
+            "tracked": len(recs),
+            "proven": sum(1 for r in recs if self._proven(r)),
+            "parked": sum(1 for r in recs if not self._proven(r) and r.next_try > self.round),
+            "queued": queued,
+        }

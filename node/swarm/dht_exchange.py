@@ -22,8 +22,15 @@ DHT_PEER = "dht"  # records our DHT validator refused before they could reach th
 class DhtExchange(SignedExchange):
     """Publish and fetch through the Hivemind DHT (`p2p.transport`)."""
 
-    def __init__(self, transport: SwarmTransport, mix: TaskMix, verify_cfg: VerifyConfig, model_name: str,
-                 require_peers: bool = False, stop: StopRequest | None = None):
+    def __init__(
+        self,
+        transport: SwarmTransport,
+        mix: TaskMix,
+        verify_cfg: VerifyConfig,
+        model_name: str,
+        require_peers: bool = False,
+        stop: StopRequest | None = None,
+    ):
         super().__init__(transport.identity, mix, verify_cfg, model_name)
         self.transport = transport
         self.membership = Membership(transport, require_peers)
@@ -37,15 +44,26 @@ class DhtExchange(SignedExchange):
         a verifier, from the settings."""
         files = settings.files
         identity = Identity.load_or_create(
-            files.identity_key, create=settings.create_identity, pow_path=files.pow,
+            files.identity_key,
+            create=settings.create_identity,
+            pow_path=files.pow,
             pow_difficulty=tier_difficulty(settings.pow_difficulty, settings.identity_tier),
-            should_stop=stop.is_set if stop is not None else None)
+            should_stop=stop.is_set if stop is not None else None,
+        )
         budget = max(1.0, settings.net_timeout_s / 2)
-        tcfg = TransportConfig(identity_dir=files.identity_key.parent, p2p_identity_file=files.p2p_identity,
-                               swarm=settings.swarm, initial_peers=list(settings.peers),
-                               host_maddrs=list(settings.host_maddrs), announce_maddrs=list(settings.announce_maddrs),
-                               client_mode=settings.client_mode, fetch_timeout_s=budget, publish_timeout_s=budget,
-                               pow_difficulty=settings.pow_difficulty, fetch_max=settings.fetch_max)
+        tcfg = TransportConfig(
+            identity_dir=files.identity_key.parent,
+            p2p_identity_file=files.p2p_identity,
+            swarm=settings.swarm,
+            initial_peers=list(settings.peers),
+            host_maddrs=list(settings.host_maddrs),
+            announce_maddrs=list(settings.announce_maddrs),
+            client_mode=settings.client_mode,
+            fetch_timeout_s=budget,
+            publish_timeout_s=budget,
+            pow_difficulty=settings.pow_difficulty,
+            fetch_max=settings.fetch_max,
+        )
         vcfg = VerifyConfig.from_settings(settings, max_age_s=tcfg.record_ttl_s)
         return cls(SwarmTransport(tcfg, identity), mix, vcfg, settings.model, settings.require_peers, stop)
 
@@ -77,7 +95,8 @@ class DhtExchange(SignedExchange):
         # process) are read alongside the fetch, within its budget
         records, refused = await asyncio.gather(
             self.transport.fetch(max_bytes=self.verifier.cfg.budget_bytes, chooser=self.bandit),
-            self.transport.validator_rejections(self.transport.config.fetch_timeout_s))
+            self.transport.validator_rejections(self.transport.config.fetch_timeout_s),
+        )
         return Received([(r.publisher, r.data) for r in records], handles=records, refused=refused)
 
     async def verify(self, received: Received) -> list[Group]:

@@ -125,11 +125,17 @@ class RoundObservation:
     @classmethod
     def of(cls, r: int, local: list[Group], selection: Selection) -> RoundObservation:
         """Round `r`'s observation: the groups we sampled (`local`) and what was selected out of all on offer."""
-        return cls(round=r, reward_mean=mean_reward(local), num_local=len(selection.local),
-                   num_external=len(selection.external), external_available=selection.external_available,
-                   local_signal_frac=selection.local_signal_frac, external_signal_frac=selection.external_signal_frac,
-                   external_adv_abs_mean=mean_abs_advantage(selection.external),
-                   local_adv_abs_mean=mean_abs_advantage(selection.local))
+        return cls(
+            round=r,
+            reward_mean=mean_reward(local),
+            num_local=len(selection.local),
+            num_external=len(selection.external),
+            external_available=selection.external_available,
+            local_signal_frac=selection.local_signal_frac,
+            external_signal_frac=selection.external_signal_frac,
+            external_adv_abs_mean=mean_abs_advantage(selection.external),
+            local_adv_abs_mean=mean_abs_advantage(selection.local),
+        )
 
 
 @runtime_checkable
@@ -218,8 +224,9 @@ class _Base:
     def update(self, obs: RoundObservation) -> None:
         r = int(obs.round)
         if self.last_round is not None and r <= self.last_round:
-            log.warning("%s I/J controller: ignoring observation for round %d (last seen %d)", self.name, r,
-                        self.last_round)
+            log.warning(
+                "%s I/J controller: ignoring observation for round %d (last seen %d)", self.name, r, self.last_round
+            )
             return
         self.last_round = r
         self.updates += 1
@@ -393,9 +400,7 @@ class UsefulnessController(_Base):
             self.slow = _ema(self.slow, r, self.slow_beta)
         tgt = self.target()
         self.last_target = tgt
-        self.guard_active = (
-            self.fast is not None and self.slow is not None and (self.slow - self.fast) > self.drop_tol
-        )
+        self.guard_active = self.fast is not None and self.slow is not None and (self.slow - self.fast) > self.drop_tol
         if self.guard_active:
             j = max(self.j_min, self.j - self.guard_step)
         else:

@@ -22,8 +22,7 @@ class MemoryBoard:
         self.records[(publisher, round_)] = data
         self.newest[publisher] = max(self.newest.get(publisher, -1), round_)
 
-    def window(self, exclude: bytes, window: int,
-               allowed: Callable[[bytes], bool]) -> list[tuple[bytes | None, bytes]]:
+    def window(self, exclude: bytes, window: int, allowed: Callable[[bytes], bool]) -> list[tuple[bytes | None, bytes]]:
         """Every other publisher's last `window` rounds, skipping those `allowed` refuses (not fetched)."""
         out: list[tuple[bytes | None, bytes]] = []
         for (pub, r), data in sorted(self.records.items(), key=lambda kv: (kv[0][1], kv[0][0])):
@@ -35,8 +34,7 @@ class MemoryBoard:
 class MemoryExchange(SignedExchange):
     """Several nodes in one process share a `MemoryBoard`: controlled experiments without a network."""
 
-    def __init__(self, board: MemoryBoard, identity: Identity, mix: TaskMix, verify_cfg: VerifyConfig,
-                 model_name: str):
+    def __init__(self, board: MemoryBoard, identity: Identity, mix: TaskMix, verify_cfg: VerifyConfig, model_name: str):
         super().__init__(identity, mix, verify_cfg, model_name)
         self.board = board
 
@@ -44,12 +42,16 @@ class MemoryExchange(SignedExchange):
         return None
 
     async def publish(self, round_: int, groups: list[Group]) -> None:
-        self.board.put(self.identity.public_key_bytes, round_,
-                       make_batch(self.identity, self.swarm, round_, self.model_name, groups))
+        self.board.put(
+            self.identity.public_key_bytes,
+            round_,
+            make_batch(self.identity, self.swarm, round_, self.model_name, groups),
+        )
 
     async def fetch(self, round_: int) -> Received:
-        return Received(self.board.window(self.identity.public_key_bytes, self.verifier.cfg.window,
-                                          self.bandit.allowed))
+        return Received(
+            self.board.window(self.identity.public_key_bytes, self.verifier.cfg.window, self.bandit.allowed)
+        )
 
     async def close(self) -> None:
         return None

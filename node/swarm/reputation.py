@@ -101,8 +101,12 @@ class Standing:
     last_seen: float = 0.0
 
     def to_dict(self) -> dict:
-        return {"score": round(self.score, 4), "banned_until": self.banned_until, "strikes": self.strikes,
-                "last_seen": self.last_seen}
+        return {
+            "score": round(self.score, 4),
+            "banned_until": self.banned_until,
+            "strikes": self.strikes,
+            "last_seen": self.last_seen,
+        }
 
 
 class ReputationFileError(ValueError):
@@ -167,8 +171,13 @@ class Reputation:
             if s.score <= cfg.ban_threshold:
                 s.banned_until = now + min(cfg.max_ban_s, cfg.ban_s * 2 ** min(s.strikes, 30))
                 s.strikes += 1
-                log.info("publisher %s… banned for %.0fs (score %.2f, ban #%d)", key[:16],
-                         s.banned_until - now, s.score, s.strikes)
+                log.info(
+                    "publisher %s… banned for %.0fs (score %.2f, ban #%d)",
+                    key[:16],
+                    s.banned_until - now,
+                    s.score,
+                    s.strikes,
+                )
 
     def _banned(self, s: Standing, now: float) -> bool:
         """Ends an expired ban on the way (probation score); caller holds the lock."""
@@ -218,16 +227,24 @@ class Reputation:
         with self._lock:
             items = list(self._table.items())
         banned = sum(1 for _, s in items if s.banned_until > now)
-        worst = heapq.nsmallest(top, (kv for kv in items if kv[1].score < 0 or kv[1].banned_until > now),
-                                key=lambda kv: (kv[1].banned_until <= now, kv[1].score))
+        worst = heapq.nsmallest(
+            top,
+            (kv for kv in items if kv[1].score < 0 or kv[1].banned_until > now),
+            key=lambda kv: (kv[1].banned_until <= now, kv[1].score),
+        )
         best = heapq.nlargest(top, (kv for kv in items if kv[1].score > 0), key=lambda kv: kv[1].score)
         peers = {}
         for key, s in worst + best:
             row = s.to_dict()
             row["banned_until"] = s.banned_until if s.banned_until > now else None
             peers[key] = row
-        return {"tracked": len(items), "banned": banned, "ban_threshold": self.cfg.ban_threshold,
-                "max_score": self.cfg.max_score, "peers": peers}
+        return {
+            "tracked": len(items),
+            "banned": banned,
+            "ban_threshold": self.cfg.ban_threshold,
+            "max_score": self.cfg.max_score,
+            "peers": peers,
+        }
 
     # --- persistence -------------------------------------------------------------------------------------
 
@@ -236,8 +253,11 @@ class Reputation:
         Nothing to say and no file yet: nothing written. A disk error is logged, never raised (it must not
         stop the run); False then."""
         with self._lock:
-            body = {"format": FORMAT, "saved_at": self.clock(),
-                    "peers": {k: s.to_dict() for k, s in self._table.items()}}
+            body = {
+                "format": FORMAT,
+                "saved_at": self.clock(),
+                "peers": {k: s.to_dict() for k, s in self._table.items()},
+            }
         path = Path(path)
         if not body["peers"] and not path.exists():
             return False
@@ -262,8 +282,12 @@ class Reputation:
         try:
             table = parse_table(raw)
         except ReputationFileError as exc:
-            log.warning("reputation file %s is corrupt (%s); moved to %s.corrupt, starting with a fresh table",
-                        path, exc, path.name)
+            log.warning(
+                "reputation file %s is corrupt (%s); moved to %s.corrupt, starting with a fresh table",
+                path,
+                exc,
+                path.name,
+            )
             try:
                 os.replace(path, path.with_name(path.name + ".corrupt"))
             except OSError:
@@ -289,8 +313,12 @@ def parse_table(raw: bytes) -> dict[str, Standing]:
         if not (isinstance(key, str) and 0 < len(key) <= 256 and _is_hex(key) and isinstance(row, dict)):
             raise ReputationFileError(f"bad entry {str(key)[:40]!r}")
         try:
-            s = Standing(score=float(row["score"]), banned_until=float(row["banned_until"]),
-                         strikes=int(row["strikes"]), last_seen=float(row["last_seen"]))
+            s = Standing(
+                score=float(row["score"]),
+                banned_until=float(row["banned_until"]),
+                strikes=int(row["strikes"]),
+                last_seen=float(row["last_seen"]),
+            )
         except (KeyError, TypeError, ValueError, OverflowError):  # int(inf), float(10**400)
             raise ReputationFileError(f"bad values for {key[:16]}…") from None
         if not all(math.isfinite(x) for x in (s.score, s.banned_until, s.last_seen)) or not 0 <= s.strikes <= 64:

@@ -28,8 +28,12 @@ class SwarmFiles:
     def in_dir(cls, directory: Path) -> SwarmFiles:
         """Every file under its usual name in one directory (a node's run dir)."""
         d = Path(directory)
-        return cls(identity_key=d / KEY_FILENAME, pow=d / POW_FILENAME, p2p_identity=d / LIBP2P_IDENTITY_FILENAME,
-                   reputation=d / REPUTATION_FILE)
+        return cls(
+            identity_key=d / KEY_FILENAME,
+            pow=d / POW_FILENAME,
+            p2p_identity=d / LIBP2P_IDENTITY_FILENAME,
+            reputation=d / REPUTATION_FILE,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -72,9 +72,15 @@ class VerifyConfig:
     @classmethod
     def from_settings(cls, s: SwarmSettings, **overrides: Any) -> VerifyConfig:
         """The verifier's and the reputation's share of a node's swarm settings (budgets resolved)."""
-        values = dict(swarm=s.swarm, window=s.window, seed=s.seed, budget_s=s.verify_budget_s or s.net_timeout_s / 3,
-                      budget_bytes=int(s.verify_budget_mb * 1024 * 1024), pow_difficulty=s.pow_difficulty,
-                      reputation=ReputationConfig(ban_s=s.ban_s))
+        values = dict(
+            swarm=s.swarm,
+            window=s.window,
+            seed=s.seed,
+            budget_s=s.verify_budget_s or s.net_timeout_s / 3,
+            budget_bytes=int(s.verify_budget_mb * 1024 * 1024),
+            pow_difficulty=s.pow_difficulty,
+            reputation=ReputationConfig(ban_s=s.ban_s),
+        )
         return cls(**{**values, **overrides})
 
 
@@ -82,8 +88,15 @@ class Verifier:
     """Receiver-side verification of untrusted batches; counts every rejection by peer and reason, and
     tells the publisher's reputation what it provably did."""
 
-    def __init__(self, own_key: bytes, mix: TaskMix, cfg: VerifyConfig, stats: ExchangeStats,
-                 reputation: Reputation | None = None, bandit: PublisherBandit | None = None):
+    def __init__(
+        self,
+        own_key: bytes,
+        mix: TaskMix,
+        cfg: VerifyConfig,
+        stats: ExchangeStats,
+        reputation: Reputation | None = None,
+        bandit: PublisherBandit | None = None,
+    ):
         self.own_key = own_key
         self.mix = mix
         self.cfg = cfg
@@ -185,8 +198,7 @@ class Verifier:
         self.taken.move_to_end(batch.publisher)
         while len(self.taken) > MAX_PUBLISHERS:
             self.taken.popitem(last=False)
-        self.stats.saw(peer, {"name": peer_name_of(batch.publisher), "last_round": newest,
-                              "last_seen": now})
+        self.stats.saw(peer, {"name": peer_name_of(batch.publisher), "last_round": newest, "last_seen": now})
         self._original_useful = False  # set by _group: a useful group of ours that a copier showed us first
         groups = [g for g in (self._group(batch.publisher, wg) for wg in batch.groups) if g is not None]
         self.bandit.observe(batch.publisher, useful=self._original_useful or any(g.signal() for g in groups))
@@ -200,8 +212,9 @@ class Verifier:
         when it was seen first (the copy was trained on then; from now on it earns nothing). Equal
         reputations (two unknown keys): nobody is charged, and the later one earns nothing.
         True: new content; None: a copy whose original this publisher is presumed to be; False: otherwise."""
-        digest = hashlib.sha256(canonical_json([wg.task.dataset, wg.task.config, wg.task.seed, wg.task.index,
-                                                wg.completions])).hexdigest()
+        digest = hashlib.sha256(
+            canonical_json([wg.task.dataset, wg.task.config, wg.task.seed, wg.task.index, wg.completions])
+        ).hexdigest()
         first = self.contents.get(digest)
         if first is None:
             self.contents[digest] = publisher
@@ -248,8 +261,14 @@ class Verifier:
             return None
         peer = publisher.hex()
         self.stats.accept(peer)
-        group = Group(task=task, responses=list(wg.completions), rewards=rewards, source=peer,
-                      sender_rewards=list(wg.rewards), behaviour_mean_logp=wg.logp_mean)
+        group = Group(
+            task=task,
+            responses=list(wg.completions),
+            rewards=rewards,
+            source=peer,
+            sender_rewards=list(wg.rewards),
+            behaviour_mean_logp=wg.logp_mean,
+        )
         if group.signal():
             self.reputation.credit(publisher)
         else:
@@ -265,16 +284,21 @@ def _wire_logp(means: list[float] | None) -> list[float] | None:
     return [min(0.0, max(MIN_LOGP_MEAN, m)) if math.isfinite(m) else MIN_LOGP_MEAN for m in means]
 
 
-def make_batch(identity: Identity, swarm: str, round_: int, model: str, groups: list[Group],
-               caps: WireCaps = WireCaps()) -> bytes:
+def make_batch(
+    identity: Identity, swarm: str, round_: int, model: str, groups: list[Group], caps: WireCaps = WireCaps()
+) -> bytes:
     """Our signed batch of this round's groups. A group over the receivers' caps (a long completion, a large
     G) is left out, and groups from the end until the batch fits its size cap, with a warning: every peer
     would refuse the whole batch and penalise us for it, so an honest node never signs one."""
     kept: list[WireGroup] = []
     left_out: Counter[str] = Counter()
     for g in groups:
-        wire_group = WireGroup(task=TaskSpecWire(**g.task.spec.to_wire()), completions=list(g.responses),
-                               rewards=list(g.rewards), logp_mean=_wire_logp(g.mean_behaviour_logp()))
+        wire_group = WireGroup(
+            task=TaskSpecWire(**g.task.spec.to_wire()),
+            completions=list(g.responses),
+            rewards=list(g.rewards),
+            logp_mean=_wire_logp(g.mean_behaviour_logp()),
+        )
         try:
             check_group_caps(wire_group, caps)
         except WireError as exc:
@@ -283,18 +307,30 @@ def make_batch(identity: Identity, swarm: str, round_: int, model: str, groups: 
         kept.append(wire_group)
     if len(kept) > caps.max_groups:  # an adaptive I/J policy may sample more local groups than a batch holds
         left_out["too_many_groups"] += len(kept) - caps.max_groups
-        del kept[caps.max_groups:]
+        del kept[caps.max_groups :]
     while True:
-        batch = RolloutBatch(version=WIRE_VERSION, swarm=swarm, round=round_, publisher=identity.public_key_bytes,
-                             created_at=time.time(), model=model, groups=kept)
+        batch = RolloutBatch(
+            version=WIRE_VERSION,
+            swarm=swarm,
+            round=round_,
+            publisher=identity.public_key_bytes,
+            created_at=time.time(),
+            model=model,
+            groups=kept,
+        )
         data = encode_signed(batch, identity)
         if len(data) <= caps.max_batch_bytes or not kept:
             break
         kept.pop()
         left_out["oversize"] += 1
     if left_out:
-        log.warning("round %d: publishing %d of %d groups; left out over the receivers' caps: %s", round_, len(kept),
-                    len(groups), ", ".join(f"{n} {reason}" for reason, n in sorted(left_out.items())))
+        log.warning(
+            "round %d: publishing %d of %d groups; left out over the receivers' caps: %s",
+            round_,
+            len(kept),
+            len(groups),
+            ", ".join(f"{n} {reason}" for reason, n in sorted(left_out.items())),
+        )
     return data
 
 
@@ -307,8 +343,7 @@ class SignedExchange:
         self.reputation = Reputation(verify_cfg.reputation)
         # the transport's publisher chooser: the bandit chooses, the reputation vetoes
         self.bandit = PublisherBandit(rng=random.Random(verify_cfg.seed + 1), reputation=self.reputation)
-        self.verifier = Verifier(identity.public_key_bytes, mix, verify_cfg, self.stats, self.reputation,
-                                 self.bandit)
+        self.verifier = Verifier(identity.public_key_bytes, mix, verify_cfg, self.stats, self.reputation, self.bandit)
         self.swarm = verify_cfg.swarm
         self.model_name = model_name
         self.order_rng = random.Random(verify_cfg.seed)

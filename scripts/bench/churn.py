@@ -41,9 +41,32 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-NODE_FLAGS = ["--model", "tiny-random", "--tasks", "smoke", "--rollout-engine", "torch", "--lora-rank", "0",
-              "--generations", "4", "--num-local", "2", "--num-external", "2", "--threads", "1",
-              "--eval-every", "0", "--checkpoint-every", "1", "--rounds", "1000000", "--identity-tier", "0"]
+NODE_FLAGS = [
+    "--model",
+    "tiny-random",
+    "--tasks",
+    "smoke",
+    "--rollout-engine",
+    "torch",
+    "--lora-rank",
+    "0",
+    "--generations",
+    "4",
+    "--num-local",
+    "2",
+    "--num-external",
+    "2",
+    "--threads",
+    "1",
+    "--eval-every",
+    "0",
+    "--checkpoint-every",
+    "1",
+    "--rounds",
+    "1000000",
+    "--identity-tier",
+    "0",
+]
 CKPT_FAIL = ("skipping checkpoint", "no loadable checkpoint", "CheckpointError")
 DUP_REASONS = ("duplicate", "repeated", "equivocation", "copied_from")
 
@@ -100,13 +123,43 @@ class Net:
                 sh("ip", "link", "set", dev, "up", ns=ns)
             sh("ip", "route", "add", "default", "via", f"10.214.{k}.1", ns=ns)
             for chain, flag in (("INPUT", "-i"), ("OUTPUT", "-o")):
-                sh("iptables", "-A", chain, flag, inner, "-m", "statistic", "--mode", "random", "--probability",
-                   str(loss), "-j", "DROP", ns=ns)
-            sh("tc", "qdisc", "add", "dev", inner, "root", "tbf", "rate", up, "burst", "32kbit", "latency", "400ms",
-               ns=ns)
+                sh(
+                    "iptables",
+                    "-A",
+                    chain,
+                    flag,
+                    inner,
+                    "-m",
+                    "statistic",
+                    "--mode",
+                    "random",
+                    "--probability",
+                    str(loss),
+                    "-j",
+                    "DROP",
+                    ns=ns,
+                )
+            sh(
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                inner,
+                "root",
+                "tbf",
+                "rate",
+                up,
+                "burst",
+                "32kbit",
+                "latency",
+                "400ms",
+                ns=ns,
+            )
             sh("tc", "qdisc", "add", "dev", host, "root", "tbf", "rate", down, "burst", "64kbit", "latency", "400ms")
-        self.note = (f"{count} namespace(s): veth pairs in 10.214.k.0/24, {loss:.0%} random loss each way (iptables "
-                     f"statistic), tbf {up} up / {down} down, no added delay (no sch_netem in this kernel)")
+        self.note = (
+            f"{count} namespace(s): veth pairs in 10.214.k.0/24, {loss:.0%} random loss each way (iptables "
+            f"statistic), tbf {up} up / {down} down, no added delay (no sch_netem in this kernel)"
+        )
 
     def close(self) -> None:
         for ns, _ in self.namespaces:
@@ -228,7 +281,7 @@ class Swarm:
         for peer, (ns, addr) in zip(self.peers, namespaces):
             peer.ns, peer.addr = ns, addr
         if name == "churn" and args.late:
-            for peer in self.peers[-args.late:]:
+            for peer in self.peers[-args.late :]:
                 peer.late = True
 
     def now(self) -> float:
@@ -238,12 +291,28 @@ class Swarm:
         bdir = self.dir / "bootstrap"
         bdir.mkdir(exist_ok=True)
         (bdir / "maddrs.txt").unlink(missing_ok=True)
-        cmd = ["nice", "-n", "10", sys.executable, "-m", "bootstrap.main", "--identity-dir", str(bdir), "--swarm",
-               self.name, "--host-maddrs", f"/ip4/{self.hub}/tcp/{self.port}", "--maddrs-file",
-               str(bdir / "maddrs.txt"), "--pow-difficulty", str(self.args.pow)]
+        cmd = [
+            "nice",
+            "-n",
+            "10",
+            sys.executable,
+            "-m",
+            "bootstrap.main",
+            "--identity-dir",
+            str(bdir),
+            "--swarm",
+            self.name,
+            "--host-maddrs",
+            f"/ip4/{self.hub}/tcp/{self.port}",
+            "--maddrs-file",
+            str(bdir / "maddrs.txt"),
+            "--pow-difficulty",
+            str(self.args.pow),
+        ]
         with open(bdir / "bootstrap.log", "ab") as log:
-            self.boot = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.boot = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         deadline = time.time() + 120
         while not (bdir / "maddrs.txt").exists() or not (bdir / "maddrs.txt").read_text().strip():
             if self.boot.poll() is not None or time.time() > deadline:
@@ -255,16 +324,40 @@ class Swarm:
 
     def start(self, peer: Peer, resume: bool) -> None:
         peer.run_dir.mkdir(exist_ok=True)
-        cmd = [sys.executable, "-m", "node.cli", *NODE_FLAGS, "--run-dir", str(peer.run_dir), "--peers", self.maddr,
-               "--swarm", self.name, "--seed", str(peer.seed), "--name", peer.name, "--pow-difficulty",
-               str(self.args.pow), "--host-maddrs", f"/ip4/{peer.addr}/tcp/0", *self.args.node_arg]
+        cmd = [
+            sys.executable,
+            "-m",
+            "node.cli",
+            *NODE_FLAGS,
+            "--run-dir",
+            str(peer.run_dir),
+            "--peers",
+            self.maddr,
+            "--swarm",
+            self.name,
+            "--seed",
+            str(peer.seed),
+            "--name",
+            peer.name,
+            "--pow-difficulty",
+            str(self.args.pow),
+            "--host-maddrs",
+            f"/ip4/{peer.addr}/tcp/0",
+            *self.args.node_arg,
+        ]
         cmd += ["--resume"] if resume else []
         prefix = (["ip", "netns", "exec", peer.ns] if peer.ns else []) + ["nice", "-n", "10"]
         node_log = peer.run_dir / "node.log"
         offset = node_log.stat().st_size if node_log.exists() else 0
         with open(peer.run_dir / "console.log", "ab") as log:
-            peer.proc = subprocess.Popen(prefix + cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            peer.proc = subprocess.Popen(
+                prefix + cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
         peer.state, peer.started = "running", time.time()
         peer.starts += 1
         peer.events.append({"t": self.now(), "event": "restart" if resume else "start", "log_offset": offset})
@@ -292,8 +385,9 @@ class Swarm:
         peer.proc.wait()
         peer.down("killed")
         time.sleep(5)
-        peer.events.append({"t": self.now(), "event": "kill", "last_round": before,
-                            "survivors": kill_session(peer.proc.pid)})
+        peer.events.append(
+            {"t": self.now(), "event": "kill", "last_round": before, "survivors": kill_session(peer.proc.pid)}
+        )
 
     def kill_bootstrap(self) -> None:
         self.boot.kill()
@@ -305,8 +399,9 @@ class Swarm:
         for peer in self.running():
             sess = session_pids(peer.proc.pid)
             peer.sample_cpu()
-            peer.rss.append([self.now(), round(rss_mb(peer.proc.pid), 1), round(sum(rss_mb(p) for p in sess), 1),
-                             peer.starts])
+            peer.rss.append(
+                [self.now(), round(rss_mb(peer.proc.pid), 1), round(sum(rss_mb(p) for p in sess), 1), peer.starts]
+            )
 
     def reap(self) -> None:
         """Peers that exited without our signal: a crash, or a node that gave up."""
@@ -315,8 +410,15 @@ class Swarm:
                 peer.down("exited")
                 log = peer.run_dir / "node.log"
                 tail = log.read_text(errors="replace").splitlines()[-8:] if log.exists() else []
-                peer.events.append({"t": self.now(), "event": "exited", "code": peer.proc.returncode, "log": tail,
-                                    "survivors": kill_session(peer.proc.pid)})
+                peer.events.append(
+                    {
+                        "t": self.now(),
+                        "event": "exited",
+                        "code": peer.proc.returncode,
+                        "log": tail,
+                        "survivors": kill_session(peer.proc.pid),
+                    }
+                )
 
     def stop_all(self) -> None:
         """SIGTERM each peer (it checkpoints and exits), then the bootstrap; SIGKILL what is left after 120 s."""
@@ -333,8 +435,14 @@ class Swarm:
                 peer.proc.kill()
                 peer.proc.wait()
             peer.down("stopped")
-            peer.events.append({"t": self.now(), "event": "stopped", "code": peer.proc.returncode,
-                                "survivors": kill_session(peer.proc.pid)})
+            peer.events.append(
+                {
+                    "t": self.now(),
+                    "event": "stopped",
+                    "code": peer.proc.returncode,
+                    "survivors": kill_session(peer.proc.pid),
+                }
+            )
         if self.boot is not None and self.boot.poll() is None:
             self.boot.send_signal(signal.SIGTERM)
             try:
@@ -448,10 +556,13 @@ def resumes(peer: Peer) -> list[dict]:
             last_kill = ev
         if ev["event"] != "restart":
             continue
-        part = text[ev["log_offset"]:].decode(errors="replace").split("sapo.cli: loading model", 2)
+        part = text[ev["log_offset"] :].decode(errors="replace").split("sapo.cli: loading model", 2)
         part = part[1] if len(part) > 1 else part[0]  # this start's lines (up to the next start)
-        item = {"t": ev["t"], "last_round_before_kill": last_kill["last_round"] if last_kill else None,
-                "checkpoint_failures": sum(part.count(m) for m in CKPT_FAIL)}
+        item = {
+            "t": ev["t"],
+            "last_round_before_kill": last_kill["last_round"] if last_kill else None,
+            "checkpoint_failures": sum(part.count(m) for m in CKPT_FAIL),
+        }
         item["stopped_in_startup"] = "stopped during start-up" in part  # our end-of-run SIGTERM came first
         for line in part.splitlines():
             if "resumed from round-" in line:
@@ -472,18 +583,31 @@ def peer_report(peer: Peer, s: Swarm, duration: float) -> dict:
     rounds = [r.get("round") for r in recs]
     orphaned = records(peer.run_dir / "metrics.orphaned.jsonl")
     trained = [g for r in recs for g in r.get("external_groups", [])]
-    waits = [(max(r["phase_s"].get("publish", 0), r["phase_s"].get("fetch", 0), r.get("verify_s", 0)),
-              r["phase_s"].get("publish", 0), r["phase_s"].get("fetch", 0), r.get("verify_s", 0), r["round"])
-             for r in recs if "phase_s" in r]
+    waits = [
+        (
+            max(r["phase_s"].get("publish", 0), r["phase_s"].get("fetch", 0), r.get("verify_s", 0)),
+            r["phase_s"].get("publish", 0),
+            r["phase_s"].get("fetch", 0),
+            r.get("verify_s", 0),
+            r["round"],
+        )
+        for r in recs
+        if "phase_s" in r
+    ]
     dups = {k: sum(r.get("rejected_by_reason", {}).get(k, 0) for r in recs) for k in DUP_REASONS}
     joined = [r["t_start"] - s.t0 for r in recs if r.get("swarm_state") == "joined" and "t_start" in r]
     half = [(t / 3600, v) for t, v, _, inc in peer.rss if t >= duration / 2 and inc == peer.starts]
     half_sess = [(t / 3600, v) for t, _, v, inc in peer.rss if t >= duration / 2 and inc == peer.starts]
-    console = (peer.run_dir / "console.log").read_text(errors="replace") if (peer.run_dir / "console.log").exists() \
-        else ""
+    console = (
+        (peer.run_dir / "console.log").read_text(errors="replace") if (peer.run_dir / "console.log").exists() else ""
+    )
     return {
-        "peer": peer.name, "netns": peer.ns is not None, "late": peer.late, "starts": peer.starts,
-        "up_min": round(peer.up_s / 60, 2), "rounds": len(recs),
+        "peer": peer.name,
+        "netns": peer.ns is not None,
+        "late": peer.late,
+        "starts": peer.starts,
+        "up_min": round(peer.up_s / 60, 2),
+        "rounds": len(recs),
         "rounds_per_up_min": round(len(recs) / (peer.up_s / 60), 2) if peer.up_s else None,
         "cpu_min": round(peer.cpu_done / 60, 2),
         "rounds_per_cpu_min": round(len(recs) / (peer.cpu_done / 60), 2) if peer.cpu_done else None,
@@ -520,10 +644,13 @@ def swarm_report(s: Swarm, duration: float) -> dict:
     slopes = [p["rss_node_mb_per_h"] for p in peers if p["rss_node_mb_per_h"] is not None]
     slopes_s = [p["rss_session_mb_per_h"] for p in peers if p["rss_session_mb_per_h"] is not None]
     return {
-        "peers": len(peers), "rounds_mean": round(sum(rounds) / len(rounds), 1), "rounds_min": min(rounds),
+        "peers": len(peers),
+        "rounds_mean": round(sum(rounds) / len(rounds), 1),
+        "rounds_min": min(rounds),
         "rounds_max": max(rounds),
-        "rounds_mean_on_time": round(sum(p["rounds"] for p in peers if not p["late"]) /
-                                     max(1, sum(1 for p in peers if not p["late"])), 1),
+        "rounds_mean_on_time": round(
+            sum(p["rounds"] for p in peers if not p["late"]) / max(1, sum(1 for p in peers if not p["late"])), 1
+        ),
         "rounds_per_up_min_mean": round(sum(p["rounds_per_up_min"] or 0 for p in peers) / len(peers), 2),
         "rounds_per_cpu_min": round(sum(rounds) / max(sum(p["cpu_min"] for p in peers), 1e-9), 2),
         "longest_wait": longest and {**longest, "peer": next(p["peer"] for p in peers if p["max_wait"] is longest)},
@@ -544,9 +671,15 @@ def swarm_report(s: Swarm, duration: float) -> dict:
         "kills_with_survivors": sum(len(p["survivors_after_kill"]) for p in peers),
         "console_tracebacks": sum(p["console_tracebacks"] for p in peers),
         "rss_node_mb_per_h": {"mean": round(sum(slopes) / len(slopes), 1), "max": max(slopes), "peers": len(slopes)}
-        if slopes else None,
-        "rss_session_mb_per_h": {"mean": round(sum(slopes_s) / len(slopes_s), 1), "max": max(slopes_s),
-                                 "peers": len(slopes_s)} if slopes_s else None,
+        if slopes
+        else None,
+        "rss_session_mb_per_h": {
+            "mean": round(sum(slopes_s) / len(slopes_s), 1),
+            "max": max(slopes_s),
+            "peers": len(slopes_s),
+        }
+        if slopes_s
+        else None,
         "bootstrap": s.boot_events,
         "cut_short": s.cut_short,
         "mem_available_min_gb": min((m[1] for m in s.machine), default=None),
@@ -564,49 +697,72 @@ def markdown(result: dict) -> str:
         return f"| {label} | " + " | ".join(str(fn(sw[n])) for n in names) + " |"
 
     def wait(w: dict | None) -> str:
-        return "–" if not w else (f"{w['s']:.2f} s ({w['peer']} round {w['round']}: publish {w['publish']:.2f}, "
-                                  f"fetch {w['fetch']:.2f}, verify {w['verify']:.2f})")
+        return (
+            "–"
+            if not w
+            else (
+                f"{w['s']:.2f} s ({w['peer']} round {w['round']}: publish {w['publish']:.2f}, "
+                f"fetch {w['fetch']:.2f}, verify {w['verify']:.2f})"
+            )
+        )
 
     def rss(r: dict | None) -> str:
         return "–" if not r else f"{r['mean']:+.1f} (max {r['max']:+.1f}, {r['peers']} peers)"
 
-    lines = [f"Command: `{result['command']}`", "",
-             f"{result['started']}, {result['minutes']} min per swarm, {result['peers']} peers each, "
-             f"{'side by side' if result['together'] else 'one after the other (calm first)'}; "
-             f"network: {result['net']}.", "",
-             "| figure | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
-             row("rounds per peer: mean (min–max)",
-                 lambda s: f"{s['rounds_mean']} ({s['rounds_min']}–{s['rounds_max']})"),
-             row("rounds per peer started on time: mean", lambda s: s["rounds_mean_on_time"]),
-             row("machine: load average (mean) / MemAvailable (min)",
-                 lambda s: f"{s['load_avg_mean']} / {s['mem_available_min_gb']} GB"),
-             row("rounds per minute up: mean", lambda s: s["rounds_per_up_min_mean"]),
-             row("rounds per CPU-minute (node + DHT process + p2pd)", lambda s: s["rounds_per_cpu_min"]),
-             row("longest network wait of a round", lambda s: wait(s["longest_wait"])),
-             row("longest round", lambda s: f"{s['max_round_s']:.1f} s"),
-             row("kills / restarts", lambda s: f"{s['kills']} / {s['restarts']}"),
-             row("checkpoints that failed to load", lambda s: s["checkpoint_failures"]),
-             row("restarts with no resume line (stopped while starting: not counted)",
-                 lambda s: f"{s['restarts_without_resume_line']} ({s['restarts_stopped_in_startup']})"),
-             row("rounds redone after a kill (lost work)", lambda s: s["rounds_redone"]),
-             row("peers whose rounds are not 0..n-1 once each", lambda s: s["rounds_not_contiguous"]),
-             row("external groups trained on / of them twice by one peer",
-                 lambda s: f"{s['external_groups_trained']} / {s['groups_trained_twice']}"),
-             row("verifier: duplicate / repeated / equivocation / copied_from",
-                 lambda s: " / ".join(str(s["dup_rejections"][k]) for k in DUP_REASONS)),
-             row("rounds in solo (waiting for peers)", lambda s: s["rounds_solo"]),
-             row("RSS growth, node process, MB/h (2nd half)", lambda s: rss(s["rss_node_mb_per_h"])),
-             row("RSS growth, node + DHT + p2pd, MB/h", lambda s: rss(s["rss_session_mb_per_h"])),
-             row("peers that exited on their own", lambda s: s["crashes"]),
-             row("kills that left processes behind", lambda s: s["kills_with_survivors"]),
-             row("tracebacks on consoles", lambda s: s["console_tracebacks"])]
+    lines = [
+        f"Command: `{result['command']}`",
+        "",
+        f"{result['started']}, {result['minutes']} min per swarm, {result['peers']} peers each, "
+        f"{'side by side' if result['together'] else 'one after the other (calm first)'}; "
+        f"network: {result['net']}.",
+        "",
+        "| figure | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+        row("rounds per peer: mean (min–max)", lambda s: f"{s['rounds_mean']} ({s['rounds_min']}–{s['rounds_max']})"),
+        row("rounds per peer started on time: mean", lambda s: s["rounds_mean_on_time"]),
+        row(
+            "machine: load average (mean) / MemAvailable (min)",
+            lambda s: f"{s['load_avg_mean']} / {s['mem_available_min_gb']} GB",
+        ),
+        row("rounds per minute up: mean", lambda s: s["rounds_per_up_min_mean"]),
+        row("rounds per CPU-minute (node + DHT process + p2pd)", lambda s: s["rounds_per_cpu_min"]),
+        row("longest network wait of a round", lambda s: wait(s["longest_wait"])),
+        row("longest round", lambda s: f"{s['max_round_s']:.1f} s"),
+        row("kills / restarts", lambda s: f"{s['kills']} / {s['restarts']}"),
+        row("checkpoints that failed to load", lambda s: s["checkpoint_failures"]),
+        row(
+            "restarts with no resume line (stopped while starting: not counted)",
+            lambda s: f"{s['restarts_without_resume_line']} ({s['restarts_stopped_in_startup']})",
+        ),
+        row("rounds redone after a kill (lost work)", lambda s: s["rounds_redone"]),
+        row("peers whose rounds are not 0..n-1 once each", lambda s: s["rounds_not_contiguous"]),
+        row(
+            "external groups trained on / of them twice by one peer",
+            lambda s: f"{s['external_groups_trained']} / {s['groups_trained_twice']}",
+        ),
+        row(
+            "verifier: duplicate / repeated / equivocation / copied_from",
+            lambda s: " / ".join(str(s["dup_rejections"][k]) for k in DUP_REASONS),
+        ),
+        row("rounds in solo (waiting for peers)", lambda s: s["rounds_solo"]),
+        row("RSS growth, node process, MB/h (2nd half)", lambda s: rss(s["rss_node_mb_per_h"])),
+        row("RSS growth, node + DHT + p2pd, MB/h", lambda s: rss(s["rss_session_mb_per_h"])),
+        row("peers that exited on their own", lambda s: s["crashes"]),
+        row("kills that left processes behind", lambda s: s["kills_with_survivors"]),
+        row("tracebacks on consoles", lambda s: s["console_tracebacks"]),
+    ]
     lines += [f"\n{n}: cut short, {sw[n]['cut_short']}" for n in names if sw[n]["cut_short"]]
     if "churn" in sw:
-        lines += ["", f"Churn ratio (churn / calm rounds per peer): {result.get('ratio_rounds', '–')}; "
-                  f"started on time: {result.get('ratio_rounds_on_time', '–')}.",
-                  "Bootstrap of the churn swarm: " + "; ".join(
-                      f"{e['t']} s {e['event']}" + (f" (survivors {e['survivors']})" if e.get("survivors") else "")
-                      for e in sw["churn"]["bootstrap"])]
+        lines += [
+            "",
+            f"Churn ratio (churn / calm rounds per peer): {result.get('ratio_rounds', '–')}; "
+            f"started on time: {result.get('ratio_rounds_on_time', '–')}.",
+            "Bootstrap of the churn swarm: "
+            + "; ".join(
+                f"{e['t']} s {e['event']}" + (f" (survivors {e['survivors']})" if e.get("survivors") else "")
+                for e in sw["churn"]["bootstrap"]
+            ),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -621,8 +777,14 @@ def main() -> int:
     ap.add_argument("--up", default="1mbit", help="tbf rate out of a namespace")
     ap.add_argument("--down", default="8mbit", help="tbf rate into a namespace")
     ap.add_argument("--kill-every", type=float, nargs=2, default=(60.0, 90.0), metavar=("MIN", "MAX"))
-    ap.add_argument("--pause", type=float, nargs=2, default=(5.0, 30.0), metavar=("MIN", "MAX"),
-                    help="seconds a killed peer stays down")
+    ap.add_argument(
+        "--pause",
+        type=float,
+        nargs=2,
+        default=(5.0, 30.0),
+        metavar=("MIN", "MAX"),
+        help="seconds a killed peer stays down",
+    )
     ap.add_argument("--late", type=int, default=3, help="churn peers that start late")
     ap.add_argument("--late-at", type=float, default=300.0, help="when they start (at most a quarter of the run)")
     ap.add_argument("--boot-down", type=float, default=20.0, help="seconds the churn bootstrap stays down")
@@ -631,9 +793,13 @@ def main() -> int:
     ap.add_argument("--pow", type=int, default=8, help="proof-of-work bits of the swarms (8: keys mint at once)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     ap.add_argument("--min-free-gb", type=float, default=1.5, help="end a run early below this MemAvailable")
-    ap.add_argument("--node-arg", action="append", default=["--mixed-precision=off"],
-                    help="extra sapo-node flag (repeatable; --mixed-precision=off is always first: "
-                         "docs/benchmarks/churn.md says why; a later --node-arg=--mixed-precision=auto wins)")
+    ap.add_argument(
+        "--node-arg",
+        action="append",
+        default=["--mixed-precision=off"],
+        help="extra sapo-node flag (repeatable; --mixed-precision=off is always first: "
+        "docs/benchmarks/churn.md says why; a later --node-arg=--mixed-precision=auto wins)",
+    )
     ap.add_argument("--work", default="", help="run dirs here (default: a new temporary directory, kept)")
     ap.add_argument("--out", default="", help="write results.json and report.md here")
     args = ap.parse_args()
@@ -642,6 +808,7 @@ def main() -> int:
         ap.error("--swarms takes calm and/or churn")
     work = Path(args.work or tempfile.mkdtemp(prefix="sapo-churn-"))
     work.mkdir(parents=True, exist_ok=True)
+
     def stop(signum: int, _frame) -> None:  # kill -TERM, a closed terminal: cleaned up like Ctrl-C
         print(f"bench_churn: {signal.Signals(signum).name} received", file=sys.stderr, flush=True)
         raise KeyboardInterrupt
@@ -657,7 +824,7 @@ def main() -> int:
         for group in groups:
             swarms = []
             for j, name in enumerate(group):
-                swarms.append(Swarm(name, args, work, net.hub, net.namespaces[j * per_swarm:(j + 1) * per_swarm]))
+                swarms.append(Swarm(name, args, work, net.hub, net.namespaces[j * per_swarm : (j + 1) * per_swarm]))
             print(f"bench.churn: {', '.join(group)}: {args.peers} peers each for {args.minutes} min", flush=True)
             try:
                 run(swarms, args)
@@ -672,10 +839,16 @@ def main() -> int:
     finally:
         net.close()
     duration = args.minutes * 60
-    result = {"command": "python -m scripts.bench.churn " + " ".join(sys.argv[1:]), "started": started,
-              "minutes": args.minutes, "peers": args.peers, "together": args.together, "net": net.note,
-              "node_flags": NODE_FLAGS + args.node_arg,
-              "swarms": {s.name: swarm_report(s, duration) for s in done}}
+    result = {
+        "command": "python -m scripts.bench.churn " + " ".join(sys.argv[1:]),
+        "started": started,
+        "minutes": args.minutes,
+        "peers": args.peers,
+        "together": args.together,
+        "net": net.note,
+        "node_flags": NODE_FLAGS + args.node_arg,
+        "swarms": {s.name: swarm_report(s, duration) for s in done},
+    }
     sw = result["swarms"]
     if "calm" in sw and "churn" in sw:
         result["ratio_rounds"] = round(sw["churn"]["rounds_mean"] / sw["calm"]["rounds_mean"], 3)

@@ -70,7 +70,7 @@ def parity(args, model, tok, mix) -> dict:
     per_dataset: dict[str, dict[str, list[float]]] = {}
     per_task: dict[str, list[float]] = {k: [] for k in engines}  # share of a task's samples that are correct
     for start in range(0, len(tasks), args.batch):
-        chunk = tasks[start:start + args.batch]
+        chunk = tasks[start : start + args.batch]
         prompts = [prompter(t) for t in chunk]
         for name, eng in engines.items():  # interleaved
             torch.manual_seed(10_000 + start)
@@ -87,29 +87,43 @@ def parity(args, model, tok, mix) -> dict:
                 reward[name] += sum(group.rewards)
                 per_dataset.setdefault(t.spec.dataset, {}).setdefault(name, []).extend(group.rewards)
         done = start + len(chunk)
-        print(f"  {done}/{len(tasks)} tasks: " + "  ".join(
-            f"{k} {correct[k] / (done * args.samples):.3f}" for k in engines), flush=True)
+        print(
+            f"  {done}/{len(tasks)} tasks: "
+            + "  ".join(f"{k} {correct[k] / (done * args.samples):.3f}" for k in engines),
+            flush=True,
+        )
     n = len(tasks) * args.samples
     acc = {k: correct[k] / n for k in engines}
-    out = {"tasks": len(tasks), "samples_per_task": args.samples, "n": n, "accuracy": acc,
-           "mean_reward": {k: reward[k] / n for k in engines}, "gen_cpu_s": cpu, "tokens": tokens,
-           "per_dataset_mean_reward": {d: {k: statistics.mean(v) for k, v in e.items()}
-                                       for d, e in per_dataset.items()},
-           "versus_torch": {}}
+    out = {
+        "tasks": len(tasks),
+        "samples_per_task": args.samples,
+        "n": n,
+        "accuracy": acc,
+        "mean_reward": {k: reward[k] / n for k in engines},
+        "gen_cpu_s": cpu,
+        "tokens": tokens,
+        "per_dataset_mean_reward": {d: {k: statistics.mean(v) for k, v in e.items()} for d, e in per_dataset.items()},
+        "versus_torch": {},
+    }
     out["per_task_accuracy"] = per_task
     for name in names[1:]:
         diff = acc[name] - acc["torch"]
         se = math.sqrt(sum(a * (1 - a) / n for a in (acc[name], acc["torch"])))
         paired = paired_task_gain(per_task["torch"], per_task[name], seed=args.seed)
         within = paired["ci_low"] <= 0.0 <= paired["ci_high"]
-        out["versus_torch"][name] = {"difference": diff, "ci95": [paired["ci_low"], paired["ci_high"]],
-                                     "ci95_independent_samples": [diff - 1.96 * se, diff + 1.96 * se],
-                                     "within_noise": within}
-        print(f"accuracy (reward 1) torch {acc['torch']:.3f}  {name} {acc[name]:.3f}  difference {diff:+.3f}  "
-              f"95% CI [{paired['ci_low']:+.3f}, {paired['ci_high']:+.3f}] (tasks resampled, {len(tasks)} tasks "
-              f"x {args.samples} samples; as independent samples [{diff - 1.96 * se:+.3f}, {diff + 1.96 * se:+.3f}])"
-              f"  -> {'within' if within else 'OUTSIDE'} the noise;  sampling CPU s "
-              f"{cpu['torch']:.1f} vs {cpu[name]:.1f} ({cpu['torch'] / max(cpu[name], 1e-9):.2f}x)")
+        out["versus_torch"][name] = {
+            "difference": diff,
+            "ci95": [paired["ci_low"], paired["ci_high"]],
+            "ci95_independent_samples": [diff - 1.96 * se, diff + 1.96 * se],
+            "within_noise": within,
+        }
+        print(
+            f"accuracy (reward 1) torch {acc['torch']:.3f}  {name} {acc[name]:.3f}  difference {diff:+.3f}  "
+            f"95% CI [{paired['ci_low']:+.3f}, {paired['ci_high']:+.3f}] (tasks resampled, {len(tasks)} tasks "
+            f"x {args.samples} samples; as independent samples [{diff - 1.96 * se:+.3f}, {diff + 1.96 * se:+.3f}])"
+            f"  -> {'within' if within else 'OUTSIDE'} the noise;  sampling CPU s "
+            f"{cpu['torch']:.1f} vs {cpu[name]:.1f} ({cpu['torch'] / max(cpu[name], 1e-9):.2f}x)"
+        )
     return out
 
 
@@ -157,16 +171,22 @@ def _greedy_parity(args, model, tok, mix, engines: dict, prompter) -> dict:
     answers = {"torch": greedy_texts(model, tok, prompts, mix.max_new_tokens, batch_size=16)}
     for b, eng in engines.items():  # the engine's own greedy decoding, as --eval-engine evaluates with it
         answers[b] = eng.greedy(prompts, mix.max_new_tokens)
-    scored = {k: [score_responses(t, [mix.answer_prefix + text])[0] for t, text in zip(tasks, v)]
-              for k, v in answers.items()}
-    out: dict = {k: {"accuracy": sum(v) / len(v),
-                     "same_text_as_torch": sum(a == b for a, b in zip(answers[k], answers["torch"])) / len(tasks),
-                     "same_reward_as_torch": sum(a == b for a, b in zip(v, scored["torch"])) / len(tasks)}
-                 for k, v in scored.items()}
+    scored = {
+        k: [score_responses(t, [mix.answer_prefix + text])[0] for t, text in zip(tasks, v)] for k, v in answers.items()
+    }
+    out: dict = {
+        k: {
+            "accuracy": sum(v) / len(v),
+            "same_text_as_torch": sum(a == b for a, b in zip(answers[k], answers["torch"])) / len(tasks),
+            "same_reward_as_torch": sum(a == b for a, b in zip(v, scored["torch"])) / len(tasks),
+        }
+        for k, v in scored.items()
+    }
     names = list(engines)
     if len(names) > 1:
         out[f"same_text_{names[0]}_vs_{names[1]}"] = sum(
-            a == b for a, b in zip(answers[names[0]], answers[names[1]])) / len(tasks)
+            a == b for a, b in zip(answers[names[0]], answers[names[1]])
+        ) / len(tasks)
     for k, v in out.items():
         print(f"  greedy {k:8s} {v}")
     return out
@@ -182,8 +202,10 @@ def bindings(args, model, tok, mix) -> dict:
         if engines[b].name != "llama":
             raise SystemExit(f"the {b} binding is not available here")
     prompter = Prompter(tok, mix)
-    out: dict = {"bindings": {b: e.api.label for b, e in engines.items()},
-                 "weights": {b: e.weight_type for b, e in engines.items()}}
+    out: dict = {
+        "bindings": {b: e.api.label for b, e in engines.items()},
+        "weights": {b: e.weight_type for b, e in engines.items()},
+    }
     if args.tasks_n:  # 1. greedy answers
         out["greedy"] = _greedy_parity(args, model, tok, mix, engines, prompter)
     # 2. sampling speed, interleaved
@@ -202,16 +224,21 @@ def bindings(args, model, tok, mix) -> dict:
                 runs[b]["tokens"].append(sum(len(c) for g in got for c in g.completion_ids))
     speed = {}
     for b, r in runs.items():
-        speed[b] = {"tokens_per_s": statistics.median(t / w for t, w in zip(r["tokens"], r["wall"])),
-                    "tokens_per_cpu_s": statistics.median(t / c for t, c in zip(r["tokens"], r["cpu"])),
-                    "groups_per_s": statistics.median(args.prompts / w for w in r["wall"]),
-                    "groups_per_cpu_s": statistics.median(args.prompts / c for c in r["cpu"]), "runs": r}
+        speed[b] = {
+            "tokens_per_s": statistics.median(t / w for t, w in zip(r["tokens"], r["wall"])),
+            "tokens_per_cpu_s": statistics.median(t / c for t, c in zip(r["tokens"], r["cpu"])),
+            "groups_per_s": statistics.median(args.prompts / w for w in r["wall"]),
+            "groups_per_cpu_s": statistics.median(args.prompts / c for c in r["cpu"]),
+            "runs": r,
+        }
         print(f"  sample {b:8s} " + "  ".join(f"{k} {v:.2f}" for k, v in speed[b].items() if k != "runs"))
     out["sampling"] = speed
     # 3. sync: full weights, then a LoRA adapter merged in
     adapter = attach(copy.deepcopy(model), args.lora_rank, 32.0)
-    lora_engines = {b: make_engine("llama", adapter.model, tok, args.model, weight_type=args.weights,
-                                   llama_binding=b) for b in names}
+    lora_engines = {
+        b: make_engine("llama", adapter.model, tok, args.model, weight_type=args.weights, llama_binding=b)
+        for b in names
+    }
     sync_s: dict = {b: {"full_wall": [], "full_cpu": [], "lora_wall": [], "lora_cpu": []} for b in names}
     for _ in range(args.repeats):
         for b in names:
@@ -226,11 +253,14 @@ def bindings(args, model, tok, mix) -> dict:
         print(f"  sync   {b:8s} " + "  ".join(f"{k} {v:.2f}s" for k, v in d.items()))
     if len(names) > 1:
         a, z = names
-        out["ratios"] = {f"{a}/{z}": {
-            "tokens_per_s": speed[a]["tokens_per_s"] / speed[z]["tokens_per_s"],
-            "tokens_per_cpu_s": speed[a]["tokens_per_cpu_s"] / speed[z]["tokens_per_cpu_s"],
-            "sync_full_cpu": out["sync"][a]["full_cpu"] / out["sync"][z]["full_cpu"],
-            "sync_lora_cpu": out["sync"][a]["lora_cpu"] / out["sync"][z]["lora_cpu"]}}
+        out["ratios"] = {
+            f"{a}/{z}": {
+                "tokens_per_s": speed[a]["tokens_per_s"] / speed[z]["tokens_per_s"],
+                "tokens_per_cpu_s": speed[a]["tokens_per_cpu_s"] / speed[z]["tokens_per_cpu_s"],
+                "sync_full_cpu": out["sync"][a]["full_cpu"] / out["sync"][z]["full_cpu"],
+                "sync_lora_cpu": out["sync"][a]["lora_cpu"] / out["sync"][z]["lora_cpu"],
+            }
+        }
         print(f"  ratios {out['ratios']}")
     for e in [*engines.values(), *lora_engines.values()]:
         e.close()
@@ -249,8 +279,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--engine-weights", default="f16,q8_0", help="sync: the weight types to time")
-    ap.add_argument("--variants", default="llama-auto", help="parity: compared with torch (fp32): torch-bf16, "
-                    "llama-auto, llama-bf16, llama-f16, ...")
+    ap.add_argument(
+        "--variants",
+        default="llama-auto",
+        help="parity: compared with torch (fp32): torch-bf16, llama-auto, llama-bf16, llama-f16, ...",
+    )
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--bindings", default="wheel,source", help="bindings: the llama bindings compared")
     ap.add_argument("--weights", default="auto", help="bindings: --engine-weights of both")
@@ -262,8 +295,11 @@ def main() -> None:
     mix = resolve_mix(args.tasks)
     model, tok = load_model(args.model, torch.device("cpu"))
     result = {"model": args.model, "tasks": mix.name, "threads": args.threads}
-    what = {"parity": lambda: parity(args, model, tok, mix), "sync": lambda: sync(args, model, tok),
-            "bindings": lambda: bindings(args, model, tok, mix)}
+    what = {
+        "parity": lambda: parity(args, model, tok, mix),
+        "sync": lambda: sync(args, model, tok),
+        "bindings": lambda: bindings(args, model, tok, mix),
+    }
     result.update(what[args.what]())
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -78,6 +78,7 @@ def main() -> int:
         def run() -> list[str]:
             with precision.autocast(how, device):
                 return greedy_texts(model, tok, prompts, mix.max_new_tokens, batch, compact=compact)
+
         return run
 
     variants = {"generate-32": torch_greedy(32, False)} | {f"rows-{b}": torch_greedy(b, True) for b in batches}
@@ -105,21 +106,36 @@ def main() -> int:
         engine.close()
 
     ref = texts["generate-32"]
-    out = {"model": args.model, "tasks": args.tasks, "prompts": len(prompts), "adapter": args.adapter,
-           "threads": args.threads, "mixed_precision": mode, "load_average": os.getloadavg()[0], "variants": {}}
-    print(f"{len(prompts)} prompts ({args.tasks}, {args.adapter or 'base model'}), {args.threads} thread(s), "
-          f"median of {args.repeats}")
+    out = {
+        "model": args.model,
+        "tasks": args.tasks,
+        "prompts": len(prompts),
+        "adapter": args.adapter,
+        "threads": args.threads,
+        "mixed_precision": mode,
+        "load_average": os.getloadavg()[0],
+        "variants": {},
+    }
+    print(
+        f"{len(prompts)} prompts ({args.tasks}, {args.adapter or 'base model'}), {args.threads} thread(s), "
+        f"median of {args.repeats}"
+    )
     for name in variants:
-        row = {"wall_s": statistics.median(wall[name]), "cpu_s": statistics.median(cpu[name]),
-               "differ": sum(a != b for a, b in zip(ref, texts[name])),
-               "accuracy": scored(tasks, texts[name], prompter).accuracy}
+        row = {
+            "wall_s": statistics.median(wall[name]),
+            "cpu_s": statistics.median(cpu[name]),
+            "differ": sum(a != b for a, b in zip(ref, texts[name])),
+            "accuracy": scored(tasks, texts[name], prompter).accuracy,
+        }
         if "fp32" in texts:
             row["differ_fp32"] = sum(a != b for a, b in zip(texts["fp32"], texts[name]))
         row["speedup_cpu"] = out["variants"].get("generate-32", row)["cpu_s"] / row["cpu_s"]
         out["variants"][name] = row
-        print(f"  {name:12s} wall {row['wall_s']:6.1f} s  cpu {row['cpu_s']:6.1f} s  x{row['speedup_cpu']:.2f} (CPU)"
-              f"  accuracy {row['accuracy']:.3f}  texts differing from generate {row['differ']}/{len(prompts)}"
-              + (f", from fp32 {row['differ_fp32']}" if "differ_fp32" in row else ""))
+        print(
+            f"  {name:12s} wall {row['wall_s']:6.1f} s  cpu {row['cpu_s']:6.1f} s  x{row['speedup_cpu']:.2f} (CPU)"
+            f"  accuracy {row['accuracy']:.3f}  texts differing from generate {row['differ']}/{len(prompts)}"
+            + (f", from fp32 {row['differ_fp32']}" if "differ_fp32" in row else "")
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -112,8 +112,9 @@ async def network_bench(args: argparse.Namespace) -> None:
             t = time.perf_counter()
             ok = await pub.publish(rnd, data)
             publish_s.append(time.perf_counter() - t)
-            seen = await wait_visible(obs, batch_key(SWARM, pub.identity.public_key_bytes, rnd),
-                                      pub.identity.public_key_bytes, 10.0)
+            seen = await wait_visible(
+                obs, batch_key(SWARM, pub.identity.public_key_bytes, rnd), pub.identity.public_key_bytes, 10.0
+            )
             if not ok or seen is None:
                 missed += 1
                 continue

@@ -41,8 +41,18 @@ from node.learn.trainer import TrainConfig, Trainer
 REPO = Path(__file__).resolve().parents[2]
 
 
-def lora_vs_full(model, tok, prompts: list[str], seqs, scfg: SamplingConfig, generations: int, ranks: list[int],
-                 alpha: float = 32.0, repeats: int = 3, micro_batch_size: int = 4) -> dict:
+def lora_vs_full(
+    model,
+    tok,
+    prompts: list[str],
+    seqs,
+    scfg: SamplingConfig,
+    generations: int,
+    ranks: list[int],
+    alpha: float = 32.0,
+    repeats: int = 3,
+    micro_batch_size: int = 4,
+) -> dict:
     """Median seconds of one GRPO update (`train_<variant>_s`) and of sampling `generations` completions per
     prompt (`gen_<variant>_s`), each also in process CPU seconds (`..._cpu_s`: the figure to read on a
     machine shared with other work), variants `full` and `lora_r<rank>`; the
@@ -51,8 +61,10 @@ def lora_vs_full(model, tok, prompts: list[str], seqs, scfg: SamplingConfig, gen
     for r in ranks:
         a = attach(copy.deepcopy(model), r, alpha)
         variants[f"lora_r{r}"] = (a.model, a)
-    trainers = {name: Trainer(m, tok.pad_token_id, TrainConfig(lr=1e-7, micro_batch_size=micro_batch_size), adapter=a)
-                for name, (m, a) in variants.items()}
+    trainers = {
+        name: Trainer(m, tok.pad_token_id, TrainConfig(lr=1e-7, micro_batch_size=micro_batch_size), adapter=a)
+        for name, (m, a) in variants.items()
+    }
     times: dict[str, list[float]] = {k: [] for k in variants}
     cpu: dict[str, list[float]] = {k: [] for k in variants}
     gen: dict[str, list[float]] = {k: [] for k in variants}
@@ -72,9 +84,16 @@ def lora_vs_full(model, tok, prompts: list[str], seqs, scfg: SamplingConfig, gen
                 gen[name].append(t2 - t1)
                 gen_cpu[name].append(c2 - c1)
                 tokens[name] += sum(len(c) for g in groups for c in g.completion_ids)
-    out: dict = {"ranks": ranks, "alpha": alpha, "repeats": repeats, "sequences": len(seqs),
-                 "train_times_s": times, "train_cpu_times_s": cpu,
-                 "gen_times_s": gen, "gen_cpu_times_s": gen_cpu}
+    out: dict = {
+        "ranks": ranks,
+        "alpha": alpha,
+        "repeats": repeats,
+        "sequences": len(seqs),
+        "train_times_s": times,
+        "train_cpu_times_s": cpu,
+        "gen_times_s": gen,
+        "gen_cpu_times_s": gen_cpu,
+    }
     for name, (m, a) in variants.items():
         out[f"train_{name}_s"] = statistics.median(times[name])
         out[f"train_{name}_cpu_s"] = statistics.median(cpu[name])
@@ -110,26 +129,42 @@ def train_cmd(args) -> dict:
     model, tok = load_model(args.model, device)
     prompts, seqs = signal_sequences(model, tok, mix, args.num_local, args.generations, scfg)
     ranks = [int(r) for r in args.ranks.split(",") if r]
-    res = lora_vs_full(model, tok, prompts, seqs, scfg, args.generations, ranks, args.lora_alpha, args.repeats,
-                       args.micro_batch_size)
+    res = lora_vs_full(
+        model, tok, prompts, seqs, scfg, args.generations, ranks, args.lora_alpha, args.repeats, args.micro_batch_size
+    )
     tok_total = sum(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
-    print(f"# model={args.model} threads={torch.get_num_threads()} tasks={mix.name} I={args.num_local} "
-          f"G={args.generations} sequences={len(seqs)} tokens={tok_total} median of {args.repeats}")
-    print(f"  {'variant':10s} {'train s':>8} {'cpu s':>7} {'vs full':>8} {'sample s':>9} {'cpu s':>7} {'vs full':>8}"
-          "  params   (vs full: ratio of CPU seconds)")
+    print(
+        f"# model={args.model} threads={torch.get_num_threads()} tasks={mix.name} I={args.num_local} "
+        f"G={args.generations} sequences={len(seqs)} tokens={tok_total} median of {args.repeats}"
+    )
+    print(
+        f"  {'variant':10s} {'train s':>8} {'cpu s':>7} {'vs full':>8} {'sample s':>9} {'cpu s':>7} {'vs full':>8}"
+        "  params   (vs full: ratio of CPU seconds)"
+    )
     for name in ["full"] + [f"lora_r{r}" for r in ranks]:
-        print(f"  {name:10s} {res[f'train_{name}_s']:8.2f} {res[f'train_{name}_cpu_s']:7.2f} "
-              f"{res['train_full_cpu_s'] / res[f'train_{name}_cpu_s']:7.2f}x {res[f'gen_{name}_s']:9.2f} "
-              f"{res[f'gen_{name}_cpu_s']:7.2f} {res['gen_full_cpu_s'] / res[f'gen_{name}_cpu_s']:7.2f}x"
-              f"  {res[f'params_{name}']:,}")
-    return {"model": args.model, "tasks": args.tasks, "generations": args.generations, "num_local": args.num_local,
-            "threads": torch.get_num_threads(), "tokens": tok_total, **res}
+        print(
+            f"  {name:10s} {res[f'train_{name}_s']:8.2f} {res[f'train_{name}_cpu_s']:7.2f} "
+            f"{res['train_full_cpu_s'] / res[f'train_{name}_cpu_s']:7.2f}x {res[f'gen_{name}_s']:9.2f} "
+            f"{res[f'gen_{name}_cpu_s']:7.2f} {res['gen_full_cpu_s'] / res[f'gen_{name}_cpu_s']:7.2f}x"
+            f"  {res[f'params_{name}']:,}"
+        )
+    return {
+        "model": args.model,
+        "tasks": args.tasks,
+        "generations": args.generations,
+        "num_local": args.num_local,
+        "threads": torch.get_num_threads(),
+        "tokens": tok_total,
+        **res,
+    }
 
 
 def peak_rss_mb(cmd: list[str], env: dict) -> float:
     """Peak resident size of `cmd` (and anything it waited for), in its own measuring process."""
-    probe = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
-             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0 if rc == 0 else -rc)")
+    probe = (
+        "import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0 if rc == 0 else -rc)"
+    )
     out = subprocess.run([sys.executable, "-c", probe, *cmd], env=env, capture_output=True, text=True, check=True)
     value = float(out.stdout.strip().splitlines()[-1])
     if value <= 0:
@@ -139,17 +174,46 @@ def peak_rss_mb(cmd: list[str], env: dict) -> float:
 
 def memory_cmd(args) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = {"model": args.model, "tasks": args.tasks, "rounds": args.rounds, "lora_rank": args.lora_rank,
-              "threads": args.threads, "preset": args.preset, "node_args": args.node_arg}
+    result = {
+        "model": args.model,
+        "tasks": args.tasks,
+        "rounds": args.rounds,
+        "lora_rank": args.lora_rank,
+        "threads": args.threads,
+        "preset": args.preset,
+        "node_args": args.node_arg,
+    }
     kinds = [("lora", ["--lora-rank", str(args.lora_rank)])]
     kinds += [("full", ["--lora-rank", "0"])] if args.full_too else []  # said: on a CPU the recipe would pick LoRA
     with tempfile.TemporaryDirectory() as tmp:
         for kind, extra in kinds:
             for peers in (1, args.peers):
-                cmd = [sys.executable, "-m", "node.lab.experiment", args.preset, "--mode", "memory", "--peers",
-                       str(peers), "--rounds", str(args.rounds), "--seeds", "0", "--model", args.model, "--tasks",
-                       args.tasks, "--threads", str(args.threads), "--eval-every", "0",
-                       "--out", f"{tmp}/{kind}{peers}", *extra, *(f"--node-arg={a}" for a in args.node_arg)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "node.lab.experiment",
+                    args.preset,
+                    "--mode",
+                    "memory",
+                    "--peers",
+                    str(peers),
+                    "--rounds",
+                    str(args.rounds),
+                    "--seeds",
+                    "0",
+                    "--model",
+                    args.model,
+                    "--tasks",
+                    args.tasks,
+                    "--threads",
+                    str(args.threads),
+                    "--eval-every",
+                    "0",
+                    "--out",
+                    f"{tmp}/{kind}{peers}",
+                    *extra,
+                    *(f"--node-arg={a}" for a in args.node_arg),
+                ]
                 t0 = time.time()
                 rss = peak_rss_mb(cmd, env)
                 key = f"rss_mb_{peers}_peer{'s' if peers > 1 else ''}"
@@ -178,8 +242,12 @@ def main() -> None:
     m.add_argument("--preset", default="2/2", help="sapo-experiment preset (its peer count is overridden)")
     m.add_argument("--lora-rank", type=int, default=8)
     m.add_argument("--full-too", action="store_true", help="also full fine-tuning peers (5 x ~2 GB)")
-    m.add_argument("--node-arg", action="append", default=[],
-                   help="passed on to every peer, e.g. --node-arg=--rollout-engine=llama (repeatable)")
+    m.add_argument(
+        "--node-arg",
+        action="append",
+        default=[],
+        help="passed on to every peer, e.g. --node-arg=--rollout-engine=llama (repeatable)",
+    )
     for p in (t, m):
         p.add_argument("--model", default="default")
         p.add_argument("--tasks", default="cpu-easy")

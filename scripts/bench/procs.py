@@ -28,8 +28,21 @@ SPAWN: Callable[[list[str], Path, dict, Path], Any] | None = None
 NO_EVAL = ["--eval-every", "0"]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 MANY_ROUNDS = "100000"  # never reached: the caller stops peers with SIGTERM
-TINY = ["--tasks", "smoke", "--num-local", "2", "--num-external", "4", "--generations", "4",
-        "--max-new-tokens", "8", "--rounds", MANY_ROUNDS, *NO_EVAL]
+TINY = [
+    "--tasks",
+    "smoke",
+    "--num-local",
+    "2",
+    "--num-external",
+    "4",
+    "--generations",
+    "4",
+    "--max-new-tokens",
+    "8",
+    "--rounds",
+    MANY_ROUNDS,
+    *NO_EVAL,
+]
 
 
 def node_env(**extra: str) -> dict:
@@ -53,8 +66,14 @@ class Proc:
         self._fh = open(out, "ab")
         self.p: Any = SPAWN(args, REPO, node_env(**env), out) if SPAWN is not None else None
         if self.p is None:
-            self.p = subprocess.Popen([sys.executable, *args], cwd=REPO, env=node_env(**env), stdout=self._fh,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+            self.p = subprocess.Popen(
+                [sys.executable, *args],
+                cwd=REPO,
+                env=node_env(**env),
+                stdout=self._fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def alive(self) -> bool:
         return self.p.poll() is None
@@ -92,8 +111,23 @@ class Proc:
 
 def start_bootstrap(tmp: Path, swarm: str) -> tuple[Proc, list[str]]:
     maddrs_file = tmp / "boot-maddrs.txt"
-    proc = Proc(["-m", "bootstrap.main", "--host-maddrs", LOOPBACK, "--identity-dir", str(tmp / "boot"),
-                 "--swarm", swarm, "--maddrs-file", str(maddrs_file), "--log-interval", "5"], tmp / "boot.out")
+    proc = Proc(
+        [
+            "-m",
+            "bootstrap.main",
+            "--host-maddrs",
+            LOOPBACK,
+            "--identity-dir",
+            str(tmp / "boot"),
+            "--swarm",
+            swarm,
+            "--maddrs-file",
+            str(maddrs_file),
+            "--log-interval",
+            "5",
+        ],
+        tmp / "boot.out",
+    )
     deadline = time.monotonic() + 60
     while not maddrs_file.exists():
         if not proc.alive():
@@ -105,10 +139,33 @@ def start_bootstrap(tmp: Path, swarm: str) -> tuple[Proc, list[str]]:
     return proc, maddrs_file.read_text().split()
 
 
-def start_node(run_dir: Path, peers: list[str], swarm: str, *extra: str, model: str = "tiny-random",
-               seed: int = 0, host: str = LOOPBACK) -> Proc:
-    args = ["-m", "node.cli", "--model", model, *TINY, "--seed", str(seed), "--swarm", swarm,
-            "--run-dir", str(run_dir), "--host-maddrs", host, "--peers", *peers, *extra]
+def start_node(
+    run_dir: Path,
+    peers: list[str],
+    swarm: str,
+    *extra: str,
+    model: str = "tiny-random",
+    seed: int = 0,
+    host: str = LOOPBACK,
+) -> Proc:
+    args = [
+        "-m",
+        "node.cli",
+        "--model",
+        model,
+        *TINY,
+        "--seed",
+        str(seed),
+        "--swarm",
+        swarm,
+        "--run-dir",
+        str(run_dir),
+        "--host-maddrs",
+        host,
+        "--peers",
+        *peers,
+        *extra,
+    ]
     return Proc(args, run_dir.parent / f"{run_dir.name}.out")
 
 

@@ -47,8 +47,15 @@ def main() -> int:
     env.update(HOME=str(home), PIP_NO_CACHE_DIR="1")
     t0 = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(["bash", "scripts/local_swarm.sh"], cwd=clone, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            ["bash", "scripts/local_swarm.sh"],
+            cwd=clone,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     marks: dict[str, float] = {}
     peers = [clone / "runs" / "local-swarm" / f"peer{i}" for i in range(args.peers)]
     while proc.poll() is None:
@@ -71,11 +78,20 @@ def main() -> int:
     result: dict = {k: round(v, 1) for k, v in marks.items()}
     result["exit_code"] = proc.returncode
     result["evaluations"] = {
-        f"peer{i}": [{"round": r["round"], "held_out": r["eval_accuracy"], "unseen": r.get("eval_unseen_accuracy"),
-                      "baseline": r.get("eval_baseline"), "unseen_baseline": r.get("eval_unseen_baseline"),
-                      "evaluator": r.get("eval_engine", "torch")}
-                     for r in records(peer / "metrics.jsonl") if "eval_accuracy" in r]
-        for i, peer in enumerate(peers)}
+        f"peer{i}": [
+            {
+                "round": r["round"],
+                "held_out": r["eval_accuracy"],
+                "unseen": r.get("eval_unseen_accuracy"),
+                "baseline": r.get("eval_baseline"),
+                "unseen_baseline": r.get("eval_unseen_baseline"),
+                "evaluator": r.get("eval_engine", "torch"),
+            }
+            for r in records(peer / "metrics.jsonl")
+            if "eval_accuracy" in r
+        ]
+        for i, peer in enumerate(peers)
+    }
     print(json.dumps(result, indent=1))
     if args.out:
         out = Path(args.out)

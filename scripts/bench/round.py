@@ -64,11 +64,33 @@ def timed(fn, repeats: int, cpu: list[float] | None = None) -> list[float]:
 def rounds_section(args, model, tok, mix, max_new, device) -> dict:
     """1. per-phase seconds of real solo rounds; the evaluation's cost per round at --eval-every."""
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = load_config(["--model", args.model, "--tasks", args.tasks, "--rounds", str(args.rounds),
-                           "--num-local", str(args.num_local), "--generations", str(args.generations),
-                           "--max-new-tokens", str(max_new), "--run-dir", run_dir, "--checkpoint-every",
-                           str(10**6), "--device", str(device), "--eval-every", str(args.eval_every),
-                           "--eval-size", str(args.eval_size)], env={})
+        cfg = load_config(
+            [
+                "--model",
+                args.model,
+                "--tasks",
+                args.tasks,
+                "--rounds",
+                str(args.rounds),
+                "--num-local",
+                str(args.num_local),
+                "--generations",
+                str(args.generations),
+                "--max-new-tokens",
+                str(max_new),
+                "--run-dir",
+                run_dir,
+                "--checkpoint-every",
+                str(10**6),
+                "--device",
+                str(device),
+                "--eval-every",
+                str(args.eval_every),
+                "--eval-size",
+                str(args.eval_size),
+            ],
+            env={},
+        )
         # a copy: a node takes its model over (the CPU recipe attaches LoRA and stores the frozen weights in
         # bf16), and figures 2 and 3 measure the model as loaded
         node = build_node(cfg, mix, copy.deepcopy(model), tok, Silo(), device)
@@ -87,21 +109,30 @@ def rounds_section(args, model, tok, mix, max_new, device) -> dict:
             print(f"  {p:10s} {statistics.median(r['phase_s'].get(p, 0.0) for r in records):8.3f}")
     training_round = statistics.median(r["round_s"] - r["phase_s"].get("eval", 0.0) for r in records)
     print(f"  {'round':10s} {training_round:8.3f}  (without evaluation)")
-    out = {"round_s": training_round, "phase_s": {p: statistics.median(r["phase_s"].get(p, 0.0) for r in records)
-                                                  for p in phases if p != "eval"}}
+    out = {
+        "round_s": training_round,
+        "phase_s": {p: statistics.median(r["phase_s"].get(p, 0.0) for r in records) for p in phases if p != "eval"},
+    }
     evals = [r["eval_s"] for r in records if "eval_s" in r]
     if evals and args.eval_every:
         eval_s = statistics.median(evals)
         overhead = eval_s / (args.eval_every * training_round)
-        print(f"  held-out evaluation: {eval_s:.2f}s for {args.eval_size} tasks (greedy) = {100 * overhead:.1f}% of "
-              f"training time at one evaluation every {args.eval_every} rounds")
+        print(
+            f"  held-out evaluation: {eval_s:.2f}s for {args.eval_size} tasks (greedy) = {100 * overhead:.1f}% of "
+            f"training time at one evaluation every {args.eval_every} rounds"
+        )
         out.update(eval_s=eval_s, eval_size=args.eval_size, eval_every=args.eval_every, eval_overhead=overhead)
     return out
 
 
 # name: (engine, LoRA, mixed precision); "baseline" is today's path, "fast" the node's fast path
-VARIANTS = {"baseline": ("torch", False, False), "bf16": ("torch", False, True), "engine": ("llama", False, True),
-            "lora": ("torch", True, True), "fast": ("llama", True, True)}
+VARIANTS = {
+    "baseline": ("torch", False, False),
+    "bf16": ("torch", False, True),
+    "engine": ("llama", False, True),
+    "lora": ("torch", True, True),
+    "fast": ("llama", True, True),
+}
 
 
 def variants_section(args, model, tok, mix, max_new) -> dict:
@@ -118,10 +149,15 @@ def variants_section(args, model, tok, mix, max_new) -> dict:
         adapter.base.store_frozen_weights_as(torch.bfloat16)
     # one trainer per model (the engine does not change what is trained): one Adam state of the full model
     # in memory, not two
-    trainers = {lora: Trainer(adapter.model if lora else model, tok.pad_token_id,
-                              TrainConfig(lr=default_lr(args.lora_rank if lora else 0),
-                                          micro_batch_size=args.micro_batch_size), adapter=adapter if lora else None)
-                for lora in (False, True)}
+    trainers = {
+        lora: Trainer(
+            adapter.model if lora else model,
+            tok.pad_token_id,
+            TrainConfig(lr=default_lr(args.lora_rank if lora else 0), micro_batch_size=args.micro_batch_size),
+            adapter=adapter if lora else None,
+        )
+        for lora in (False, True)
+    }
     setups = {}
     for name, (engine, lora, bf16) in VARIANTS.items():
         m, a = (adapter.model, adapter) if lora else (model, None)
@@ -134,14 +170,23 @@ def variants_section(args, model, tok, mix, max_new) -> dict:
         setups[name] = (m, a, eng, trainers[lora], first_sync, mode)
     prompter = Prompter(tok, mix)
     scfg = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=max_new)
-    out: dict = {"lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha, "engine_weights": args.engine_weights,
-                 "engines": {n: s[2].name for n, s in setups.items()},
-                 "mixed_precision": {n: s[5] for n, s in setups.items()},
-                 "first_sync_s": {n: s[4][0] for n, s in setups.items()}}
+    out: dict = {
+        "lora_rank": args.lora_rank,
+        "lora_alpha": args.lora_alpha,
+        "engine_weights": args.engine_weights,
+        "engines": {n: s[2].name for n, s in setups.items()},
+        "mixed_precision": {n: s[5] for n, s in setups.items()},
+        "first_sync_s": {n: s[4][0] for n, s in setups.items()},
+    }
     for n_setting, threads in enumerate(args.variant_threads):
         torch.set_num_threads(threads)
-        phases = {n: {k: [] for k in ("sync", "gen", "train", "round", "sync_cpu", "gen_cpu", "train_cpu",
-                                      "round_cpu", "tokens")} for n in setups}
+        phases = {
+            n: {
+                k: []
+                for k in ("sync", "gen", "train", "round", "sync_cpu", "gen_cpu", "train_cpu", "round_cpu", "tokens")
+            }
+            for n in setups
+        }
         sampler = TaskSampler(mix, seed=321)
         for i in range(0 if n_setting else -1, args.variant_repeats):  # -1: warm-up (first setting), not counted
             tasks = sampler.sample(args.num_local)
@@ -164,8 +209,12 @@ def variants_section(args, model, tok, mix, max_new) -> dict:
                     t3, c3 = time.perf_counter(), time.process_time()
                 if i >= 0:
                     ph = phases[name]
-                    for key, wall, cpu in (("sync", t1 - t0, c1 - c0), ("gen", t2 - t1, c2 - c1),
-                                           ("train", t3 - t2, c3 - c2), ("round", t3 - t0, c3 - c0)):
+                    for key, wall, cpu in (
+                        ("sync", t1 - t0, c1 - c0),
+                        ("gen", t2 - t1, c2 - c1),
+                        ("train", t3 - t2, c3 - c2),
+                        ("round", t3 - t0, c3 - c0),
+                    ):
                         ph[key].append(wall)
                         ph[key + "_cpu"].append(cpu)
                     ph["tokens"].append(sum(len(c) for g in sampled for c in g.completion_ids))
@@ -179,13 +228,17 @@ def variants_section(args, model, tok, mix, max_new) -> dict:
         out[f"threads_{threads}"] = res
         base = res["baseline"]
         print(f"\n## 0. variants, {threads} thread(s), median of {args.variant_repeats} (wall s / cpu s)")
-        print(f"  {'variant':9s} {'sync':>13s} {'generate':>13s} {'train':>13s} {'round':>13s}  tok/cpu-s  "
-              "round speed-up (cpu)  gen speed-up (cpu)")
+        print(
+            f"  {'variant':9s} {'sync':>13s} {'generate':>13s} {'train':>13s} {'round':>13s}  tok/cpu-s  "
+            "round speed-up (cpu)  gen speed-up (cpu)"
+        )
         for name, r in res.items():
-            print(f"  {name:9s} "
-                  + " ".join(f"{r[k]:6.2f}/{r[k + '_cpu']:6.2f}" for k in ("sync", "gen", "train", "round"))
-                  + f"  {r['tokens_per_cpu_s']:8.1f}  {base['round_cpu'] / r['round_cpu']:8.2f}x"
-                  f"  {base['gen_cpu'] / r['gen_cpu']:8.2f}x")
+            print(
+                f"  {name:9s} "
+                + " ".join(f"{r[k]:6.2f}/{r[k + '_cpu']:6.2f}" for k in ("sync", "gen", "train", "round"))
+                + f"  {r['tokens_per_cpu_s']:8.1f}  {base['round_cpu'] / r['round_cpu']:8.2f}x"
+                f"  {base['gen_cpu'] / r['gen_cpu']:8.2f}x"
+            )
     out["peak_rss_mb_process"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     for _, _, eng, _, _, _ in setups.values():
         eng.close()
@@ -208,9 +261,17 @@ def generation_section(args, model, tok, prompts, scfg, max_new, device) -> dict
     def bare_gen(i):
         torch.manual_seed(1000 + i)
         model.eval()
-        out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new,
-                             num_return_sequences=args.generations, pad_token_id=tok.pad_token_id,
-                             eos_token_id=tok.eos_token_id)
+        out = model.generate(
+            **enc,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max_new,
+            num_return_sequences=args.generations,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
         model.train()
         gen = out[:, plen:]
         eos = tok.eos_token_id
@@ -226,15 +287,25 @@ def generation_section(args, model, tok, prompts, scfg, max_new, device) -> dict
     node_tps = sum(node_tokens) / sum(t_node)
     bare_tps = sum(bare_tokens) / sum(t_bare)
     print("\n## 2. generation throughput (tokens/s)")
-    print(f"  node sampler {node_tps:9.1f}   bare generate {bare_tps:9.1f}   ratio {node_tps / bare_tps:.3f} "
-          f"(target >= 0.95; same seeds, tokens {sum(node_tokens)} vs {sum(bare_tokens)}: the sampler stops at "
-          "the chat's stop tokens, bare generate at EOS only)")
-    print(f"  each prompt prefilled once per group vs once per completion (same samples): "
-          f"{sum(t_node):.1f} vs {sum(t_unshared):.1f} wall s, {sum(cpu_node):.1f} vs {sum(cpu_unshared):.1f} CPU s "
-          f"({sum(cpu_unshared) / sum(cpu_node):.2f}x; tokens {sum(node_tokens)} vs {sum(unshared_tokens)})")
-    return {"sample_shared_s": t_node, "sample_unshared_s": t_unshared, "sample_shared_cpu_s": cpu_node,
-            "sample_unshared_cpu_s": cpu_unshared, "sample_tokens": [sum(node_tokens), sum(unshared_tokens)],
-            "node_tokens_per_s": node_tps, "bare_tokens_per_s": bare_tps}
+    print(
+        f"  node sampler {node_tps:9.1f}   bare generate {bare_tps:9.1f}   ratio {node_tps / bare_tps:.3f} "
+        f"(target >= 0.95; same seeds, tokens {sum(node_tokens)} vs {sum(bare_tokens)}: the sampler stops at "
+        "the chat's stop tokens, bare generate at EOS only)"
+    )
+    print(
+        f"  each prompt prefilled once per group vs once per completion (same samples): "
+        f"{sum(t_node):.1f} vs {sum(t_unshared):.1f} wall s, {sum(cpu_node):.1f} vs {sum(cpu_unshared):.1f} CPU s "
+        f"({sum(cpu_unshared) / sum(cpu_node):.2f}x; tokens {sum(node_tokens)} vs {sum(unshared_tokens)})"
+    )
+    return {
+        "sample_shared_s": t_node,
+        "sample_unshared_s": t_unshared,
+        "sample_shared_cpu_s": cpu_node,
+        "sample_unshared_cpu_s": cpu_unshared,
+        "sample_tokens": [sum(node_tokens), sum(unshared_tokens)],
+        "node_tokens_per_s": node_tps,
+        "bare_tokens_per_s": bare_tps,
+    }
 
 
 def main() -> None:
@@ -256,38 +327,58 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="figure 0: torch/full vs engine vs LoRA vs both")
     ap.add_argument("--variant-threads", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2])
     ap.add_argument("--variant-repeats", type=int, default=2)
-    ap.add_argument("--train-lora", action="store_true", help="figure 3 trains a LoRA adapter (--lora-rank), "
-                    "not every weight")
+    ap.add_argument(
+        "--train-lora", action="store_true", help="figure 3 trains a LoRA adapter (--lora-rank), not every weight"
+    )
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--lora-alpha", type=float, default=32.0)
-    ap.add_argument("--engine-weights", default="auto", help="llama engine weights (auto: bf16 on a CPU with "
-                    "native bf16, else f16)")
-    ap.add_argument("--mixed-precision", default="auto", choices=MIXED_PRECISION,
-                    help="precision of every variant but the baseline (today's path: fp32)")
+    ap.add_argument(
+        "--engine-weights", default="auto", help="llama engine weights (auto: bf16 on a CPU with native bf16, else f16)"
+    )
+    ap.add_argument(
+        "--mixed-precision",
+        default="auto",
+        choices=MIXED_PRECISION,
+        help="precision of every variant but the baseline (today's path: fp32)",
+    )
     ap.add_argument("--rss-json", default="", help="scripts/bench/lora.py memory JSON: its 1- and P-peer RSS")
     ap.add_argument("--json", default="", help="write the figures to this JSON file")
     args = ap.parse_args()
-    result: dict = {"model": args.model, "tasks": args.tasks, "generations": args.generations,
-                    "num_local": args.num_local, "threads": args.threads or os.cpu_count()}
+    result: dict = {
+        "model": args.model,
+        "tasks": args.tasks,
+        "generations": args.generations,
+        "num_local": args.num_local,
+        "threads": args.threads or os.cpu_count(),
+    }
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     device = pick_device(args.device)
     mix = resolve_mix(args.tasks)
     max_new = args.max_new_tokens or mix.max_new_tokens
-    print(f"# model={args.model} device={device} threads={torch.get_num_threads()} tasks={mix.name} "
-          f"I={args.num_local} G={args.generations} max_new_tokens={max_new} torch={torch.__version__}")
+    print(
+        f"# model={args.model} device={device} threads={torch.get_num_threads()} tasks={mix.name} "
+        f"I={args.num_local} G={args.generations} max_new_tokens={max_new} torch={torch.__version__}"
+    )
     model, tok = load_model(args.model, device)
 
     if args.variants:
         v = variants_section(args, model, tok, mix, max_new)
         result["variants"] = v
         first = v[f"threads_{args.variant_threads[0]}"]
-        result.update(baseline_gen_s=first["baseline"]["gen_cpu"], baseline_round_s=first["baseline"]["round_cpu"],
-                      fast_gen_s=first["fast"]["gen_cpu"], fast_round_s=first["fast"]["round_cpu"],
-                      baseline_gen_wall_s=first["baseline"]["gen"], baseline_round_wall_s=first["baseline"]["round"],
-                      fast_gen_wall_s=first["fast"]["gen"], fast_round_wall_s=first["fast"]["round"],
-                      timing="process CPU seconds (one thread: what an idle machine's wall clock shows)",
-                      rss_mb_1_peer=None, rss_mb_5_peers=None)
+        result.update(
+            baseline_gen_s=first["baseline"]["gen_cpu"],
+            baseline_round_s=first["baseline"]["round_cpu"],
+            fast_gen_s=first["fast"]["gen_cpu"],
+            fast_round_s=first["fast"]["round_cpu"],
+            baseline_gen_wall_s=first["baseline"]["gen"],
+            baseline_round_wall_s=first["baseline"]["round"],
+            fast_gen_wall_s=first["fast"]["gen"],
+            fast_round_wall_s=first["fast"]["round"],
+            timing="process CPU seconds (one thread: what an idle machine's wall clock shows)",
+            rss_mb_1_peer=None,
+            rss_mb_5_peers=None,
+        )
         if args.rss_json:
             rss = json.loads(Path(args.rss_json).read_text())
             result.update({k: rss[k] for k in rss if k.startswith("rss_mb")})
@@ -320,23 +411,37 @@ def main() -> None:
 
         adapter = attach(copy.deepcopy(model), args.lora_rank, args.lora_alpha)
         train_model = adapter.model
-    trainers = {mode: Trainer(train_model, tok.pad_token_id, TrainConfig(lr=1e-7, micro_batch_size=micro,
-                                                                         prefix_sharing=mode), adapter=adapter)
-                for mode in ("off", "on")}
+    trainers = {
+        mode: Trainer(
+            train_model,
+            tok.pad_token_id,
+            TrainConfig(lr=1e-7, micro_batch_size=micro, prefix_sharing=mode),
+            adapter=adapter,
+        )
+        for mode in ("off", "on")
+    }
     from node.learn.sampling import pad_batch
 
-    batches = [pad_batch(seqs[i: i + micro], tok.pad_token_id, device) for i in range(0, len(seqs), micro)]
+    batches = [pad_batch(seqs[i : i + micro], tok.pad_token_id, device) for i in range(0, len(seqs), micro)]
     bare_opt = torch.optim.Adam(trainers["off"].params, lr=1e-7, foreach=False)  # what the trainers update
 
     def bare_step(_):
         bare_opt.zero_grad(set_to_none=True)
         for ids, attn, positions, comp_ids, _ in batches:
-            train_model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False,
-                        logits_to_keep=comp_ids.shape[1] + 1).logits.float().mean().backward()
+            train_model(
+                input_ids=ids,
+                attention_mask=attn,
+                position_ids=positions,
+                use_cache=False,
+                logits_to_keep=comp_ids.shape[1] + 1,
+            ).logits.float().mean().backward()
         bare_opt.step()
 
-    steps = {"plain": lambda _: trainers["off"].step(seqs), "shared": lambda _: trainers["on"].step(seqs),
-             "bare": bare_step}
+    steps = {
+        "plain": lambda _: trainers["off"].step(seqs),
+        "shared": lambda _: trainers["on"].step(seqs),
+        "bare": bare_step,
+    }
     for fn in steps.values():
         fn(0)  # warm-up
     times: dict[str, list[float]] = {k: [] for k in steps}
@@ -348,20 +453,35 @@ def main() -> None:
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     n_tokens = sum(len(x.prompt_ids) + len(x.completion_ids) for x in seqs)
     prompt_tokens = sum(len(x.prompt_ids) for x in seqs)
-    print(f"\n## 3. training step ({f'LoRA rank {args.lora_rank}' if adapter else 'full fine-tuning'}), "
-          f"same {len(seqs)} sequences ({n_tokens} tokens, "
-          f"{100 * prompt_tokens / n_tokens:.0f}% prompt), micro-batch {micro}, median of {args.repeats}")
+    print(
+        f"\n## 3. training step ({f'LoRA rank {args.lora_rank}' if adapter else 'full fine-tuning'}), "
+        f"same {len(seqs)} sequences ({n_tokens} tokens, "
+        f"{100 * prompt_tokens / n_tokens:.0f}% prompt), micro-batch {micro}, median of {args.repeats}"
+    )
     print(f"  {'plain':>8} {'shared':>8} {'bare f+b':>9}   speed-up   shared/bare")
     for label, m in (("wall", med), ("cpu", med_cpu)):
-        print(f"  {m['plain']:7.3f}s {m['shared']:7.3f}s {m['bare']:8.3f}s   {m['plain'] / m['shared']:7.2f}x   "
-              f"{m['shared'] / m['bare']:7.2f}   ({label} seconds)")
-    result.update(train_plain_s=med["plain"], train_shared_s=med["shared"], fwd_bwd_bare_s=med["bare"],
-                  speedup=med["plain"] / med["shared"], sequences=len(seqs), tokens=n_tokens,
-                  train_lora_rank=args.lora_rank if adapter else 0,
-                  prompt_tokens=prompt_tokens, micro_batch_size=micro, repeats=args.repeats,
-                  train_times_s=times, train_cpu_s=cpu, train_plain_cpu_s=med_cpu["plain"],
-                  train_shared_cpu_s=med_cpu["shared"], fwd_bwd_bare_cpu_s=med_cpu["bare"],
-                  speedup_cpu=med_cpu["plain"] / med_cpu["shared"])
+        print(
+            f"  {m['plain']:7.3f}s {m['shared']:7.3f}s {m['bare']:8.3f}s   {m['plain'] / m['shared']:7.2f}x   "
+            f"{m['shared'] / m['bare']:7.2f}   ({label} seconds)"
+        )
+    result.update(
+        train_plain_s=med["plain"],
+        train_shared_s=med["shared"],
+        fwd_bwd_bare_s=med["bare"],
+        speedup=med["plain"] / med["shared"],
+        sequences=len(seqs),
+        tokens=n_tokens,
+        train_lora_rank=args.lora_rank if adapter else 0,
+        prompt_tokens=prompt_tokens,
+        micro_batch_size=micro,
+        repeats=args.repeats,
+        train_times_s=times,
+        train_cpu_s=cpu,
+        train_plain_cpu_s=med_cpu["plain"],
+        train_shared_cpu_s=med_cpu["shared"],
+        fwd_bwd_bare_cpu_s=med_cpu["bare"],
+        speedup_cpu=med_cpu["plain"] / med_cpu["shared"],
+    )
     _write(args, result)
 
 

@@ -47,8 +47,12 @@ OLD_MARK = "WIRE_VERSION = 1"  # the line protocol v2 removed from p2p/wire.py
 
 def old_protocol_ref() -> str:
     """The parent of the newest commit that removed `WIRE_VERSION = 1` from p2p/wire.py."""
-    out = subprocess.run(["git", "-C", str(REPO), "log", "--format=%H", "-S", OLD_MARK, "--", "p2p/wire.py"],
-                         capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        ["git", "-C", str(REPO), "log", "--format=%H", "-S", OLD_MARK, "--", "p2p/wire.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     if not out:
         raise SystemExit("scripts.bench.scale: protocol v1 is not in this checkout's git history")
     return out[0] + "^"
@@ -60,14 +64,19 @@ def reexec_with_old_protocol(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="sapo-p2p-v1-") as tmp:
         archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, "p2p"], capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([tmp, str(REPO), os.environ.get("PYTHONPATH", "")]),
-                   SAPO_BENCH_PROTOCOL_REF=ref)
-        short = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", ref], capture_output=True,
-                               text=True).stdout.strip()
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join([tmp, str(REPO), os.environ.get("PYTHONPATH", "")]),
+            SAPO_BENCH_PROTOCOL_REF=ref,
+        )
+        short = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", ref], capture_output=True, text=True
+        ).stdout.strip()
         print(f"protocol v1 from {ref} ({short}) in {tmp}", flush=True)
         # from the archive's directory: its p2p/ comes before the repository's on the import path
-        return subprocess.run([sys.executable, "-m", "scripts.bench.scale", *argv, "--_in-old"], env=env,
-                              cwd=tmp).returncode
+        return subprocess.run(
+            [sys.executable, "-m", "scripts.bench.scale", *argv, "--_in-old"], env=env, cwd=tmp
+        ).returncode
 
 
 # ------------------------------------------------------------------------ metering inside DHT processes
@@ -112,8 +121,9 @@ async def _read_meter(_dht, _node) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------- workload
 
 
-def realistic_batch(p2p_wire: Any, ident: Any, swarm: str, rnd: int, groups: int = 8, completions: int = 4,
-                    chars: int = 560) -> bytes:
+def realistic_batch(
+    p2p_wire: Any, ident: Any, swarm: str, rnd: int, groups: int = 8, completions: int = 4, chars: int = 560
+) -> bytes:
     """A signed batch of ~20 KB: `groups` tasks x `completions` completions of `chars` characters."""
     rng = random.Random(rnd * 7919 + ident.public_key_bytes[0])
     alphabet = string.ascii_letters + string.digits + "   .,+-*/=()"
@@ -164,8 +174,9 @@ class Protocol:
     def validator(self, identities: list[Any], swarm: str, pow_bits: int) -> Any:
         v = self.validators
         if self.version >= 2:
-            return v.SapoRecordValidator(identities[0], swarm, pow_difficulty=pow_bits,
-                                         also_sign_for=tuple(identities[1:]))
+            return v.SapoRecordValidator(
+                identities[0], swarm, pow_difficulty=pow_bits, also_sign_for=tuple(identities[1:])
+            )
         by_subkey = {v.MSGPackSerializer.dumps(v.owner_subkey(i.public_key_bytes)): i for i in identities}
 
         class MultiSigner(v.SapoRecordValidator):  # protocol v1 signs for one identity per DHT process
@@ -205,25 +216,50 @@ async def run_one(proto: Protocol, n: int, args: argparse.Namespace, tmp: Path) 
     loop = asyncio.get_running_loop()
     t_setup = time.perf_counter()
     try:
-        first = hivemind.DHT(start=True, host_maddrs=LOOPBACK,
-                             record_validators=[proto.validator([proto.new_identity(args.pow)], swarm, args.pow)])
+        first = hivemind.DHT(
+            start=True,
+            host_maddrs=LOOPBACK,
+            record_validators=[proto.validator([proto.new_identity(args.pow)], swarm, args.pow)],
+        )
         servers.append(first)
         peers = [str(m) for m in first.get_visible_maddrs()]
-        servers += [hivemind.DHT(initial_peers=peers, start=True, host_maddrs=LOOPBACK, await_ready=False,
-                                 record_validators=[proto.validator([proto.new_identity(args.pow)], swarm, args.pow)])
-                    for _ in range(args.servers - 1)]
+        servers += [
+            hivemind.DHT(
+                initial_peers=peers,
+                start=True,
+                host_maddrs=LOOPBACK,
+                await_ready=False,
+                record_validators=[proto.validator([proto.new_identity(args.pow)], swarm, args.pow)],
+            )
+            for _ in range(args.servers - 1)
+        ]
         for s in servers[1:]:
             await loop.run_in_executor(None, s.wait_until_ready, 60)
         identities = [proto.new_identity(args.pow) for _ in range(n)]
-        groups = [identities[i::args.publisher_procs] for i in range(min(n, args.publisher_procs))]
-        publishers = [hivemind.DHT(initial_peers=peers, start=True, host_maddrs=LOOPBACK, client_mode=True,
-                                   await_ready=False, record_validators=[proto.validator(g, swarm, args.pow)])
-                      for g in groups]
+        groups = [identities[i :: args.publisher_procs] for i in range(min(n, args.publisher_procs))]
+        publishers = [
+            hivemind.DHT(
+                initial_peers=peers,
+                start=True,
+                host_maddrs=LOOPBACK,
+                client_mode=True,
+                await_ready=False,
+                record_validators=[proto.validator(g, swarm, args.pow)],
+            )
+            for g in groups
+        ]
         for p in publishers:
             await loop.run_in_executor(None, p.wait_until_ready, 60)
-        fcfg = proto.transport_config(identity_dir=tmp / f"fetcher-{n}", swarm=swarm, initial_peers=peers,
-                                      host_maddrs=LOOPBACK, client_mode=True, fetch_timeout_s=args.fetch_timeout,
-                                      pow_difficulty=args.pow, fetch_max=args.fetch_max)
+        fcfg = proto.transport_config(
+            identity_dir=tmp / f"fetcher-{n}",
+            swarm=swarm,
+            initial_peers=peers,
+            host_maddrs=LOOPBACK,
+            client_mode=True,
+            fetch_timeout_s=args.fetch_timeout,
+            pow_difficulty=args.pow,
+            fetch_max=args.fetch_max,
+        )
         fetcher = proto.transport.SwarmTransport(fcfg)
         await fetcher.start()
         fetcher_id = str(fetcher.dht.peer_id)
@@ -245,7 +281,8 @@ async def run_one(proto: Protocol, n: int, args: argparse.Namespace, tmp: Path) 
                     bkey, pkey = proto.keys(swarm, pub, rnd)
                     subkey = proto.validators.owner_subkey(pub)
                     presence = proto.wire.encode_presence(
-                        proto.wire.PresenceRecord(proto.version, swarm, pub, rnd, time.time()), ident)
+                        proto.wire.PresenceRecord(proto.version, swarm, pub, rnd, time.time()), ident
+                    )
                     items.append((bkey, subkey, realistic_batch(proto.wire, ident, swarm, rnd), expiration))
                     items.append((pkey, subkey, presence, expiration))
                 fd, path = tempfile.mkstemp(prefix="sapo-bench-", dir=tmp)
@@ -259,19 +296,25 @@ async def run_one(proto: Protocol, n: int, args: argparse.Namespace, tmp: Path) 
             for _ in range(args.samples):
                 if hasattr(fetcher, "forget_fetched"):
                     fetcher.forget_fetched()  # each sample: a node that has not fetched this round yet
-                await loop.run_in_executor(None, lambda: fetcher.dht.run_coroutine(_clear_cache, return_future=True)
-                                           .result(30))
+                await loop.run_in_executor(
+                    None, lambda: fetcher.dht.run_coroutine(_clear_cache, return_future=True).result(30)
+                )
                 before = await _bytes_to(servers, fetcher_id)
                 t1 = time.perf_counter()
                 got = await fetcher.fetch()
                 times.append(time.perf_counter() - t1)
                 bytes_per_fetch.append(await _bytes_to(servers, fetcher_id) - before)
                 records.append(len(got))
-            print(f"  N={n} round {rnd}: publish {publish_s[-1]:.1f}s, fetch p50 {pct(times[-args.samples:], 50):.3f}s,"
-                  f" records {statistics.mean(records[-args.samples:]):.1f},"
-                  f" {statistics.mean(bytes_per_fetch[-args.samples:]) / 1024:.0f} KiB", flush=True)
-        meters = [await loop.run_in_executor(None, lambda d=d: d.run_coroutine(_read_meter, return_future=True)
-                                             .result(30)) for d in (*servers, *publishers)]
+            print(
+                f"  N={n} round {rnd}: publish {publish_s[-1]:.1f}s, fetch p50 {pct(times[-args.samples :], 50):.3f}s,"
+                f" records {statistics.mean(records[-args.samples :]):.1f},"
+                f" {statistics.mean(bytes_per_fetch[-args.samples :]) / 1024:.0f} KiB",
+                flush=True,
+            )
+        meters = [
+            await loop.run_in_executor(None, lambda d=d: d.run_coroutine(_read_meter, return_future=True).result(30))
+            for d in (*servers, *publishers)
+        ]
         return {
             "protocol": f"v{proto.version}",
             "publishers": n,

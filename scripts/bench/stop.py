@@ -56,9 +56,11 @@ def checkpoint_cost(model_name: str, work: Path, repeats: int) -> None:
         t0 = time.perf_counter()
         store.load_latest()
         loads.append(time.perf_counter() - t0)
-    print(f"checkpoint  model={model_name} params={params / 1e6:.1f}M size={dir_mb(path):.0f} MB "
-          f"save={min(saves):.2f}-{max(saves):.2f} s load+verify={min(loads):.2f}-{max(loads):.2f} s "
-          f"({repeats} saves)")
+    print(
+        f"checkpoint  model={model_name} params={params / 1e6:.1f}M size={dir_mb(path):.0f} MB "
+        f"save={min(saves):.2f}-{max(saves):.2f} s load+verify={min(loads):.2f}-{max(loads):.2f} s "
+        f"({repeats} saves)"
+    )
 
 
 def free_port() -> int:
@@ -77,9 +79,26 @@ def status(port: int) -> dict | None:
 
 def stop_latency(args, work: Path) -> None:
     run_dir, port = work / "run", free_port()
-    cmd = [sys.executable, "-m", "node.cli", "--model", args.model, "--tasks", args.tasks, "--rounds", "1000",
-           "--run-dir", str(run_dir), "--status-port", str(port), "--checkpoint-every", "1000",
-           "--threads", str(args.threads), *args.node_arg]
+    cmd = [
+        sys.executable,
+        "-m",
+        "node.cli",
+        "--model",
+        args.model,
+        "--tasks",
+        args.tasks,
+        "--rounds",
+        "1000",
+        "--run-dir",
+        str(run_dir),
+        "--status-port",
+        str(port),
+        "--checkpoint-every",
+        "1000",
+        "--threads",
+        str(args.threads),
+        *args.node_arg,
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
     t_start = time.monotonic()
     with open(work / "node.out", "wb") as out:
@@ -103,10 +122,12 @@ def stop_latency(args, work: Path) -> None:
     log = (run_dir / "node.log").read_text()
     written = re.search(r"checkpoint (round-\d+) written in ([\d.]+)s", log)
     abandoned = re.search(r"round (\d+) abandoned", log)
-    print(f"stop        model={args.model} threads={args.threads or 'all'} signal in round {args.after_rounds} "
-          f"phase {args.phase} (after {t_ready - t_start:.0f} s): exit code {rc} after {t_exit - t_sig:.1f} s; "
-          f"{'round ' + abandoned.group(1) + ' abandoned' if abandoned else 'no round abandoned'}; "
-          f"{written.group(1) + ' written in ' + written.group(2) + ' s' if written else 'no checkpoint written'}")
+    print(
+        f"stop        model={args.model} threads={args.threads or 'all'} signal in round {args.after_rounds} "
+        f"phase {args.phase} (after {t_ready - t_start:.0f} s): exit code {rc} after {t_exit - t_sig:.1f} s; "
+        f"{'round ' + abandoned.group(1) + ' abandoned' if abandoned else 'no round abandoned'}; "
+        f"{written.group(1) + ' written in ' + written.group(2) + ' s' if written else 'no checkpoint written'}"
+    )
 
 
 def main() -> None:

@@ -47,8 +47,13 @@ from scripts.bench.scale import _store_spilled, pct
 
 # the honest nodes run as in the suite: offline, on the paper's defaults (not the CPU recipe), their keys
 # minted at a low proof of work
-for _name, _value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
-                      ("SAPO_RECIPE", "none"), ("SAPO_POW_DIFFICULTY", "8")):
+for _name, _value in (
+    ("HF_HUB_OFFLINE", "1"),
+    ("TRANSFORMERS_OFFLINE", "1"),
+    ("TOKENIZERS_PARALLELISM", "false"),
+    ("SAPO_RECIPE", "none"),
+    ("SAPO_POW_DIFFICULTY", "8"),
+):
     os.environ.setdefault(_name, _value)
 
 ATTACKS = ("ghost", "useless", "copycat", "liars")
@@ -62,8 +67,19 @@ class Attacker:
     """One DHT client holding every Sybil key; each `step` publishes one attack round. `kind` is one of
     ATTACKS, or several joined by "+" (key i then runs the (i mod n)-th: a mixed attack, as in the tests)."""
 
-    def __init__(self, kind: str, n: int, swarm: str, maddrs: list[str], pow_bits: int, tmp: Path,
-                 victims: list[bytes], ttl: float, liars_per_period: int, tier: int = 0):
+    def __init__(
+        self,
+        kind: str,
+        n: int,
+        swarm: str,
+        maddrs: list[str],
+        pow_bits: int,
+        tmp: Path,
+        victims: list[bytes],
+        ttl: float,
+        liars_per_period: int,
+        tier: int = 0,
+    ):
         import hivemind
 
         from node.learn.tasks import PRESETS, TaskSampler
@@ -81,9 +97,15 @@ class Attacker:
         self.round = 0
         self.pow_bits = pow_bits
         self.store_timeout_s = 300.0
-        self.dht = hivemind.DHT(initial_peers=maddrs, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                client_mode=True, record_validators=[SapoRecordValidator(
-                                    self.ids[0], swarm, pow_difficulty=pow_bits, also_sign_for=tuple(self.ids[1:]))])
+        self.dht = hivemind.DHT(
+            initial_peers=maddrs,
+            start=True,
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            client_mode=True,
+            record_validators=[
+                SapoRecordValidator(self.ids[0], swarm, pow_difficulty=pow_bits, also_sign_for=tuple(self.ids[1:]))
+            ],
+        )
 
     async def step(self) -> int:
         """One attack round; the number of records stored."""
@@ -143,8 +165,7 @@ class Attacker:
                 return {}
             return {k: {owner_of_subkey(s): v for s, v in e.items()} for k, e in found.items()}
 
-        shards = await get([presence_key(self.swarm, presence_shard(v, DEFAULT_PRESENCE_SHARDS))
-                            for v in self.victims])
+        shards = await get([presence_key(self.swarm, presence_shard(v, DEFAULT_PRESENCE_SHARDS)) for v in self.victims])
         rounds = {}
         for entries in shards.values():
             for pub, data in entries.items():
@@ -168,8 +189,9 @@ class Attacker:
         from p2p.wire import WIRE_VERSION, RolloutBatch, encode_signed
 
         pub = ident.public_key_bytes
-        data = encode_signed(RolloutBatch(WIRE_VERSION, self.swarm, self.round, pub, time.time(), "sybil", groups),
-                             ident)
+        data = encode_signed(
+            RolloutBatch(WIRE_VERSION, self.swarm, self.round, pub, time.time(), "sybil", groups), ident
+        )
         return batch_key(self.swarm, pub, self.round), owner_subkey(pub), data, exp
 
     def _presence_items(self, ident: Any, exp: float) -> list[tuple[str, bytes, bytes, float]]:
@@ -209,18 +231,26 @@ def run_row(n: int, attack: str, args: argparse.Namespace, tmp: Path) -> dict[st
     procs = [boot, *nodes]
     try:
         keys = [prefix_of(d) for d in dirs]
-        wait_until(lambda: all(len({s for r in live_metrics(d) for s in r.get("external_sources", {})}
-                                   & set(keys)) >= len(keys) - 1 for d in dirs), procs, args.warmup_s,
-                   "the honest nodes to train on each other")
+        wait_until(
+            lambda: all(
+                len({s for r in live_metrics(d) for s in r.get("external_sources", {})} & set(keys)) >= len(keys) - 1
+                for d in dirs
+            ),
+            procs,
+            args.warmup_s,
+            "the honest nodes to train on each other",
+        )
         from p2p.identity import KEY_FILENAME, Identity
 
         victims = [Identity.load_or_create(d / KEY_FILENAME, create=False).public_key_bytes for d in dirs]
         if n:
-            attacker = Attacker(attack, n, swarm, maddrs, args.pow, root, victims, args.ttl, args.liars_per_period,
-                                args.sybil_tier)
+            attacker = Attacker(
+                attack, n, swarm, maddrs, args.pow, root, victims, args.ttl, args.liars_per_period, args.sybil_tier
+            )
         t_attack = time.time()
         stored = 0
         loop = asyncio.new_event_loop()
+
         def newcomer_judged() -> bool:
             """Past the newcomer's window, or trained on by every original honest node already."""
             recs = live_metrics(newcomer_dir) if newcomer is not None else []
@@ -263,8 +293,18 @@ def _full_key(run_dir: Path) -> str:
     return Identity.load_or_create(run_dir / KEY_FILENAME, create=False).public_key_hex
 
 
-def summarize(n: int, attack: str, dirs: list[Path], newcomer_dir: Path, keys: list[str], t_attack: float,
-              t_end: float, stored: int, codes: list[int], args: argparse.Namespace) -> dict[str, Any]:
+def summarize(
+    n: int,
+    attack: str,
+    dirs: list[Path],
+    newcomer_dir: Path,
+    keys: list[str],
+    t_attack: float,
+    t_end: float,
+    stored: int,
+    codes: list[int],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     newcomer_key = prefix_of(newcomer_dir) if (newcomer_dir / "identity.ed25519").exists() else None
     honest = set(keys) | ({newcomer_key} if newcomer_key else set())
     rounds = {d: [r for r in live_metrics(d) if t_attack <= r["t_start"] <= t_end] for d in dirs}
@@ -296,7 +336,8 @@ def summarize(n: int, attack: str, dirs: list[Path], newcomer_dir: Path, keys: l
         for k, v in r.get("rejected_by_reason", {}).items():
             reasons[k] = reasons.get(k, 0) + v
     return {
-        "sybils": n, "attack": attack if n else "none",
+        "sybils": n,
+        "attack": attack if n else "none",
         "honest_rounds": len(all_rounds),
         "honest_external_per_round": round(statistics.mean(ext_honest), 3) if ext_honest else 0.0,
         "sybil_external_per_round": round(statistics.mean(ext_sybil), 3) if ext_sybil else 0.0,
@@ -324,16 +365,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--honest", type=int, default=3)
     p.add_argument("--attack-s", type=float, default=150.0)
     p.add_argument("--newcomer-at", type=float, default=0.5, help="fraction of the attack after which it joins")
-    p.add_argument("--newcomer-window-s", type=float, default=60.0,
-                   help="the attack goes on at least this long after the newcomer's first round")
+    p.add_argument(
+        "--newcomer-window-s",
+        type=float,
+        default=60.0,
+        help="the attack goes on at least this long after the newcomer's first round",
+    )
     p.add_argument("--warmup-s", type=float, default=300.0)
     p.add_argument("--period", type=float, default=4.0, help="seconds between attack rounds")
     p.add_argument("--liars-per-period", type=int, default=20)
     p.add_argument("--ttl", type=float, default=120.0, help="expiration of the attacker's records")
     p.add_argument("--net-timeout", type=float, default=4.0)
     p.add_argument("--fetch-max", type=int, default=16)
-    p.add_argument("--sybil-tier", type=int, default=0,
-                   help="work tier the Sybil keys are minted at (4 bits above --pow each; honest nodes mint tier 1)")
+    p.add_argument(
+        "--sybil-tier",
+        type=int,
+        default=0,
+        help="work tier the Sybil keys are minted at (4 bits above --pow each; honest nodes mint tier 1)",
+    )
     p.add_argument("--pow", type=int, default=int(os.environ.get("SAPO_POW_DIFFICULTY", "8")))
     args = p.parse_args(argv)
     os.environ["SAPO_POW_DIFFICULTY"] = str(args.pow)  # the nodes and the bootstrap mint and check at this D

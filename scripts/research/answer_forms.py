@@ -37,16 +37,21 @@ def forms(answers: list[str], tasks: list[Task]) -> dict:
     eq = [(a, t) for a, t in zip(answers, tasks) if result_of(a) is not None]
     right = sum(score(t, result_of(a)) >= 1.0 for a, t in eq)
     read = [score(t, result_of(a) if result_of(a) is not None else a) for a, t in zip(answers, tasks)]
-    return {"equation_share": len(eq) / len(answers), "equation_result_right": right / len(eq) if eq else None,
-            "read_as_result": sum(read) / len(read)}
+    return {
+        "equation_share": len(eq) / len(answers),
+        "equation_result_right": right / len(eq) if eq else None,
+        "read_as_result": sum(read) / len(read),
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cells", nargs="+", type=Path)
     args = ap.parse_args()
-    print("| cell | peer | round | accuracy (node) | equation answers | equations with the right result "
-          "| accuracy read as the result |")
+    print(
+        "| cell | peer | round | accuracy (node) | equation answers | equations with the right result "
+        "| accuracy read as the result |"
+    )
     print("|---|---|---|---|---|---|---|")
     for cell in args.cells:
         run = orjson.loads((cell / "run.json").read_bytes())
@@ -56,8 +61,10 @@ def main() -> int:
             for rec in evals[-1:]:
                 f = forms(rec["eval_answers"], eval_tasks(mix, len(rec["eval_answers"])))
                 right = "–" if f["equation_result_right"] is None else f"{f['equation_result_right']:.2f}"
-                print(f"| {cell.name} | {metrics.parent.name} | {rec['round']} | {rec['eval_accuracy']:.3f} "
-                      f"| {f['equation_share']:.2f} | {right} | {f['read_as_result']:.3f} |")
+                print(
+                    f"| {cell.name} | {metrics.parent.name} | {rec['round']} | {rec['eval_accuracy']:.3f} "
+                    f"| {f['equation_share']:.2f} | {right} | {f['read_as_result']:.3f} |"
+                )
     return 0
 
 

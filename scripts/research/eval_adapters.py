@@ -62,8 +62,9 @@ def main() -> int:
     for cell, ckpt, (adapter, tokenizer) in zip(args.cells, checkpoints, adapters):
         adapter.activate()
         with precision.autocast(mode, cpu):
-            result = HeldOutEval(mix, args.eval_size, 1, 1).run(adapter.model, tokenizer, Prompter(tokenizer, mix),
-                                                                 mix.max_new_tokens)
+            result = HeldOutEval(mix, args.eval_size, 1, 1).run(
+                adapter.model, tokenizer, Prompter(tokenizer, mix), mix.max_new_tokens
+            )
         records = [r for r in read_records(cell / "peer0" / "metrics.jsonl") if r.get("round") == ckpt.round]
         if not records or "eval_answers" not in records[-1]:
             ap.error(f"{cell}/peer0/metrics.jsonl has no evaluation of round {ckpt.round}, the adapter's round")
@@ -74,8 +75,10 @@ def main() -> int:
                 continue
             same = sum(a == b for a, b in zip(res.answers, record[f"{key}_answers"]))
             mismatches += len(res.answers) - same
-            line.append(f"{key} {res.accuracy:.4f} (recorded {record[f'{key}_accuracy']:.4f}; "
-                        f"{same}/{len(res.answers)} answers the same)")
+            line.append(
+                f"{key} {res.accuracy:.4f} (recorded {record[f'{key}_accuracy']:.4f}; "
+                f"{same}/{len(res.answers)} answers the same)"
+            )
         print(" | ".join(line), flush=True)
     return 1 if mismatches else 0
 

@@ -53,8 +53,20 @@ def main() -> None:
         with precision.autocast(mode, torch.device("cpu")):
             record = measure(model, tok, Prompter(tok, mix), tasks, 0 if args.greedy_only else args.samples)
         stops = stop_token_ids(tok)
-        print(json.dumps({"model": args.model, "format": name, "tasks": args.tasks, "precision": mode,
-                          "stops": tok.convert_ids_to_tokens(stops[:2]), "n_stops": len(stops), **record}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "format": name,
+                    "tasks": args.tasks,
+                    "precision": mode,
+                    "stops": tok.convert_ids_to_tokens(stops[:2]),
+                    "n_stops": len(stops),
+                    **record,
+                }
+            ),
+            flush=True,
+        )
 
 
 def measure(model, tok, prompter: Prompter, tasks: list, samples: int) -> dict:
@@ -65,20 +77,27 @@ def measure(model, tok, prompter: Prompter, tasks: list, samples: int) -> dict:
     t0 = time.time()
     greedy = greedy_texts(model, tok, prompts, mix.max_new_tokens, 16)
     scores = [score_responses(t, [mix.answer_prefix + g])[0] for t, g in zip(tasks, greedy)]
-    rec = {"size": len(tasks), "greedy_acc": round(sum(scores) / len(tasks), 4),
-           "greedy_acc_halves": [round(sum(scores[:half]) / half, 4), round(sum(scores[half:]) / half, 4)],
-           "distinct_greedy": len({g.strip() for g in greedy}), "greedy_examples": greedy[:3],
-           "greedy_s": round(time.time() - t0, 1)}
+    rec = {
+        "size": len(tasks),
+        "greedy_acc": round(sum(scores) / len(tasks), 4),
+        "greedy_acc_halves": [round(sum(scores[:half]) / half, 4), round(sum(scores[half:]) / half, 4)],
+        "distinct_greedy": len({g.strip() for g in greedy}),
+        "greedy_examples": greedy[:3],
+        "greedy_s": round(time.time() - t0, 1),
+    }
     if samples:
         cfg = SamplingConfig(temperature=1.0, max_new_tokens=mix.max_new_tokens)
         solved, sampled = 0, []
         for i in range(0, len(tasks), 8):
-            for task, group in zip(tasks[i:i + 8], sample_groups(model, tok, prompts[i:i + 8], samples, cfg)):
+            for task, group in zip(tasks[i : i + 8], sample_groups(model, tok, prompts[i : i + 8], samples, cfg)):
                 s = score_responses(task, [mix.answer_prefix + text for text in group.texts])
                 solved += any(x >= 1.0 for x in s)
                 sampled += s
-        rec |= {f"pass{samples}": round(solved / len(tasks), 4), "sample_mean": round(sum(sampled) / len(sampled), 4),
-                "total_s": round(time.time() - t0, 1)}
+        rec |= {
+            f"pass{samples}": round(solved / len(tasks), 4),
+            "sample_mean": round(sum(sampled) / len(sampled), 4),
+            "total_s": round(time.time() - t0, 1),
+        }
     return rec
 
 

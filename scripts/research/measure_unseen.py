@@ -29,10 +29,16 @@ HARDER = {
 
 def harder_mix(mix: TaskMix, change: dict) -> TaskMix:
     """The mix with every arithmetic config changed (no content split: nothing of it is trained on)."""
-    datasets = {name: {**entry, "config": {**entry.get("config", {}), **change}}
-                for name, entry in mix.datasets.items()}
-    return TaskMix(name=f"{mix.name}+harder", datasets=datasets, system_prompt=mix.system_prompt,
-                   answer_prefix=mix.answer_prefix, max_new_tokens=mix.max_new_tokens)
+    datasets = {
+        name: {**entry, "config": {**entry.get("config", {}), **change}} for name, entry in mix.datasets.items()
+    }
+    return TaskMix(
+        name=f"{mix.name}+harder",
+        datasets=datasets,
+        system_prompt=mix.system_prompt,
+        answer_prefix=mix.answer_prefix,
+        max_new_tokens=mix.max_new_tokens,
+    )
 
 
 def main() -> int:
@@ -59,17 +65,26 @@ def main() -> int:
         labelled = EvalSet.of(tasks)
         result = labelled.label(evaluate(model, tokenizer, prompter, tasks, mix.max_new_tokens))
         keys = {content_key(t.spec.dataset, t.entry) for t in tasks}
-        row = {"accuracy": round(result.accuracy, 4), "baseline": round(labelled.baseline, 4),
-               "by_dataset": {k: round(v, 4) for k, v in result.by_dataset.items()},
-               "baseline_by_dataset": {k: round(v, 4) for k, v in labelled.baseline_by_dataset.items()},
-               "tasks": len(tasks), "distinct_questions": len({t.question for t in tasks}), "facts": len(keys),
-               "seconds": round(result.seconds, 1)}
+        row = {
+            "accuracy": round(result.accuracy, 4),
+            "baseline": round(labelled.baseline, 4),
+            "by_dataset": {k: round(v, 4) for k, v in result.by_dataset.items()},
+            "baseline_by_dataset": {k: round(v, 4) for k, v in labelled.baseline_by_dataset.items()},
+            "tasks": len(tasks),
+            "distinct_questions": len({t.question for t in tasks}),
+            "facts": len(keys),
+            "seconds": round(result.seconds, 1),
+        }
         out["sets"][name] = row
-        per = ", ".join(f"{k} {v:.3f} (const {row['baseline_by_dataset'][k]:.3f})"
-                        for k, v in row["by_dataset"].items())
-        print(f"{name:18s} accuracy {row['accuracy']:.3f} | constant answer {row['baseline']:.3f} | "
-              f"{len(tasks)} tasks, {row['distinct_questions']} questions, {row['facts']} facts | {per} | "
-              f"{row['seconds']}s", flush=True)
+        per = ", ".join(
+            f"{k} {v:.3f} (const {row['baseline_by_dataset'][k]:.3f})" for k, v in row["by_dataset"].items()
+        )
+        print(
+            f"{name:18s} accuracy {row['accuracy']:.3f} | constant answer {row['baseline']:.3f} | "
+            f"{len(tasks)} tasks, {row['distinct_questions']} questions, {row['facts']} facts | {per} | "
+            f"{row['seconds']}s",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0

@@ -42,8 +42,14 @@ def main() -> None:
             ax.plot(rounds, moving_average(values, args.window), label=label)
     if baseline is not None:
         axes[0].axhline(baseline, color="k", linestyle="--", label=f"constant answers ({baseline:.3f})")
-    for ax, title in zip(axes, ("held-out accuracy (greedy, 64 tasks)",
-                                f"groups with signal (MA {args.window})", f"token entropy, nats (MA {args.window})")):
+    for ax, title in zip(
+        axes,
+        (
+            "held-out accuracy (greedy, 64 tasks)",
+            f"groups with signal (MA {args.window})",
+            f"token entropy, nats (MA {args.window})",
+        ),
+    ):
         ax.set_title(title)
         ax.set_xlabel("round")
         ax.grid(alpha=0.3)

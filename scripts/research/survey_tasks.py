@@ -52,19 +52,32 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
     ap.add_argument("--datasets", default="", help="comma list (default: every reasoning-gym dataset)")
-    ap.add_argument("--screen-formats", nargs="+", default=["direct"], choices=list(FORMATS),
-                    help="prompt formats of the screen stage (the plan screens direct only)")
+    ap.add_argument(
+        "--screen-formats",
+        nargs="+",
+        default=["direct"],
+        choices=list(FORMATS),
+        help="prompt formats of the screen stage (the plan screens direct only)",
+    )
     ap.add_argument("--tasks", type=int, default=64, help="held-out tasks per full cell")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--engine", default="torch", choices=["torch", "llama"],
-                    help="what samples the pass@8 completions (greedy answers always come from torch); llama: "
-                         "llama.cpp on the same weights, 3-4x faster on a CPU (setup installs it by default)")
+    ap.add_argument(
+        "--engine",
+        default="torch",
+        choices=["torch", "llama"],
+        help="what samples the pass@8 completions (greedy answers always come from torch); llama: "
+        "llama.cpp on the same weights, 3-4x faster on a CPU (setup installs it by default)",
+    )
     ap.add_argument("--log", type=Path, default=OUT / "cells.jsonl")
     ap.add_argument("--summarize", action="store_true", help="only write survey.json and survey.md")
-    ap.add_argument("--max-memory-gb", type=float, default=8.0,
-                    help="address-space cap of this process: a dataset whose generator allocates past it (arc_agi "
-                         "took 24 GB and the OOM killer) is recorded with a MemoryError instead (0 = no cap)")
+    ap.add_argument(
+        "--max-memory-gb",
+        type=float,
+        default=8.0,
+        help="address-space cap of this process: a dataset whose generator allocates past it (arc_agi "
+        "took 24 GB and the OOM killer) is recorded with a MemoryError instead (0 = no cap)",
+    )
     args = ap.parse_args()
     if args.max_memory_gb > 0:
         cap = int(args.max_memory_gb * 2**30)
@@ -74,8 +87,10 @@ def main() -> None:
         records = list(load_records(args.log).values())
         for min_tasks in (64, SCREEN_TASKS):
             fmt, cells = choose_preset(records, min_tasks=min_tasks)
-            print(f"preset rule {PresetRule()} on cells of >= {min_tasks} tasks: format {fmt}, "
-                  f"{[(c['dataset'], c['level']) for c in cells]}")
+            print(
+                f"preset rule {PresetRule()} on cells of >= {min_tasks} tasks: format {fmt}, "
+                f"{[(c['dataset'], c['level']) for c in cells]}"
+            )
         return
     torch.set_num_threads(args.threads)
     from node.learn.model_io import load_model, pick_device
@@ -91,14 +106,16 @@ def main() -> None:
         engine = make_engine(args.engine, model, tok, model_name=args.model)  # falls back to torch, with a line
         print(f"# samples from the {engine.name} engine", flush=True)
     for stage in args.stages:
-        cells = stage_cells(stage, names, load_records(args.log), args.tasks, args.temperature,
-                            tuple(args.screen_formats))
+        cells = stage_cells(
+            stage, names, load_records(args.log), args.tasks, args.temperature, tuple(args.screen_formats)
+        )
         t0 = time.time()
         print(f"# stage {stage}: {len(cells)} cells", flush=True)
 
         def show(rec):
-            brief = rec.get("error") or " ".join(f"{k}={rec[k]}" for k in ("pass1", "pass8", "baseline",
-                                                                           "distinct_correct", "s_per_task"))
+            brief = rec.get("error") or " ".join(
+                f"{k}={rec[k]}" for k in ("pass1", "pass8", "baseline", "distinct_correct", "s_per_task")
+            )
             print(f"{time.time() - t0:7.0f}s {rec['key']}: {brief}", flush=True)  # noqa: B023 (this stage's)
 
         run_cells(model, tok, cells, args.log, on_record=show, engine=engine)

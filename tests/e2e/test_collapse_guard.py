@@ -15,10 +15,39 @@ from node.ops.metrics import read_records
 
 pytestmark = pytest.mark.timeout(600)
 
-ARGS = ["--model", "default", "--tasks", "cpu-learn", "--lora-rank", "8", "--generations", "4", "--num-local", "2",
-        "--num-external", "0", "--max-new-tokens", "8", "--seed", "2", "--lr", "5e-2", "--guard-lr-factor", "0.1",
-        "--eval-every", "1", "--eval-size", "16", "--eval-unseen-size", "8", "--rounds", "4", "--rollout-engine",
-        "torch", "--no-tensorboard"]
+ARGS = [
+    "--model",
+    "default",
+    "--tasks",
+    "cpu-learn",
+    "--lora-rank",
+    "8",
+    "--generations",
+    "4",
+    "--num-local",
+    "2",
+    "--num-external",
+    "0",
+    "--max-new-tokens",
+    "8",
+    "--seed",
+    "2",
+    "--lr",
+    "5e-2",
+    "--guard-lr-factor",
+    "0.1",
+    "--eval-every",
+    "1",
+    "--eval-size",
+    "16",
+    "--eval-unseen-size",
+    "8",
+    "--rounds",
+    "4",
+    "--rollout-engine",
+    "torch",
+    "--no-tensorboard",
+]
 
 
 @pytest.mark.slow

@@ -10,8 +10,25 @@ import pytest
 from conftest import live_metrics, run_node
 from helpers_learning import check_records
 
-ARGS = ["--tasks", "smoke", "--generations", "4", "--num-local", "2", "--max-new-tokens", "8", "--rounds", "2",
-        "--seed", "5", "--rollout-engine", "llama", "--eval-every", "0", "--no-tensorboard"]
+ARGS = [
+    "--tasks",
+    "smoke",
+    "--generations",
+    "4",
+    "--num-local",
+    "2",
+    "--max-new-tokens",
+    "8",
+    "--rounds",
+    "2",
+    "--seed",
+    "5",
+    "--rollout-engine",
+    "llama",
+    "--eval-every",
+    "0",
+    "--no-tensorboard",
+]
 UNAVAILABLE = "rollout engine llama unavailable"
 BINDINGS = ("ik_llama_cpp", "llama_cpp")  # the binary wheel, the source build (node/learn/engines/llama_api.py)
 
@@ -41,8 +58,9 @@ def test_a_hidden_engine_falls_back_to_torch_in_one_line(tmp_path):
         hide = tmp_path / "hide" / module
         hide.mkdir(parents=True)
         (hide / "__init__.py").write_text(f'raise ImportError("{module} hidden by the test")\n')
-    done = run_node("--model", "tiny-random", *ARGS, "--run-dir", str(tmp_path / "run"),
-                    PYTHONPATH=str(tmp_path / "hide"))
+    done = run_node(
+        "--model", "tiny-random", *ARGS, "--run-dir", str(tmp_path / "run"), PYTHONPATH=str(tmp_path / "hide")
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = engine_lines(done.stderr)
     assert len(lines) == 1 and UNAVAILABLE in lines[0] and "hidden by the test" in lines[0], lines

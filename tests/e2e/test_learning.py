@@ -25,8 +25,24 @@ from conftest import live_metrics, prefix_of, run_node, run_python, sources
 from helpers_learning import check_records
 
 ROUNDS = 5
-LEARN = ["--model", "default", "--tasks", "test-learn", "--lora-rank", "8", "--lr", "5e-4", "--generations", "8",
-         "--rounds", str(ROUNDS), "--eval-every", str(ROUNDS - 1), "--eval-size", "16"]
+LEARN = [
+    "--model",
+    "default",
+    "--tasks",
+    "test-learn",
+    "--lora-rank",
+    "8",
+    "--lr",
+    "5e-4",
+    "--generations",
+    "8",
+    "--rounds",
+    str(ROUNDS),
+    "--eval-every",
+    str(ROUNDS - 1),
+    "--eval-size",
+    "16",
+]
 NODE_ONLY = ["--mixed-precision", "off", "--rollout-engine", "torch", "--no-tensorboard", "--checkpoint-every", "100"]
 MARGIN = 0.3  # what "learned" means: far above both yardsticks, ~5 of the 16 held-out tasks, not a lucky one
 REWARD_RISE = 0.15  # the training reward's rise from round 0 to the last round (measured: +0.26 or more)
@@ -55,8 +71,9 @@ def assert_learned(records: list[dict], who: str) -> None:
 def test_a_silo_node_learns_its_reward_and_the_held_out_set(tmp_path):
     """A real `sapo-node` process that loads the embedded GGUF model, samples its groups and learns."""
     run_dir = tmp_path / "silo"
-    done = run_node(*LEARN, *NODE_ONLY, "--num-local", "4", "--num-external", "0",
-                    "--run-dir", str(run_dir), timeout=540)
+    done = run_node(
+        *LEARN, *NODE_ONLY, "--num-local", "4", "--num-external", "0", "--run-dir", str(run_dir), timeout=540
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "loading model default" in done.stderr and "sampling with torch" in done.stderr
     records = live_metrics(run_dir)
@@ -73,9 +90,28 @@ def test_two_peers_learn_from_each_others_groups(tmp_path):
     0.05-0.50 -> 0.94-1.0. (At 5e-4, 2 + 2 groups had only begun to rise by round 4; 4 + 4 learned but cost
     twice the time.)"""
     exp = tmp_path / "exp"
-    done = run_python(["-m", "node.lab.experiment", "2/2", "--peers", "2", "--mode", "memory", "--seeds", "0",
-                       "--threads", "1", "--out", str(exp), *LEARN, "--lr", "1e-3",
-                       *[f"--node-arg={a}" for a in NODE_ONLY]], timeout=540)
+    done = run_python(
+        [
+            "-m",
+            "node.lab.experiment",
+            "2/2",
+            "--peers",
+            "2",
+            "--mode",
+            "memory",
+            "--seeds",
+            "0",
+            "--threads",
+            "1",
+            "--out",
+            str(exp),
+            *LEARN,
+            "--lr",
+            "1e-3",
+            *[f"--node-arg={a}" for a in NODE_ONLY],
+        ],
+        timeout=540,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     peers = [live_metrics(exp / "2-2" / "seed0" / f"peer{p}") for p in range(2)]
     for p, records in enumerate(peers):

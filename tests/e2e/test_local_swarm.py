@@ -68,9 +68,18 @@ class Terminal:
 
 
 def swarm_env(root: Path) -> dict:
-    return node_env(SAPO_SKIP_SETUP="1", SAPO_VENV=sys.prefix, SAPO_PEERS=str(PEERS), SAPO_MODEL="tiny-random",
-                    SAPO_TASKS="smoke", SAPO_LOCAL_ROUNDS="100000", SAPO_RUN_ROOT=str(root), SAPO_GENERATIONS="4",
-                    SAPO_EVAL_EVERY="0", TERM="dumb")  # no held-out evaluation: these tests are about stopping
+    return node_env(
+        SAPO_SKIP_SETUP="1",
+        SAPO_VENV=sys.prefix,
+        SAPO_PEERS=str(PEERS),
+        SAPO_MODEL="tiny-random",
+        SAPO_TASKS="smoke",
+        SAPO_LOCAL_ROUNDS="100000",
+        SAPO_RUN_ROOT=str(root),
+        SAPO_GENERATIONS="4",
+        SAPO_EVAL_EVERY="0",
+        TERM="dumb",
+    )  # no held-out evaluation: these tests are about stopping
 
 
 def run_and_interrupt(tmp_path: Path, pipeline: str) -> tuple[int, Path, str]:

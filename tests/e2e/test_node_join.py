@@ -78,11 +78,25 @@ def test_dead_bootstrap_trains_solo_then_joins_when_it_appears(tmp_path):
         assert len(said) == 1 and address in said[0] and "connection refused" in said[0], out[-3000:]
         assert "Traceback" not in out
 
-        boot = Proc(["-m", "bootstrap.main", "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--identity-dir",
-                     str(boot_dir), "--swarm", swarm, "--log-interval", "5"], tmp_path / "boot.out")
+        boot = Proc(
+            [
+                "-m",
+                "bootstrap.main",
+                "--host-maddrs",
+                f"/ip4/127.0.0.1/tcp/{port}",
+                "--identity-dir",
+                str(boot_dir),
+                "--swarm",
+                swarm,
+                "--log-interval",
+                "5",
+            ],
+            tmp_path / "boot.out",
+        )
         procs.append(boot)
-        wait_for(lambda: any(r["swarm_state"] == "joined" for r in live_metrics(run_dir)), procs, 120,
-                 "a round in the swarm")
+        wait_for(
+            lambda: any(r["swarm_state"] == "joined" for r in live_metrics(run_dir)), procs, 120, "a round in the swarm"
+        )
         records = live_metrics(run_dir)
         first = next(r["round"] for r in records if r["swarm_state"] == "joined")
         assert first >= 2 and all(r["swarm_state"] == "joined" for r in records[first:])  # no flapping
@@ -104,8 +118,18 @@ def test_require_peers_exits_in_one_line_with_the_fix(tmp_path, tiny_args):
     that says what to do; the traceback goes to node.log only."""
     dead = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/QmPKxbjj7f9tqZ8Mq6eLzpFzkbwkaERA87VSuqF2aPhrV4"
     run_dir = tmp_path / "run"
-    done = run_node(*tiny_args, "--rounds", "1", "--run-dir", str(run_dir), "--peers", dead, "--require-peers",
-                    "--host-maddrs", "/ip4/127.0.0.1/tcp/0")
+    done = run_node(
+        *tiny_args,
+        "--rounds",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--peers",
+        dead,
+        "--require-peers",
+        "--host-maddrs",
+        "/ip4/127.0.0.1/tcp/0",
+    )
     assert done.returncode == 1, done.stderr[-3000:]
     console = done.stdout + done.stderr
     errors = [line for line in console.splitlines() if line.startswith("sapo-node: error:")]

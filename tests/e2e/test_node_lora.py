@@ -52,17 +52,24 @@ def test_mismatched_checkpoints_are_refused_in_one_line(tmp_path, tiny_args):
     assert "holds a LoRA adapter (rank 4, alpha 8.0), this node trains a LoRA adapter (rank 2" in other_rank.stderr
 
 
-@pytest.mark.parametrize("lora, model, refused", [
-    (0, "tiny-random", "holds a LoRA adapter (rank 4, alpha 8.0), this node trains a full model"),
-    (4, "tiny-random-smol", "was trained on another base model ('tiny-random'"),
-    (4, "tiny-random", None),
-])
+@pytest.mark.parametrize(
+    "lora, model, refused",
+    [
+        (0, "tiny-random", "holds a LoRA adapter (rank 4, alpha 8.0), this node trains a full model"),
+        (4, "tiny-random-smol", "was trained on another base model ('tiny-random'"),
+        (4, "tiny-random", None),
+    ],
+)
 @pytest.mark.slow
 def test_identity_check_names_what_differs(tmp_path, lora, model, refused):
-    saved = {"model": "tiny-random", "base": base_fingerprint(load_model("tiny-random", CPU)[0]),
-             "lora": {"rank": 4, "alpha": 8.0}}
-    cfg = load_config(["--model", model, "--run-dir", str(tmp_path), "--lora-rank", str(lora), "--lora-alpha", "8"],
-                      env={})
+    saved = {
+        "model": "tiny-random",
+        "base": base_fingerprint(load_model("tiny-random", CPU)[0]),
+        "lora": {"rank": 4, "alpha": 8.0},
+    }
+    cfg = load_config(
+        ["--model", model, "--run-dir", str(tmp_path), "--lora-rank", str(lora), "--lora-alpha", "8"], env={}
+    )
     net, tok = load_model(model, CPU)
     node = build_node(cfg, resolve_mix("smoke"), net, tok, Silo(), CPU)
     node.worker.shutdown()
@@ -87,8 +94,20 @@ def test_a_new_run_starts_from_another_runs_adapter(tmp_path, tiny_args):
     source, target = tmp_path / "source", tmp_path / "target"
     assert run_node(*tiny_args, *LORA, "--lr", "1e-2", "--rounds", "2", "--run-dir", str(source)).returncode == 0
     exported = export_weights(CheckpointStore(source).load_latest().path, tmp_path / "adapter")  # as cells commit
-    started = run_node(*tiny_args, *LORA, "--rounds", "1", "--lr", "1e-12", "--seed", "4", "--run-dir", str(target),
-                       "--lora-init", str(exported))
+    started = run_node(
+        *tiny_args,
+        *LORA,
+        "--rounds",
+        "1",
+        "--lr",
+        "1e-12",
+        "--seed",
+        "4",
+        "--run-dir",
+        str(target),
+        "--lora-init",
+        str(exported),
+    )
     assert started.returncode == 0, started.stderr[-2000:]
     assert "adapter initialised from" in started.stderr
     theirs, ours = CheckpointStore(source).load_latest().model, CheckpointStore(target).load_latest().model
@@ -97,8 +116,17 @@ def test_a_new_run_starts_from_another_runs_adapter(tmp_path, tiny_args):
     lora_a = [k for k in theirs if ".lora_A." in k]
     assert lora_a and not any(torch.allclose(theirs[k], fresh[k], atol=1e-3) for k in lora_a)
     assert all(torch.allclose(theirs[k], ours[k], atol=1e-6) for k in theirs)  # lr 1e-12: one step moves nothing
-    wrong = run_node(*tiny_args, "--lora-rank", "2", "--rounds", "1", "--run-dir", str(tmp_path / "wrong"),
-                     "--lora-init", str(source / "checkpoints" / "round-000001"))
+    wrong = run_node(
+        *tiny_args,
+        "--lora-rank",
+        "2",
+        "--rounds",
+        "1",
+        "--run-dir",
+        str(tmp_path / "wrong"),
+        "--lora-init",
+        str(source / "checkpoints" / "round-000001"),
+    )
     assert wrong.returncode == 1 and "--lora-init" in wrong.stderr
     export_weights(exported, tmp_path / "resumer" / "checkpoints" / "round-000001")  # weights without optimizer
     resumed = run_node(*tiny_args, *LORA, "--rounds", "2", "--run-dir", str(tmp_path / "resumer"), "--resume")

@@ -14,9 +14,22 @@ from node.ops.checkpoint import CheckpointStore
 from node.ops.metrics import read_records
 
 REQUIRED_FIELDS = {
-    "round", "t_start", "t_end", "round_s", "phase_s", "swarm_io_s", "reward_mean", "reward_max",
-    "num_local", "num_external", "dropped_zero_adv_local", "dropped_zero_adv_external", "loss", "clip_frac",
-    "tokens_generated", "peak_mem_mb",
+    "round",
+    "t_start",
+    "t_end",
+    "round_s",
+    "phase_s",
+    "swarm_io_s",
+    "reward_mean",
+    "reward_max",
+    "num_local",
+    "num_external",
+    "dropped_zero_adv_local",
+    "dropped_zero_adv_external",
+    "loss",
+    "clip_frac",
+    "tokens_generated",
+    "peak_mem_mb",
 }
 
 
@@ -110,13 +123,16 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, tiny_args):
     assert [json.loads(x)["round"] for x in orphaned] == [2, 3]  # nothing lost
 
 
-@pytest.mark.parametrize("args, flag", [
-    (["--lr", "0"], "--lr"),
-    (["--generations", "1"], "--generations"),
-    (["--tasks", "no_such_dataset"], "--tasks"),
-    (["--loss-type", "ppo"], "--loss-type"),
-    (["--peers", "localhost:1234"], "--peers"),
-])
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--lr", "0"], "--lr"),
+        (["--generations", "1"], "--generations"),
+        (["--tasks", "no_such_dataset"], "--tasks"),
+        (["--loss-type", "ppo"], "--loss-type"),
+        (["--peers", "localhost:1234"], "--peers"),
+    ],
+)
 def test_invalid_flags_exit_2_naming_the_flag(tmp_path, args, flag):
     result = run_node(*args, "--run-dir", str(tmp_path / "r"))
     assert result.returncode == 2
@@ -132,7 +148,8 @@ def test_model_that_cannot_load_gives_clear_error(tmp_path):
 
 def test_a_device_this_machine_lacks_is_one_clear_error(tmp_path):
     """--device cuda:N beyond the GPUs here (or on a CPU-only torch) names the flag instead of a traceback."""
-    result = run_node("--model", "tiny-random", "--device", "cuda:99", "--rounds", "1",
-                      "--run-dir", str(tmp_path / "r"))
+    result = run_node(
+        "--model", "tiny-random", "--device", "cuda:99", "--rounds", "1", "--run-dir", str(tmp_path / "r")
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "--device" in result.stderr and "Traceback" not in result.stderr

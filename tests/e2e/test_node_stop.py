@@ -22,16 +22,32 @@ pytestmark = pytest.mark.timeout(600)
 
 # Rounds of a second or two, most of it generation (128 tokens: long enough to be signalled mid-way),
 # and a GRPO update in every round.
-ARGS = ["--model", "tiny-random", "--tasks", "smoke", "--generations", "6", "--num-local", "3",
-        "--max-new-tokens", "128", "--seed", "4", "--checkpoint-every", "10", *NO_EVAL]
+ARGS = [
+    "--model",
+    "tiny-random",
+    "--tasks",
+    "smoke",
+    "--generations",
+    "6",
+    "--num-local",
+    "3",
+    "--max-new-tokens",
+    "128",
+    "--seed",
+    "4",
+    "--checkpoint-every",
+    "10",
+    *NO_EVAL,
+]
 HANG_GUARD_S = 120  # not a speed target (scripts/bench/stop.py measures that): only "it did not hang"
 
 
 def start(run_dir: Path, *extra: str, **popen) -> subprocess.Popen:
     popen.setdefault("stdout", open(run_dir.parent / f"{run_dir.name}.out", "ab"))
     popen.setdefault("stderr", subprocess.STDOUT)
-    return subprocess.Popen([sys.executable, "-m", "node.cli", *ARGS, "--run-dir", str(run_dir), *extra],
-                            cwd=REPO, env=node_env(), **popen)
+    return subprocess.Popen(
+        [sys.executable, "-m", "node.cli", *ARGS, "--run-dir", str(run_dir), *extra], cwd=REPO, env=node_env(), **popen
+    )
 
 
 def wait_until(pred, proc: subprocess.Popen, what: str, timeout: float = 240, poll: float = 0.02) -> None:
@@ -54,6 +70,7 @@ def in_phase(port: int, round_: int, phase: str):
     def check() -> bool:
         snap = status(port)
         return snap is not None and snap["round"] == round_ and snap["phase"] == phase
+
     return check
 
 
@@ -77,8 +94,15 @@ def stop_in_round_2(run_dir: Path, *signals: signal.Signals) -> tuple[int, str]:
 
 def compared(records: list[dict]) -> list[dict]:
     """What must repeat exactly (tasks, generations, rewards, selection) and the loss (float tolerance)."""
-    keys = ("round", "reward_mean", "reward_max", "tokens_generated", "num_local", "dropped_zero_adv_local",
-            "optimizer_steps")
+    keys = (
+        "round",
+        "reward_mean",
+        "reward_max",
+        "tokens_generated",
+        "num_local",
+        "dropped_zero_adv_local",
+        "optimizer_steps",
+    )
     return [{k: r[k] for k in keys} | {"loss": pytest.approx(r["loss"], rel=1e-5, abs=1e-9)} for r in records]
 
 

@@ -13,9 +13,30 @@ from tbread import read_scalars
 @pytest.mark.slow
 def test_a_cpu_learn_run_records_its_unseen_evaluation(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    done = run_node("--model", "tiny-random", "--tasks", "cpu-learn", "--generations", "2", "--num-local", "2",
-                    "--max-new-tokens", "4", "--seed", "3", "--rounds", "2", "--eval-every", "1", "--eval-size", "4",
-                    "--eval-unseen-size", "6", "--run-dir", str(run_dir))
+    done = run_node(
+        "--model",
+        "tiny-random",
+        "--tasks",
+        "cpu-learn",
+        "--generations",
+        "2",
+        "--num-local",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--seed",
+        "3",
+        "--rounds",
+        "2",
+        "--eval-every",
+        "1",
+        "--eval-size",
+        "4",
+        "--eval-unseen-size",
+        "6",
+        "--run-dir",
+        str(run_dir),
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = read_records(run_dir / "metrics.jsonl")
     assert [r["round"] for r in rows] == [0, 1]

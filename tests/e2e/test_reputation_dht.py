@@ -58,15 +58,36 @@ def test_liar_is_banned_and_stays_banned_after_resume(tmp_path):
     honest_dir, liar_dir = tmp_path / "honest", tmp_path / "liar"
     extra = ["--checkpoint-every", "1"]
     honest = start_node(honest_dir, maddrs, swarm, *extra, seed=1)
-    liar = Proc(["-c", LIAR, "--model", "tiny-random", *TINY, "--seed", "2", "--swarm", swarm,
-                 "--run-dir", str(liar_dir), "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--peers", *maddrs],
-                tmp_path / "liar.out")
+    liar = Proc(
+        [
+            "-c",
+            LIAR,
+            "--model",
+            "tiny-random",
+            *TINY,
+            "--seed",
+            "2",
+            "--swarm",
+            swarm,
+            "--run-dir",
+            str(liar_dir),
+            "--host-maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+            "--peers",
+            *maddrs,
+        ],
+        tmp_path / "liar.out",
+    )
     procs = [boot, honest, liar]
     try:
         wait_for(lambda: rounds(liar_dir), procs, 240, "the liar's first round")  # its key file exists by then
         liar_key = Identity.load_or_create(liar_dir / KEY_FILENAME, create=False).public_key_hex
-        wait_for(lambda: reasons(rounds(honest_dir)).get("reward_mismatch", 0) >= 2, procs, 240,
-                 "the honest node to re-score the liar's groups")
+        wait_for(
+            lambda: reasons(rounds(honest_dir)).get("reward_mismatch", 0) >= 2,
+            procs,
+            240,
+            "the honest node to re-score the liar's groups",
+        )
         wait_for(lambda: banned_in_file(honest_dir, liar_key), procs, 120, "the ban in reputation.json")
         assert honest.stop() == 0, honest.text()[-3000:]
         before = len(rounds(honest_dir))
@@ -78,8 +99,12 @@ def test_liar_is_banned_and_stays_banned_after_resume(tmp_path):
         def after() -> list[dict]:
             return rounds(honest_dir)[before:]
 
-        wait_for(lambda: reasons(after()).get("banned", 0) >= 2, procs, 240,
-                 "the restarted node to skip the liar's new batches as banned")
+        wait_for(
+            lambda: reasons(after()).get("banned", 0) >= 2,
+            procs,
+            240,
+            "the restarted node to skip the liar's new batches as banned",
+        )
         assert "reward_mismatch" not in reasons(after()), "a banned publisher is never verified again"
         assert reasons(rounds(honest_dir))["reward_mismatch"] == mismatches
         assert len(rounds(liar_dir)) > 0 and liar.alive()

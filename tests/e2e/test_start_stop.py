@@ -22,8 +22,11 @@ SLOW_MINT = ["--swarm-start", "--host-maddrs", LOOPBACK, "--pow-difficulty", "20
 
 
 def node(run_dir: Path, *args: str, **env: str) -> Proc:
-    return Proc(["-m", "node.cli", "--tasks", "smoke", "--rounds", "3", *NO_EVAL, "--run-dir", str(run_dir), *args],
-                run_dir.parent / f"{run_dir.name}.out", **env)
+    return Proc(
+        ["-m", "node.cli", "--tasks", "smoke", "--rounds", "3", *NO_EVAL, "--run-dir", str(run_dir), *args],
+        run_dir.parent / f"{run_dir.name}.out",
+        **env,
+    )
 
 
 def wait_for_line(proc: Proc, text: str, timeout: float = 120) -> None:

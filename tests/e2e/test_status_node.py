@@ -48,8 +48,9 @@ async def test_live_node_status_endpoints(tmp_path: Path, tiny_args: list[str]) 
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
             await poll(http, f"{url}/healthz", proc, lambda s, b: s == 200, 90, "/healthz 200")
-            _, body = await poll(http, f"{url}/status", proc,
-                                 lambda s, b: s == 200 and orjson.loads(b)["round"] >= 2, 120, "round >= 2")
+            _, body = await poll(
+                http, f"{url}/status", proc, lambda s, b: s == 200 and orjson.loads(b)["round"] >= 2, 120, "round >= 2"
+            )
             snap = orjson.loads(body)
             assert snap["model"] == "tiny-random" and snap["swarm"] == "silo" and snap["peer_id"] == "silo"
             assert len(snap["history"]) >= 2 and all("reward_mean" in h for h in snap["history"])

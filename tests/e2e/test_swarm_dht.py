@@ -69,8 +69,16 @@ async def raw_store(t: SwarmTransport, key: str, value: bytes, ttl: float = 300)
     """Store arbitrary bytes under our own subkey, bypassing publish()'s envelope check (the record
     trailer is still added by our validator, so only the value itself is bad). Goes by file like publish."""
     path = t._spill(value)
-    fut = t.dht.run_coroutine(partial(store_from_file, key=key, subkey=owner_subkey(t.identity.public_key_bytes),
-                                      path=path, expiration=get_dht_time() + ttl), return_future=True)
+    fut = t.dht.run_coroutine(
+        partial(
+            store_from_file,
+            key=key,
+            subkey=owner_subkey(t.identity.public_key_bytes),
+            path=path,
+            expiration=get_dht_time() + ttl,
+        ),
+        return_future=True,
+    )
     return bool(await asyncio.wait_for(fut, 30))
 
 
@@ -85,6 +93,7 @@ COMPUTE = ("sample", "generate", "score", "select", "train", "sync")  # phases t
 def dumped_and_alive(node: Proc, procs: list[Proc], timeout: float = 60) -> None:
     """After SIGUSR1: the node's stack dump ends, and the node is still running. Tells a crash from a dump:
     a node that died says how (its exit code, and whether Python reported a fatal error)."""
+
     def finished() -> bool:
         return DUMP_END in node.text() or not node.alive()
 
@@ -134,13 +143,19 @@ async def test_three_peers_share_rollouts_and_records_are_owner_protected(tmp_pa
         assert before[5:37] == victim.public_key_bytes
 
         group = WireGroup(TaskSpecWire("propositional_logic", {}, 1, 0), ["<answer>x</answer>", "y"], [1.0, 0.0])
-        forged = encode_signed(RolloutBatch(WIRE_VERSION, swarm, r, mallory.identity.public_key_bytes, time.time(), "m",
-                                            [group]), mallory.identity)
+        forged = encode_signed(
+            RolloutBatch(WIRE_VERSION, swarm, r, mallory.identity.public_key_bytes, time.time(), "m", [group]),
+            mallory.identity,
+        )
         victim_subkey = owner_subkey(victim.public_key_bytes)
         spill = mallory._spill(forged)
-        ok = await asyncio.wait_for(mallory.dht.run_coroutine(
-            partial(store_from_file, key=key, subkey=victim_subkey, path=spill, expiration=get_dht_time() + 500),
-            return_future=True), 30)
+        ok = await asyncio.wait_for(
+            mallory.dht.run_coroutine(
+                partial(store_from_file, key=key, subkey=victim_subkey, path=spill, expiration=get_dht_time() + 500),
+                return_future=True,
+            ),
+            30,
+        )
         assert ok is False  # refused by every peer (and by her own validator: she cannot sign for peer0)
         # her own record under her own key for the same round is accepted: the refusal is about ownership
         assert await mallory.publish(r, forged)
@@ -148,8 +163,11 @@ async def test_three_peers_share_rollouts_and_records_are_owner_protected(tmp_pa
         mine = await entries(witness, batch_key(swarm, mallory.identity.public_key_bytes, r))
         assert mine == {mallory.identity.public_key_bytes: forged}
         # the live nodes' own DHT validators refused her unsigned record (she cannot sign for peer0)
-        await await_for(lambda: any(reasons(rounds(d)).get("dht_no_record_signature") for d in run_dirs), 60,
-                        "a node counting the refused store")
+        await await_for(
+            lambda: any(reasons(rounds(d)).get("dht_no_record_signature") for d in run_dirs),
+            60,
+            "a node counting the refused store",
+        )
         for node in nodes:
             assert node.alive()
     finally:
@@ -178,16 +196,22 @@ async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
         assert honest.alive()
 
         def batch(r: int, groups: list[WireGroup], created_at: float | None = None) -> bytes:
-            return encode_signed(RolloutBatch(WIRE_VERSION, swarm, r, ev, created_at or time.time(), "evil", groups),
-                                 me)
+            return encode_signed(
+                RolloutBatch(WIRE_VERSION, swarm, r, ev, created_at or time.time(), "evil", groups), me
+            )
 
         # --- refused at the DHT layer: never stored by any honest peer, never reach a node ----------------
         good = batch(1, [smoke_group(11)])
-        bad_sig = good[:HEADER_LEN - 64] + bytes(64) + good[HEADER_LEN:]  # signature zeroed
+        bad_sig = good[: HEADER_LEN - 64] + bytes(64) + good[HEADER_LEN:]  # signature zeroed
         assert good.count(b"certainly not this") == 1
         tampered = batch(2, [smoke_group(12)]).replace(b"certainly not this", b"certainly not that")
-        huge = batch(3, [WireGroup(TaskSpecWire("propositional_logic", {}, 1, i), ["x" * 7000] * 32, [0.0] * 32)
-                         for i in range(10)])
+        huge = batch(
+            3,
+            [
+                WireGroup(TaskSpecWire("propositional_logic", {}, 1, i), ["x" * 7000] * 32, [0.0] * 32)
+                for i in range(10)
+            ],
+        )
         assert len(huge) > 2 * 1024 * 1024
         garbage = os.urandom(3000)
         dht_level = {1: bad_sig, 2: tampered, 3: huge, 4: garbage}
@@ -196,8 +220,10 @@ async def test_hostile_peer_is_refused_and_honest_node_keeps_running(tmp_path):
         # the presence record points at round 4, so the node would fetch it
         presence = encode_presence(PresenceRecord(WIRE_VERSION, swarm, ev, 4, time.time()), me)
         shard = presence_key(swarm, presence_shard(ev, DEFAULT_PRESENCE_SHARDS))
-        await stored_eventually(lambda: evil.dht.store(shard, presence, get_dht_time() + 300,
-                                                       subkey=owner_subkey(ev), return_future=True), "presence")
+        await stored_eventually(
+            lambda: evil.dht.store(shard, presence, get_dht_time() + 300, subkey=owner_subkey(ev), return_future=True),
+            "presence",
+        )
         for r in dht_level:
             assert ev not in await entries(witness, batch_key(swarm, ev, r)), f"round {r} is visible"
         assert not [rec for rec in await witness.fetch() if rec.publisher == ev]  # nothing of evil's
@@ -265,16 +291,19 @@ def test_killed_peer_does_not_stall_others_and_resumes_with_same_address(tmp_pat
     extra = ["--net-timeout", str(net_timeout), "--checkpoint-every", "1", "--eval-every", "0"]
 
     def launch(i: int, *more: str) -> Proc:
-        return start_node(run_dirs[i], maddrs, swarm, *extra, *more, seed=10 + i,
-                          host=f"/ip4/127.0.0.1/tcp/{ports[i]}")
+        return start_node(run_dirs[i], maddrs, swarm, *extra, *more, seed=10 + i, host=f"/ip4/127.0.0.1/tcp/{ports[i]}")
 
     nodes = [launch(i) for i in range(3)]
     restarted = None
     try:
         keys = [prefix_of(d) for d in run_dirs]
-        wait_for(lambda: all(set(keys) - {keys[i]} <= sources(rounds(d)) for i, d in enumerate(run_dirs)),
-                 nodes, 240, "a connected swarm")
-        (name_before, maddrs_before), = up_line(run_dirs[2])
+        wait_for(
+            lambda: all(set(keys) - {keys[i]} <= sources(rounds(d)) for i, d in enumerate(run_dirs)),
+            nodes,
+            240,
+            "a connected swarm",
+        )
+        ((name_before, maddrs_before),) = up_line(run_dirs[2])
         assert maddrs_before and all(f"/tcp/{ports[2]}/p2p/" in m for m in maddrs_before)
 
         # a node that seems stuck tells where: every thread's stack, and it carries on (a crash also prints
@@ -296,8 +325,12 @@ def test_killed_peer_does_not_stall_others_and_resumes_with_same_address(tmp_pat
         def after_kill(d: Path) -> list[dict]:
             return [r for r in rounds(d) if r["t_start"] > t_kill + 0.5]
 
-        wait_for(lambda: all(len(after_kill(d)) >= 5 for _, d in survivors) and time.time() > t_kill + 8,
-                 [n for n, _ in survivors], 120, "rounds of the survivors after the kill")
+        wait_for(
+            lambda: all(len(after_kill(d)) >= 5 for _, d in survivors) and time.time() > t_kill + 8,
+            [n for n, _ in survivors],
+            120,
+            "rounds of the survivors after the kill",
+        )
         for _, d in survivors:
             # the network part of a round stays bounded: publish and fetch are each cut at --net-timeout, so
             # the typical round waits less than one timeout on the network (a dead peer never stalls a
@@ -336,11 +369,15 @@ def test_killed_peer_does_not_stall_others_and_resumes_with_same_address(tmp_pat
         def rejoined() -> bool:
             published = first_new_round_end()
             return published is not None and all(
-                any(key in r["external_sources"] for r in rounds(d) if r["t_start"] > published)
-                for _, d in survivors)
+                any(key in r["external_sources"] for r in rounds(d) if r["t_start"] > published) for _, d in survivors
+            )
 
-        wait_for(rejoined, [restarted, *[n for n, _ in survivors]], 180,
-                 "a round of the restarted peer, then the survivors using its groups")
+        wait_for(
+            rejoined,
+            [restarted, *[n for n, _ in survivors]],
+            180,
+            "a round of the restarted peer, then the survivors using its groups",
+        )
         new = [r["round"] for r in rounds(run_dirs[2])]
         assert new == list(range(len(new))) and new[-1] >= next_round
         for d in run_dirs:

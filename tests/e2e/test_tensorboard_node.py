@@ -34,9 +34,18 @@ def test_event_files_match_metrics_across_a_resume(tmp_path, tiny_args):
         for tag, value in scalars(rec).items():
             expected.setdefault(tag, []).append((rec["round"], float(np.float32(value))))
     assert got == expected
-    for tag in ("train/loss", "train/kl", "train/clip_frac", "collapse/token_entropy", "collapse/signal_frac",
-                "groups/external_used", "time/phase/generate", "memory/peak_mb", "eval/accuracy",
-                "eval/constant_answer_baseline"):
+    for tag in (
+        "train/loss",
+        "train/kl",
+        "train/clip_frac",
+        "collapse/token_entropy",
+        "collapse/signal_frac",
+        "groups/external_used",
+        "time/phase/generate",
+        "memory/peak_mb",
+        "eval/accuracy",
+        "eval/constant_answer_baseline",
+    ):
         assert tag in got, tag
     assert [s for s, _ in got["eval/accuracy"]] == [0, 2, 4]
     viewer = read_scalars_with_tensorboard(run_dir / "tb")  # None unless the `tensorboard` package is installed

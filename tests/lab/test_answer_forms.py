@@ -7,8 +7,14 @@ from scripts.research import answer_forms
 def test_equations_read_as_their_result():
     assert answer_forms.result_of("3 - 2 = 1") == "1" and answer_forms.result_of("7") is None
     v3 = resolve_mix("cpu-learn")  # v2 scored answers whole: the cells this script was written for
-    v2 = resolve_mix({"base": "cpu-learn", "datasets": {
-        name: {"config": dict(entry["config"], answer_rule="exact")} for name, entry in v3.datasets.items()}})
+    v2 = resolve_mix(
+        {
+            "base": "cpu-learn",
+            "datasets": {
+                name: {"config": dict(entry["config"], answer_rule="exact")} for name, entry in v3.datasets.items()
+            },
+        }
+    )
     tasks = eval_tasks(v2, 4)
     golds = [t.answer for t in tasks]
     answers = [f"x = {golds[0]}", "x = none", golds[2], "none"]

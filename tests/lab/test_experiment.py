@@ -13,8 +13,22 @@ from helpers_learning import check_records
 from node.lab.experiment import SIMD_FLAGS
 from tbread import read_scalars
 
-TINY = ["--model", "tiny-random", "--tasks", "smoke", "--generations", "4", "--max-new-tokens", "8",
-        "--seeds", "0", "--peers", "2", "--threads", "1"]
+TINY = [
+    "--model",
+    "tiny-random",
+    "--tasks",
+    "smoke",
+    "--generations",
+    "4",
+    "--max-new-tokens",
+    "8",
+    "--seeds",
+    "0",
+    "--peers",
+    "2",
+    "--threads",
+    "1",
+]
 
 
 def experiment(*args: str) -> list[str]:
@@ -39,8 +53,7 @@ def test_preset_over_dht_resumes_after_ctrl_c(tmp_path):
     run = exp / "2-2" / "seed0"
     peers = [run / "peer0", run / "peer1"]
 
-    first = subprocess.Popen(cmd, cwd=REPO, env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+    first = subprocess.Popen(cmd, cwd=REPO, env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180
         while not all(rounds_of(p) for p in peers):  # both peers are in the swarm and training
@@ -82,8 +95,24 @@ def test_preset_over_dht_resumes_after_ctrl_c(tmp_path):
 def test_memory_mode_comparison_then_report(tmp_path):
     """Silo vs swarm in the in-process round-robin mode, then `sapo-report` on the result."""
     exp = tmp_path / "exp"
-    done = run_python(experiment("4/0", "2/2", "--mode", "memory", "--rounds", "3", "--out", str(exp), *TINY,
-                                     "--eval-every", "2", "--eval-size", "6")[1:], timeout=300)
+    done = run_python(
+        experiment(
+            "4/0",
+            "2/2",
+            "--mode",
+            "memory",
+            "--rounds",
+            "3",
+            "--out",
+            str(exp),
+            *TINY,
+            "--eval-every",
+            "2",
+            "--eval-size",
+            "6",
+        )[1:],
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     silo = [rounds_of(exp / "4-0" / "seed0" / f"peer{p}") for p in range(2)]
     assert silo == [[0, 1, 2], [0, 1, 2]]
@@ -109,7 +138,10 @@ def test_memory_mode_comparison_then_report(tmp_path):
     assert evaluated == [0, 2]
     assert text.index("## Held-out accuracy") < text.index("## Cumulative reward")
     assert {p.name for p in (tmp_path / "report").glob("*.png")} >= {
-        "per_agent_rewards.png", "moving_average_band.png", "cumulative_reward.png"}
+        "per_agent_rewards.png",
+        "moving_average_band.png",
+        "cumulative_reward.png",
+    }
 
 
 @pytest.mark.slow
@@ -117,16 +149,36 @@ def test_memory_mode_lora_peers_share_one_base(tmp_path):
     """Three LoRA peers in one process: one base model, an adapter (and optimizer) each, adapter-only
     checkpoints that name the same base; the learning rate follows the LoRA rule without --lr."""
     exp = tmp_path / "exp"
-    done = run_python(experiment("2/2", "--mode", "memory", "--rounds", "2", "--out", str(exp), *TINY[:-4],
-                                     "--peers", "3", "--threads", "1", "--lora-rank", "2", "--eval-every", "0",
-                                     "--keep-run-checkpoints")[1:], timeout=300)
+    done = run_python(
+        experiment(
+            "2/2",
+            "--mode",
+            "memory",
+            "--rounds",
+            "2",
+            "--out",
+            str(exp),
+            *TINY[:-4],
+            "--peers",
+            "3",
+            "--threads",
+            "1",
+            "--lora-rank",
+            "2",
+            "--eval-every",
+            "0",
+            "--keep-run-checkpoints",
+        )[1:],
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "3 peers share one base model, each with its own rank-2 LoRA adapter" in done.stderr
     run = exp / "2-2" / "seed0"
     meta = json.loads((run / "run.json").read_text())
     assert meta["lora_rank"] == 2 and meta["lr"] == 1e-5
-    manifests = [json.loads(next((run / f"peer{p}" / "checkpoints").glob("round-*/MANIFEST.json")).read_text())
-                 for p in range(3)]
+    manifests = [
+        json.loads(next((run / f"peer{p}" / "checkpoints").glob("round-*/MANIFEST.json")).read_text()) for p in range(3)
+    ]
     assert len({m["meta"]["base"] for m in manifests}) == 1
     assert all(m["meta"]["lora"] == {"rank": 2, "alpha": 32.0} for m in manifests)
     assert [rounds_of(run / f"peer{p}") for p in range(3)] == [[0, 1]] * 3
@@ -137,8 +189,12 @@ def test_memory_mode_usefulness_policy_moves_j_inside_the_nodes(tmp_path):
     """The adaptive split runs inside real nodes: with `usefulness`, I + J stays 4 and J leaves its
     starting 2 as the peers measure what the other's groups carry; no round trains on more than it chose."""
     exp = tmp_path / "exp"
-    done = run_python(experiment("usefulness", "--mode", "memory", "--rounds", "8", "--out", str(exp), *TINY,
-                                     "--eval-every", "0")[1:], timeout=300)
+    done = run_python(
+        experiment("usefulness", "--mode", "memory", "--rounds", "8", "--out", str(exp), *TINY, "--eval-every", "0")[
+            1:
+        ],
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     peers = [live_metrics(exp / "usefulness" / "seed0" / f"peer{p}") for p in range(2)]
     for records in peers:

@@ -16,9 +16,23 @@ from node.ops.checkpoint import CheckpointStore
 from node.ops.config import load_config
 from p2p.identity import KEY_FILENAME, Identity
 
-FAST = ["--tasks", "smoke", "--generations", "4", "--max-new-tokens", "8", "--threads", "1", "--mode", "memory",
-        "--eval-every", "0", "--keep-run-checkpoints", "--node-arg=--pow-difficulty=8",
-        "--node-arg=--rollout-engine=torch"]
+FAST = [
+    "--tasks",
+    "smoke",
+    "--generations",
+    "4",
+    "--max-new-tokens",
+    "8",
+    "--threads",
+    "1",
+    "--mode",
+    "memory",
+    "--eval-every",
+    "0",
+    "--keep-run-checkpoints",
+    "--node-arg=--pow-difficulty=8",
+    "--node-arg=--rollout-engine=torch",
+]
 
 
 def experiment(*args: str) -> subprocess.CompletedProcess:
@@ -28,8 +42,22 @@ def experiment(*args: str) -> subprocess.CompletedProcess:
 
 
 def spec(**kw) -> RunSpec:
-    base = dict(config_name="2/2", seed=3, peers=3, num_local=2, num_external=2, generations=4, ij_policy="fixed",
-                rounds=5, model="default", tasks="smoke", max_new_tokens=0, lr=1e-4, mode="dht", threads=1)
+    base = dict(
+        config_name="2/2",
+        seed=3,
+        peers=3,
+        num_local=2,
+        num_external=2,
+        generations=4,
+        ij_policy="fixed",
+        rounds=5,
+        model="default",
+        tasks="smoke",
+        max_new_tokens=0,
+        lr=1e-4,
+        mode="dht",
+        threads=1,
+    )
     return RunSpec(**{**base, **kw})
 
 
@@ -38,8 +66,11 @@ def flag(args: list[str], name: str) -> list[str]:
 
 
 def test_each_peer_gets_its_model_and_its_own_flags_last():
-    s = spec(models=["default", "gemma3-270m", "default"], extra_args=["--eval-every=10"],
-             peer_args=parse_peer_args(["1:--eval-every=5", "1:--lora-init=/v/a", "2:--beta=0.04"], 3))
+    s = spec(
+        models=["default", "gemma3-270m", "default"],
+        extra_args=["--eval-every=10"],
+        peer_args=parse_peer_args(["1:--eval-every=5", "1:--lora-init=/v/a", "2:--beta=0.04"], 3),
+    )
     args = [s.node_args(p, Path(f"/r/peer{p}")) for p in range(3)]
     assert [flag(a, "--model") for a in args] == [["default"], ["gemma3-270m"], ["default"]]
     assert [flag(a, "--seed") for a in args] == [["3000"], ["3001"], ["3002"]]
@@ -49,13 +80,16 @@ def test_each_peer_gets_its_model_and_its_own_flags_last():
     assert flag(spec().node_args(0, Path("/r")), "--lora-rank") == ["0"]  # said, so no node recipe picks one
 
 
-@pytest.mark.parametrize("recipe, argv, expected", [
-    (None, [], ("cpu-learn", 8, 2e-4)),  # a CPU: the CPU recipe, as sapo-node alone (conftest says none)
-    (None, ["--lora-rank", "0"], ("cpu-learn", 0, 1e-6)),  # full fine-tuning asked for: its own rate
-    (None, ["--tasks", "smoke", "--lr", "1e-4"], ("smoke", 8, 1e-4)),
-    (None, ["--node-arg=--recipe=none"], ("paper", 0, 1e-6)),
-    ("none", [], ("paper", 0, 1e-6)),
-])
+@pytest.mark.parametrize(
+    "recipe, argv, expected",
+    [
+        (None, [], ("cpu-learn", 8, 2e-4)),  # a CPU: the CPU recipe, as sapo-node alone (conftest says none)
+        (None, ["--lora-rank", "0"], ("cpu-learn", 0, 1e-6)),  # full fine-tuning asked for: its own rate
+        (None, ["--tasks", "smoke", "--lr", "1e-4"], ("smoke", 8, 1e-4)),
+        (None, ["--node-arg=--recipe=none"], ("paper", 0, 1e-6)),
+        ("none", [], ("paper", 0, 1e-6)),
+    ],
+)
 def test_unset_learning_settings_are_the_nodes_own(monkeypatch, recipe, argv, expected):
     """What no flag of the experiment sets, its peers get as `sapo-node` would choose it: on a CPU its recipe, not
     a mix and a rate that leave a small model nothing to learn."""
@@ -90,19 +124,22 @@ def test_models_whose_recipes_differ_need_one_named(monkeypatch):
     assert node_learning_settings(args, mixed) == ("cpu-learn", 8, 2e-4)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--node-arg=--no-such-flag"], "--no-such-flag is no sapo-node flag"),
-    (["--node-arg=--recipe=fast"], "--recipe must be one of"),
-    (["--node-arg=--beta=abc"], "--node-arg: a value sapo-node refuses"),
-    (["--node-arg=--generations=48"], "--generations must be <= 32 in a swarm"),  # every group would be left out
-    (["--peer-arg", "1:--no-such-flag"], "--peer-arg 1: --no-such-flag is no sapo-node flag"),
-    (["--peer-arg", "5:--beta=0.1"], "peer 5 does not exist (peers 0..4)"),
-    (["--peer-arg", "x:--beta=0.1"], "expected PEER:FLAG"),
-    (["--peer-arg", "1:beta"], "expected PEER:FLAG"),
-    (["--models", "default,tiny-random", "--peer-arg", "2:--beta=0.1"], "peer 2 does not exist (peers 0..1)"),
-    (["--models", "default,tiny-random", "--peers", "3"], "names 2 models but --peers is 3"),
-    (["--models", "default,,tiny-random"], "an empty model name"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--node-arg=--no-such-flag"], "--no-such-flag is no sapo-node flag"),
+        (["--node-arg=--recipe=fast"], "--recipe must be one of"),
+        (["--node-arg=--beta=abc"], "--node-arg: a value sapo-node refuses"),
+        (["--node-arg=--generations=48"], "--generations must be <= 32 in a swarm"),  # every group would be left out
+        (["--peer-arg", "1:--no-such-flag"], "--peer-arg 1: --no-such-flag is no sapo-node flag"),
+        (["--peer-arg", "5:--beta=0.1"], "peer 5 does not exist (peers 0..4)"),
+        (["--peer-arg", "x:--beta=0.1"], "expected PEER:FLAG"),
+        (["--peer-arg", "1:beta"], "expected PEER:FLAG"),
+        (["--models", "default,tiny-random", "--peer-arg", "2:--beta=0.1"], "peer 2 does not exist (peers 0..1)"),
+        (["--models", "default,tiny-random", "--peers", "3"], "names 2 models but --peers is 3"),
+        (["--models", "default,,tiny-random"], "an empty model name"),
+    ],
+)
 def test_bad_per_peer_options_are_refused_before_anything_runs(tmp_path, capsys, argv, message):
     assert main(["2/2", "--out", str(tmp_path / "exp"), *argv]) == 2
     assert message in capsys.readouterr().err
@@ -128,16 +165,28 @@ def test_an_interrupted_run_resumes_only_with_its_own_settings(tmp_path, caplog,
 def test_a_mixed_swarm_in_memory_one_base_per_model(tmp_path):
     """Two models with different tokenizers, one shared base each; the peers train on each other's groups."""
     exp = tmp_path / "exp"
-    done = experiment("2/2", "--out", str(exp), "--models", "tiny-random-smol,tiny-random,tiny-random-smol",
-                      "--seeds", "0", "--rounds", "2", "--lora-rank", "2")
+    done = experiment(
+        "2/2",
+        "--out",
+        str(exp),
+        "--models",
+        "tiny-random-smol,tiny-random,tiny-random-smol",
+        "--seeds",
+        "0",
+        "--rounds",
+        "2",
+        "--lora-rank",
+        "2",
+    )
     assert "2 peers share one base model, each with its own rank-2 LoRA adapter" in done.stderr
     assert "1 peers share one base model" in done.stderr
     run = exp / "2-2" / "seed0"
     meta = json.loads((run / "run.json").read_text())
     assert meta["models"] == ["tiny-random-smol", "tiny-random", "tiny-random-smol"] and meta["peers"] == 3
     assert meta["model"] == "mixed"
-    manifests = [json.loads(next((run / f"peer{p}" / "checkpoints").glob("round-*/MANIFEST.json")).read_text())
-                 for p in range(3)]
+    manifests = [
+        json.loads(next((run / f"peer{p}" / "checkpoints").glob("round-*/MANIFEST.json")).read_text()) for p in range(3)
+    ]
     assert [m["meta"]["model"] for m in manifests] == meta["models"]
     bases = [m["meta"]["base"] for m in manifests]
     assert bases[0] == bases[2] != bases[1]
@@ -153,12 +202,44 @@ def test_a_veteran_starts_from_a_trained_adapter_beside_a_fresh_peer(tmp_path):
     base. Seeds differ everywhere (source node seed 5000, peers 0 and 1), so equal weights come from the
     checkpoint only; lr 1e-12 keeps one round from moving them."""
     source = tmp_path / "solo"
-    experiment("4/0", "--out", str(source), "--model", "tiny-random", "--peers", "1", "--seeds", "5", "--rounds", "1",
-               "--lora-rank", "2", "--lr", "1e-2")
+    experiment(
+        "4/0",
+        "--out",
+        str(source),
+        "--model",
+        "tiny-random",
+        "--peers",
+        "1",
+        "--seeds",
+        "5",
+        "--rounds",
+        "1",
+        "--lora-rank",
+        "2",
+        "--lr",
+        "1e-2",
+    )
     adapter_dir = source / "4-0" / "seed5" / "peer0"
     exp = tmp_path / "exp"
-    done = experiment("2/2", "--out", str(exp), "--model", "tiny-random", "--peers", "2", "--seeds", "0", "--rounds",
-                      "1", "--lora-rank", "2", "--lr", "1e-12", "--peer-arg", f"1:--lora-init={adapter_dir}")
+    done = experiment(
+        "2/2",
+        "--out",
+        str(exp),
+        "--model",
+        "tiny-random",
+        "--peers",
+        "2",
+        "--seeds",
+        "0",
+        "--rounds",
+        "1",
+        "--lora-rank",
+        "2",
+        "--lr",
+        "1e-12",
+        "--peer-arg",
+        f"1:--lora-init={adapter_dir}",
+    )
     assert "adapter initialised from" in done.stderr
     run = exp / "2-2" / "seed0"
     assert json.loads((run / "run.json").read_text())["peer_args"] == {"1": [f"--lora-init={adapter_dir}"]}

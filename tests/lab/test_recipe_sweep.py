@@ -6,8 +6,10 @@ from scripts.research import recipe_sweep as sweep
 
 
 def rows(*specs):
-    return [{"setting": s.name, "lr": s.lr, "beta": s.beta, "collapsed": c, "mean_final_accuracy": a}
-            for s, (c, a) in zip(sweep.GRID, specs)]
+    return [
+        {"setting": s.name, "lr": s.lr, "beta": s.beta, "collapsed": c, "mean_final_accuracy": a}
+        for s, (c, a) in zip(sweep.GRID, specs)
+    ]
 
 
 def test_rule_waits_for_every_setting():
@@ -26,10 +28,23 @@ def test_rule_prefers_no_collapse_then_accuracy_then_lower_rate_then_no_kl():
 
 
 def test_final_evaluation_of_a_peer_is_its_last(tmp_path):
-    lines = [{"round": 0, "eval_accuracy": 0.15, "eval_baseline": 0.12, "eval_distinct_answers": 0.13,
-              "eval_distinct_gold": 0.35}, {"round": 1, "reward_mean": 0.2},
-             {"round": 2, "eval_accuracy": 0.5, "eval_baseline": 0.12, "eval_distinct_answers": 0.3,
-              "eval_distinct_gold": 0.35}]
+    lines = [
+        {
+            "round": 0,
+            "eval_accuracy": 0.15,
+            "eval_baseline": 0.12,
+            "eval_distinct_answers": 0.13,
+            "eval_distinct_gold": 0.35,
+        },
+        {"round": 1, "reward_mean": 0.2},
+        {
+            "round": 2,
+            "eval_accuracy": 0.5,
+            "eval_baseline": 0.12,
+            "eval_distinct_answers": 0.3,
+            "eval_distinct_gold": 0.35,
+        },
+    ]
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(b"\n".join(orjson.dumps(x) for x in lines))
     summary, rec = sweep.final_eval(path)
@@ -38,8 +53,15 @@ def test_final_evaluation_of_a_peer_is_its_last(tmp_path):
 
 def test_summarize_reports_each_seed_and_the_setting(tmp_path, capsys):
     def final(acc, distinct=0.3, restores=0):
-        return {"round": 29, "eval_accuracy": acc, "eval_baseline": 0.12, "eval_distinct_answers": distinct,
-                "eval_distinct_gold": 0.35, "eval_unseen_accuracy": acc - 0.1, "guard_restores": restores}
+        return {
+            "round": 29,
+            "eval_accuracy": acc,
+            "eval_baseline": 0.12,
+            "eval_distinct_answers": distinct,
+            "eval_distinct_gold": 0.35,
+            "eval_unseen_accuracy": acc - 0.1,
+            "guard_restores": restores,
+        }
 
     peers = {"seed100": [final(0.5), final(0.7, restores=1)], "seed101": [final(0.15), final(0.6, distinct=0.1)]}
     for seed, finals in peers.items():

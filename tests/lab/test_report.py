@@ -36,8 +36,15 @@ def write_exp(root, *, corrupt=True, held_out=False, unseen=False):
             rd.mkdir(parents=True)
             (rd / "run.json").write_text(
                 json.dumps(
-                    {"config_name": cfg, "num_local": i, "num_external": j, "ij_policy": "fixed",
-                     "seed": s, "peers": len(PEERS), "rounds": ROUNDS}
+                    {
+                        "config_name": cfg,
+                        "num_local": i,
+                        "num_external": j,
+                        "ij_policy": "fixed",
+                        "seed": s,
+                        "peers": len(PEERS),
+                        "rounds": ROUNDS,
+                    }
                 )
             )
             for p in PEERS:
@@ -45,20 +52,35 @@ def write_exp(root, *, corrupt=True, held_out=False, unseen=False):
                 pd.mkdir()
                 lines = []
                 for t in range(ROUNDS):
-                    rec = {"round": t, "reward_mean": reward(cfg, s, t), "num_local": i, "num_external": j,
-                           "target_external": j, "round_s": 1.5}
+                    rec = {
+                        "round": t,
+                        "reward_mean": reward(cfg, s, t),
+                        "num_local": i,
+                        "num_external": j,
+                        "target_external": j,
+                        "round_s": 1.5,
+                    }
                     if j:
                         rec.update(external_accepted=3, external_rejected=1)
                     if held_out:
                         rec.update(signal_frac=1.0 - 0.1 * t, entropy_mean=ENTROPY[cfg] - 0.1 * t)
                         if t % 5 == 0 or t == ROUNDS - 1:
-                            rec.update({"eval_accuracy": EVAL_BASE[cfg] + 0.01 * t + 0.01 * s,
-                                        "eval_accuracy/count_bits": 0.5, "eval_s": 2.0, "eval_baseline": 0.245,
-                                        "eval_distinct_gold": 0.5,
-                                        "eval_distinct_answers": 0.2 if (cfg, s, p) == ("2/2", 2, 1) else 0.4})
+                            rec.update(
+                                {
+                                    "eval_accuracy": EVAL_BASE[cfg] + 0.01 * t + 0.01 * s,
+                                    "eval_accuracy/count_bits": 0.5,
+                                    "eval_s": 2.0,
+                                    "eval_baseline": 0.245,
+                                    "eval_distinct_gold": 0.5,
+                                    "eval_distinct_answers": 0.2 if (cfg, s, p) == ("2/2", 2, 1) else 0.4,
+                                }
+                            )
                             if unseen:
-                                rec.update(eval_unseen_accuracy=UNSEEN_BASE[cfg] + 0.005 * t + 0.01 * s,
-                                           eval_unseen_baseline=0.17, eval_unseen_size=64)
+                                rec.update(
+                                    eval_unseen_accuracy=UNSEEN_BASE[cfg] + 0.005 * t + 0.01 * s,
+                                    eval_unseen_baseline=0.17,
+                                    eval_unseen_size=64,
+                                )
                     lines.append(json.dumps(rec))
                 if corrupt and cfg == "2/2" and s == 1 and p == 0:
                     lines.insert(3, "this is not json")
@@ -196,8 +218,15 @@ def test_fallback_names_adaptive_drops_and_single_seed(tmp_path, capsys):
         d.mkdir(parents=True)
         d.joinpath("metrics.jsonl").write_text(
             "\n".join(
-                json.dumps({"round": t + 1, "reward_mean": r, "num_local": 8 - j,
-                            "num_external": j if cfg != "silo" else 0, "target_external": j})
+                json.dumps(
+                    {
+                        "round": t + 1,
+                        "reward_mean": r,
+                        "num_local": 8 - j,
+                        "num_external": j if cfg != "silo" else 0,
+                        "target_external": j,
+                    }
+                )
                 for t, (j, r) in enumerate(zip(js, rewards))
             )
         )
@@ -227,8 +256,9 @@ def test_no_metrics_and_all_corrupt(tmp_path, capsys):
     assert main([str(tmp_path / "empty"), "--out", str(tmp_path / "o")]) == 2
     d = tmp_path / "bad" / "c" / "seed0" / "peer0"
     d.mkdir(parents=True)
-    d.joinpath("metrics.jsonl").write_text('[1, 2]\n{"round": "x", "reward_mean": 1}\n'
-                                           '{"round": true, "reward_mean": 1}\n')
+    d.joinpath("metrics.jsonl").write_text(
+        '[1, 2]\n{"round": "x", "reward_mean": 1}\n{"round": true, "reward_mean": 1}\n'
+    )
     assert main([str(tmp_path / "bad")]) == 2
     assert "3 corrupt" in capsys.readouterr().err
 
@@ -287,9 +317,18 @@ def write_local_swarm(root, peers=5, rounds=12, unseen=False):
         (d / "console.log").write_text("")
         lines = []
         for t in range(rounds):
-            rec = {"round": t, "reward_mean": 0.1 + 0.01 * i + 0.02 * t, "num_local": 2, "num_external": 2,
-                   "target_external": 2, "external_accepted": 4, "external_rejected": 0, "ij_policy": "fixed",
-                   "signal_frac": 0.5, "entropy_mean": 1.0}
+            rec = {
+                "round": t,
+                "reward_mean": 0.1 + 0.01 * i + 0.02 * t,
+                "num_local": 2,
+                "num_external": 2,
+                "target_external": 2,
+                "external_accepted": 4,
+                "external_rejected": 0,
+                "ij_policy": "fixed",
+                "signal_frac": 0.5,
+                "entropy_mean": 1.0,
+            }
             if t % 5 == 0 or t == rounds - 1:
                 rec.update(eval_accuracy=0.5 + 0.01 * t, eval_baseline=0.5625, eval_size=64)
                 if unseen:
@@ -336,8 +375,9 @@ def test_held_out_plot_draws_the_constant_answer_baseline(tmp_path, monkeypatch)
 
     drawn = []
     real = Axes.axhline
-    monkeypatch.setattr(Axes, "axhline",
-                        lambda ax, y=0, *a, **k: drawn.append((y, k.get("label"))) or real(ax, y, *a, **k))
+    monkeypatch.setattr(
+        Axes, "axhline", lambda ax, y=0, *a, **k: drawn.append((y, k.get("label"))) or real(ax, y, *a, **k)
+    )
     runs = load_runs([write_local_swarm(tmp_path / "ls")])
     figures.fig_learning_health(runs, summarize(runs), tmp_path / "h.png")
     assert (0.5625, "constant-answer baseline 0.562") in drawn
@@ -356,8 +396,9 @@ def test_the_report_and_run_json_name_the_evaluator(tmp_path, capsys):
     exp = write_exp(tmp_path / "exp", corrupt=False, held_out=True)
     for path in (exp / "2-2").glob("seed*/peer*/metrics.jsonl"):
         recs = [json.loads(x) for x in path.read_text().splitlines()]
-        path.write_text("".join(json.dumps({**r, "eval_engine": "llama"} if "eval_accuracy" in r else r) + "\n"
-                                for r in recs))
+        path.write_text(
+            "".join(json.dumps({**r, "eval_engine": "llama"} if "eval_accuracy" in r else r) + "\n" for r in recs)
+        )
     assert run_evaluators(exp / "2-2" / "seed0") == ["llama"] and run_evaluators(exp / "4-0" / "seed0") == ["torch"]
     summary = summarize(load_runs([exp]))
     assert summary["evaluators"] == ["llama", "torch"]

@@ -22,15 +22,33 @@ def write_run(root, cfg, seed, peers, model_in_metrics=False, unseen=False, rewa
     run = root / cfg.replace("/", "-") / f"seed{seed}"
     run.mkdir(parents=True)
     models = [peers[p][0] for p in sorted(peers)]
-    (run / "run.json").write_text(json.dumps({"config_name": cfg, "num_local": i, "num_external": j, "seed": seed,
-                                              "ij_policy": "fixed", "peers": len(peers), "rounds": 30,
-                                              "models": models, "model": "mixed"}))
+    (run / "run.json").write_text(
+        json.dumps(
+            {
+                "config_name": cfg,
+                "num_local": i,
+                "num_external": j,
+                "seed": seed,
+                "ij_policy": "fixed",
+                "peers": len(peers),
+                "rounds": 30,
+                "models": models,
+                "model": "mixed",
+            }
+        )
+    )
     for p, (model, acc) in peers.items():
         (run / f"peer{p}").mkdir()
         lines = []
         for t in range(30):
-            rec = {"round": t, "reward_mean": reward(model), "num_local": i, "num_external": j, "publisher": f"key{p}",
-                   "external_sources": {f"key{(p + 1) % len(peers)}": 1, "outsider": 1} if j else {}}
+            rec = {
+                "round": t,
+                "reward_mean": reward(model),
+                "num_local": i,
+                "num_external": j,
+                "publisher": f"key{p}",
+                "external_sources": {f"key{(p + 1) % len(peers)}": 1, "outsider": 1} if j else {},
+            }
             if t in EVAL_ROUNDS:
                 rec["eval_accuracy"] = acc(t)
                 if unseen:
@@ -66,9 +84,14 @@ def test_mixed_swarm_is_judged_per_family_with_holm(tmp_path, capsys):
     exp = tmp_path / "exp"
     for cfg in ("4/0", "2/2"):
         for s in SEEDS:  # 2 peers of fam-a and 1 of fam-b; 4/0 says its models in the metrics, 2/2 in run.json
-            write_run(exp, cfg, s, {p: (fam, family_acc(cfg, fam, s)) for p, fam in
-                                    enumerate(("fam-a", "fam-b", "fam-a"))}, model_in_metrics=cfg == "4/0",
-                      reward=family_reward(cfg, s))
+            write_run(
+                exp,
+                cfg,
+                s,
+                {p: (fam, family_acc(cfg, fam, s)) for p, fam in enumerate(("fam-a", "fam-b", "fam-a"))},
+                model_in_metrics=cfg == "4/0",
+                reward=family_reward(cfg, s),
+            )
     out = tmp_path / "report"
     assert main([str(exp), "--out", str(out)]) == 0
     fam = json.loads((out / "summary.json").read_text())["families"]
@@ -91,8 +114,9 @@ def test_mixed_swarm_is_judged_per_family_with_holm(tmp_path, capsys):
     final = a["eval_final_vs_base"]
     assert f"| 2/2 | fam-a | {final['p_perm']:.3f} | {final['p_holm']:.3f} |" in md
     # peers a0, b1, a2: a0 trains on b1, b1 on a2, a2 on a0, 30 rounds x 4 seeds, and one outsider each
-    assert fam["sources"] == {"2/2": {"fam-a": {"fam-b": 120, "fam-a": 120, "unknown": 240},
-                                      "fam-b": {"fam-a": 120, "unknown": 120}}}
+    assert fam["sources"] == {
+        "2/2": {"fam-a": {"fam-b": 120, "fam-a": 120, "unknown": 240}, "fam-b": {"fam-a": 120, "unknown": 120}}
+    }
     assert "| 2/2 | fam-b | 120 | 0 | 120 |" in md
     # the training reward per family, paired with its silo: fam-a 0.1 lower in every seed, fam-b on average not
     reward_a, reward_b = a["reward_vs_base"], b["reward_vs_base"]
@@ -118,9 +142,16 @@ def veteran_level(seed):
 def write_newcomer_tree(exp):
     for s in SEEDS:
         write_run(exp, "4/0", s, {0: ("default", newcomer_acc("4/0", s))}, unseen=True)
-        write_run(exp, "2/2", s, {0: ("default", newcomer_acc("2/2", s)),
-                                  **{p: ("default", lambda t, s=s: veteran_level(s)) for p in range(1, 5)}},
-                  unseen=True)
+        write_run(
+            exp,
+            "2/2",
+            s,
+            {
+                0: ("default", newcomer_acc("2/2", s)),
+                **{p: ("default", lambda t, s=s: veteran_level(s)) for p in range(1, 5)},
+            },
+            unseen=True,
+        )
 
 
 def test_focus_peer_newcomer_against_its_silo_and_the_veterans(tmp_path, capsys):
@@ -156,8 +187,11 @@ def test_focus_peer_newcomer_against_its_silo_and_the_veterans(tmp_path, capsys)
     whole = summary["per_config"]["2/2"]
     assert whole["agents_differ"] and "eval_final_vs_base" not in whole and "unseen_area_vs_base" not in whole
     assert summary["per_config"]["4/0"]["agents_differ"] is False
-    assert vs_cells(whole, "eval_final", False)[0] == "other agents" and vs_cells({}, "eval_final", True)[0] == \
-        "baseline" and vs_cells({}, "unseen_final", False)[0] == "n/a"  # a set the baseline lacks: no comparison
+    assert (
+        vs_cells(whole, "eval_final", False)[0] == "other agents"
+        and vs_cells({}, "eval_final", True)[0] == "baseline"
+        and vs_cells({}, "unseen_final", False)[0] == "n/a"
+    )  # a set the baseline lacks: no comparison
     heldout = md.split("## Held-out accuracy")[1].split("## Unseen")[0]
     assert "| 2/2 | other agents | — | — | — |" in heldout and "other agents" in md.split("## Cumulative")[1]
     assert (out / "focus_peer.png").stat().st_size > 0

@@ -19,8 +19,16 @@ from scripts.research import sharing_pays as pays
 
 
 def cells_of(experiment, **kw):
-    args = argparse.Namespace(experiment=experiment, arms=None, seeds=None, part="0/1", runs="runs/x", data="data",
-                              veterans=[f"vet{j}" for j in range(4)], engine="auto")
+    args = argparse.Namespace(
+        experiment=experiment,
+        arms=None,
+        seeds=None,
+        part="0/1",
+        runs="runs/x",
+        data="data",
+        veterans=[f"vet{j}" for j in range(4)],
+        engine="auto",
+    )
     vars(args).update(kw)
     return pays.cells(args)
 
@@ -35,8 +43,12 @@ def parsed(cell: Cell):
 def test_newcomer_arms_share_the_newcomers_seed_and_start_veterans_from_their_adapters(monkeypatch):
     monkeypatch.setitem(config.RECIPES, "cpu", {**config.RECIPES["cpu"], "lr": 3e-4, "beta": 0.04})
     cells = cells_of("newcomer", seeds=[2, 5])
-    assert [c.label for c in cells] == ["newcomer shares seed 2", "newcomer silo seed 2", "newcomer shares seed 5",
-                                        "newcomer silo seed 5"]
+    assert [c.label for c in cells] == [
+        "newcomer shares seed 2",
+        "newcomer silo seed 2",
+        "newcomer shares seed 5",
+        "newcomer silo seed 5",
+    ]
     shares, silo = (parsed(c) for c in cells[:2])
     for args, _ in (shares, silo):
         assert args.seeds == [2] and args.rounds == 30 and args.eval_every == 5 and args.mode == "memory"
@@ -67,8 +79,9 @@ def test_families_and_veterans_cells_and_parts():
 
 def test_offpolicy_pilot_cells_run_each_external_loss_on_the_sparse_preset_under_its_own_name():
     cells = cells_of("offpolicy-pilot", seeds=[100])
-    assert [c.label for c in cells] == [f"offpolicy-pilot {arm} seed 100"
-                                        for arm in ("silo", "positive", "sapo", "ftis", "is")]
+    assert [c.label for c in cells] == [
+        f"offpolicy-pilot {arm} seed 100" for arm in ("silo", "positive", "sapo", "ftis", "is")
+    ]
     assert [c.run_dir.parent.name for c in cells] == ["4-0", "2-2_positive", "2-2_sapo", "2-2_ftis", "2-2_is"]
     assert cells[1].dest == Path("data/offpolicy-pilot/2-2_positive/seed100")
     for cell, loss in zip(cells, (None, "positive", "sapo", "ftis", "is")):
@@ -96,20 +109,32 @@ def fake_cell(tmp_path, name, code="", adapter=False) -> Cell:
     """A command that writes what a finished sapo-experiment cell leaves (and counts its runs)."""
     run_dir = tmp_path / "runs" / name
     meta = json.dumps({"status": "complete", "peers": 1, "rounds": 1, "eval_every": 0})
-    script = (f"import pathlib; d = pathlib.Path({str(run_dir)!r}); (d / 'peer0').mkdir(parents=True, "
-              f"exist_ok=True); (d / 'run.json').write_text({meta!r}); (d / 'peer0' / 'metrics.jsonl')"
-              f".write_text('{{\"round\": 0}}'); (d / 'peer0' / 'big.pt').write_text('x'); "
-              f"c = d / 'count'; c.write_text(str(int(c.read_text()) + 1 if c.exists() else 1))\n{code}\n")
+    script = (
+        f"import pathlib; d = pathlib.Path({str(run_dir)!r}); (d / 'peer0').mkdir(parents=True, "
+        f"exist_ok=True); (d / 'run.json').write_text({meta!r}); (d / 'peer0' / 'metrics.jsonl')"
+        f".write_text('{{\"round\": 0}}'); (d / 'peer0' / 'big.pt').write_text('x'); "
+        f"c = d / 'count'; c.write_text(str(int(c.read_text()) + 1 if c.exists() else 1))\n{code}\n"
+    )
     if adapter:  # the run leaves a real checkpoint (weights and optimizer) whose weights the cell commits
-        script += ("from node.ops.checkpoint import CheckpointStore; import torch; CheckpointStore(d / 'peer0')"
-                   ".save(9, {'w': torch.ones(3)}, {'state': {}}, {}, {'model': 'm'})")
-    return Cell(name, [sys.executable, "-c", script], run_dir, tmp_path / "data" / name,
-                run_dir / "peer0" / "checkpoints" / "round-000009" if adapter else None)
+        script += (
+            "from node.ops.checkpoint import CheckpointStore; import torch; CheckpointStore(d / 'peer0')"
+            ".save(9, {'w': torch.ones(3)}, {'state': {}}, {}, {'model': 'm'})"
+        )
+    return Cell(
+        name,
+        [sys.executable, "-c", script],
+        run_dir,
+        tmp_path / "data" / name,
+        run_dir / "peer0" / "checkpoints" / "round-000009" if adapter else None,
+    )
 
 
 def test_run_cells_copies_finished_cells_skips_committed_ones_and_stops_at_a_failure(tmp_path, capsys):
-    ok, failing, after = fake_cell(tmp_path, "a"), fake_cell(tmp_path, "b", "raise SystemExit(3)"), \
-        fake_cell(tmp_path, "c")
+    ok, failing, after = (
+        fake_cell(tmp_path, "a"),
+        fake_cell(tmp_path, "b", "raise SystemExit(3)"),
+        fake_cell(tmp_path, "c"),
+    )
     assert run_cells([ok, failing, after], tmp_path, "test") == 3
     assert json.loads((ok.dest / "run.json").read_text())["status"] == "complete"
     assert sorted(p.name for p in ok.dest.rglob("*")) == ["metrics.jsonl", "peer0", "run.json"]  # no weights
@@ -126,8 +151,10 @@ def test_a_cell_is_copied_only_when_its_run_is_a_result(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps(meta))
     lines = [{"round": 0, "eval_accuracy": 0.1}, {"round": 1}, {"round": 2}, {"round": 2, "eval_accuracy": 0.3}]
     (tmp_path / "peer0" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    assert unfinished(tmp_path) == ["peer1: no readable metrics.jsonl ([Errno 2] No such file or directory: "
-                                    f"'{tmp_path / 'peer1' / 'metrics.jsonl'}')"]
+    assert unfinished(tmp_path) == [
+        "peer1: no readable metrics.jsonl ([Errno 2] No such file or directory: "
+        f"'{tmp_path / 'peer1' / 'metrics.jsonl'}')"
+    ]
     (tmp_path / "peer1").mkdir()
     (tmp_path / "peer1" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines[:3]))
     assert unfinished(tmp_path) == ["peer1: no held-out evaluation after its last round"]
@@ -150,7 +177,10 @@ def test_a_cell_that_later_cells_start_from_is_done_only_with_its_weights_commit
     assert run_cells([vet], tmp_path, "test") == 0
     assert "its metrics are committed but its weights are not here" in capsys.readouterr().out
     assert vet.committed and sorted(p.name for p in (vet.dest / "adapter").iterdir()) == [
-        "MANIFEST.json", "model.pt", "state.json"]
+        "MANIFEST.json",
+        "model.pt",
+        "state.json",
+    ]
     ckpt = load_from(vet.dest / "adapter")  # what --lora-init reads
     assert ckpt.optimizer is None and ckpt.round == 9 and ckpt.meta == {"model": "m"} and ckpt.model["w"].sum() == 3
     assert run_cells([vet], tmp_path, "test") == 0 and (vet.run_dir / "count").read_text() == "1"
@@ -176,8 +206,9 @@ def test_no_cell_starts_that_would_not_finish_by_the_deadline(tmp_path, capsys):
     runner measured itself, or as given; a cell half done in its run dir needs half of it."""
     sibling = tmp_path / "data" / "seed9" / "peer0"
     sibling.mkdir(parents=True)
-    (sibling / "metrics.jsonl").write_text('{"round": 0, "t_start": 100.0, "t_end": 1900.0}\n'
-                                           '{"round": 1, "t_start": 1900.0, "t_end": 3700.0}\n')
+    (sibling / "metrics.jsonl").write_text(
+        '{"round": 0, "t_start": 100.0, "t_end": 1900.0}\n{"round": 1, "t_start": 1900.0, "t_end": 3700.0}\n'
+    )
     (sibling.parent / "run.json").write_text("{}")
     late = fake_cell(tmp_path, "late")
     soon = Deadline(time.time() + 1800)
@@ -202,15 +233,30 @@ def test_no_cell_starts_that_would_not_finish_by_the_deadline(tmp_path, capsys):
     (todo.run_dir / "run.json").write_text(json.dumps({"rounds": 4, "peers": 1}))
     (todo.run_dir / "peer0" / "metrics.jsonl").write_text('{"round": 0}\n')
     assert cell_status([late, todo, vet]).splitlines() == [
-        "late: committed", f"todo: 25% of its rounds done in {todo.run_dir} (running, or resumes here)",
-        "vet: to do (its weights are not on this machine: runs again)", "1 of 3 cells committed"]
+        "late: committed",
+        f"todo: 25% of its rounds done in {todo.run_dir} (running, or resumes here)",
+        "vet: to do (its weights are not on this machine: runs again)",
+        "1 of 3 cells committed",
+    ]
 
 
 def test_families_stop_before_any_cell_when_gemma_is_not_installed(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(pays, "is_installed", lambda name: name != "gemma3-270m")
     monkeypatch.chdir(tmp_path)  # main() moves to the repository root: this puts the cwd back afterwards
-    monkeypatch.setattr(sys, "argv", ["sharing_pays.py", "run", "--experiment", "families", "--runs",
-                                      str(tmp_path / "runs"), "--data", str(tmp_path / "data")])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "sharing_pays.py",
+            "run",
+            "--experiment",
+            "families",
+            "--runs",
+            str(tmp_path / "runs"),
+            "--data",
+            str(tmp_path / "data"),
+        ],
+    )
     assert pays.main() == 2
     assert "SAPO_MODELS=gemma3-270m bash scripts/setup.sh" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()

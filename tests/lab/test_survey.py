@@ -26,8 +26,11 @@ def test_survey_measures_resumes_and_lists_failures(tmp_path):
     torch.set_num_threads(1)
     model, tok = load_model("tiny-random", torch.device("cpu"))
     log = tmp_path / "cells.jsonl"
-    cells = [Cell("basic_arithmetic", "easiest", "direct", 1.0, 3), Cell("syllogism", "harder", "reason", 1.0, 3),
-             Cell("not_a_dataset", "harder", "direct", 1.0, 3)]
+    cells = [
+        Cell("basic_arithmetic", "easiest", "direct", 1.0, 3),
+        Cell("syllogism", "harder", "reason", 1.0, 3),
+        Cell("not_a_dataset", "harder", "direct", 1.0, 3),
+    ]
     seen = []
     assert run_cells(model, tok, cells, log, samples=2, on_record=seen.append) == 3
     records = load_records(log)
@@ -67,25 +70,38 @@ def test_stages_follow_the_screens():
     """Each stage picks its datasets from what the screens recorded: solved ones go on to 64-task cells in
     both formats, unsolved ones to the reasoning rescreen and, where the default config differs, the
     harder screen; a dataset that failed to build is not rescreened but gets its harder screen."""
+
     def screen(name, fmt, **rec):
         cell = Cell(name, "easiest", fmt, 1.0, SCREEN_TASKS)
         return {cell.key(): {"key": cell.key(), **rec}}
 
     names = ["basic_arithmetic", "chain_sum", "gcd", "lcm", "bitwise_arithmetic"]
-    records = {**screen("basic_arithmetic", "direct", pass8=0.5), **screen("chain_sum", "direct", pass8=0.0),
-               **screen("chain_sum", "reason", pass8=0.1), **screen("gcd", "direct", pass8=0.0),
-               **screen("lcm", "direct", error="ValueError: x")}  # bitwise_arithmetic: not screened yet
-    plan = {s: {(c.dataset, c.level, c.fmt, c.n_tasks) for c in stage_cells(s, names, records, 64, 1.0)}
-            for s in ("screen", "full", "harder", "rescreen", "harder-screen")}
+    records = {
+        **screen("basic_arithmetic", "direct", pass8=0.5),
+        **screen("chain_sum", "direct", pass8=0.0),
+        **screen("chain_sum", "reason", pass8=0.1),
+        **screen("gcd", "direct", pass8=0.0),
+        **screen("lcm", "direct", error="ValueError: x"),
+    }  # bitwise_arithmetic: not screened yet
+    plan = {
+        s: {(c.dataset, c.level, c.fmt, c.n_tasks) for c in stage_cells(s, names, records, 64, 1.0)}
+        for s in ("screen", "full", "harder", "rescreen", "harder-screen")
+    }
     assert plan["screen"] == {(n, "easiest", "direct", SCREEN_TASKS) for n in names}
-    assert plan["full"] == {(n, "easiest", f, 64)
-                            for n in ("basic_arithmetic", "chain_sum") for f in ("direct", "reason")}
-    assert plan["harder"] == {(n, "harder", f, 64)
-                              for n in ("basic_arithmetic", "chain_sum") for f in ("direct", "reason")}
-    assert plan["rescreen"] == {("chain_sum", "easiest", "reason", SCREEN_TASKS),
-                                ("gcd", "easiest", "reason", SCREEN_TASKS)}
-    assert plan["harder-screen"] == {("gcd", "harder", "direct", SCREEN_TASKS),
-                                     ("lcm", "harder", "direct", SCREEN_TASKS)}
+    assert plan["full"] == {
+        (n, "easiest", f, 64) for n in ("basic_arithmetic", "chain_sum") for f in ("direct", "reason")
+    }
+    assert plan["harder"] == {
+        (n, "harder", f, 64) for n in ("basic_arithmetic", "chain_sum") for f in ("direct", "reason")
+    }
+    assert plan["rescreen"] == {
+        ("chain_sum", "easiest", "reason", SCREEN_TASKS),
+        ("gcd", "easiest", "reason", SCREEN_TASKS),
+    }
+    assert plan["harder-screen"] == {
+        ("gcd", "harder", "direct", SCREEN_TASKS),
+        ("lcm", "harder", "direct", SCREEN_TASKS),
+    }
 
 
 def test_easiest_config_shrinks_ranges_generically():
@@ -125,5 +141,6 @@ def test_survey_samples_through_the_llama_engine_and_says_so(tmp_path):
         engine.close()
     assert runs[0]["engine"] == "llama" and 0 <= runs[0]["pass2"] <= 1 and runs[0]["median_tokens"] > 0
     timings = {"s_per_task", "greedy_s"}
-    assert ({k: v for k, v in runs[0].items() if k not in timings}
-            == {k: v for k, v in runs[1].items() if k not in timings})
+    assert {k: v for k, v in runs[0].items() if k not in timings} == {
+        k: v for k, v in runs[1].items() if k not in timings
+    }

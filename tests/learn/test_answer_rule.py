@@ -17,6 +17,7 @@ def test_result_rule_reads_an_equation_by_its_result_and_exact_keeps_it_whole():
     # the same task under the exact rule: reasoning-gym's partial credit for containing the answer
     exact = dict(task.spec.config, answer_rule="exact")
     from node.learn.tasks import regenerate
+
     same = regenerate(TaskSpec.make(task.spec.dataset, exact, task.spec.seed, task.spec.index))
     assert same.question == task.question and same.answer == task.answer  # reasoning-gym never saw the key
     assert 0 < score(same, f"1 + 1 = {task.answer}") < 1

@@ -143,7 +143,7 @@ def test_pi_old_ratio_is_one_before_the_first_step_with_inexact_samples(smol, mo
     trainer.optimizer.step = lambda *a, **k: (ratios.append(None), real_step(*a, **k))[1]  # marks step ends
     stats = trainer.step(seqs)
     first_step = ratios[: ratios.index(None)]  # the micro-batches of the first optimizer step
-    later = [r for r in ratios[len(first_step):] if r is not None]
+    later = [r for r in ratios[len(first_step) :] if r is not None]
     if epochs == 1:  # the very forward pass that pi_old is taken from: exactly 1
         assert all(torch.equal(r, torch.ones_like(r)) for r in first_step)
     else:  # a separate no-grad pass over the same weights: 1 up to float rounding
@@ -254,8 +254,7 @@ def test_llama_engine_samples_a_synced_lora_adapter(smol, weights, binding):
         for name, p in adapter.model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0.0, 0.5)  # B = 0 at start: move it so the adapter matters
-    engine = make_engine("llama", adapter.model, tok, "tiny-random-smol", weight_type=weights,
-                         llama_binding=binding)
+    engine = make_engine("llama", adapter.model, tok, "tiny-random-smol", weight_type=weights, llama_binding=binding)
     if binding == "wheel" and weights == "f16":  # the wheel merges LoRA only (an adapter on top gave NaN)
         assert isinstance(engine, TorchEngine)
         return
@@ -280,9 +279,31 @@ async def test_a_node_with_the_llama_engine_syncs_after_each_update(tmp_path, sm
     from node.swarm.exchange import Silo
 
     model, tok, *_ = smol
-    cfg = load_config(["--model", "tiny-random-smol", "--tasks", "smoke", "--num-local", "2", "--generations", "3",
-                       "--max-new-tokens", "6", "--seed", "4", "--rounds", "2", "--eval-every", "0",
-                       "--rollout-engine", "llama", "--run-dir", str(tmp_path)], env={})
+    cfg = load_config(
+        [
+            "--model",
+            "tiny-random-smol",
+            "--tasks",
+            "smoke",
+            "--num-local",
+            "2",
+            "--generations",
+            "3",
+            "--max-new-tokens",
+            "6",
+            "--seed",
+            "4",
+            "--rounds",
+            "2",
+            "--eval-every",
+            "0",
+            "--rollout-engine",
+            "llama",
+            "--run-dir",
+            str(tmp_path),
+        ],
+        env={},
+    )
     node = build_node(cfg, PRESETS["smoke"], copy.deepcopy(model), tok, Silo(), torch.device("cpu"))
     try:
         assert node.engine.name == "llama"

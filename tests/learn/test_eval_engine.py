@@ -73,10 +73,39 @@ async def test_the_engine_evaluates_the_weights_of_the_round_and_records_say_so(
     records name the evaluator (start_engine, eval_engine) and when the next evaluation comes (eval_next)."""
     need_llama("wheel")
     model, tok = smol
-    cfg = load_config(["--model", "tiny-random-smol", "--tasks", "smoke", "--num-local", "2", "--generations", "3",
-                       "--max-new-tokens", "6", "--seed", "4", "--rounds", "3", "--eval-every", "2",
-                       "--eval-size", "4", "--eval-at", "1", "--lr", "1e-2", "--rollout-engine", "llama",
-                       "--eval-engine", "engine", "--run-dir", str(tmp_path)], env={})
+    cfg = load_config(
+        [
+            "--model",
+            "tiny-random-smol",
+            "--tasks",
+            "smoke",
+            "--num-local",
+            "2",
+            "--generations",
+            "3",
+            "--max-new-tokens",
+            "6",
+            "--seed",
+            "4",
+            "--rounds",
+            "3",
+            "--eval-every",
+            "2",
+            "--eval-size",
+            "4",
+            "--eval-at",
+            "1",
+            "--lr",
+            "1e-2",
+            "--rollout-engine",
+            "llama",
+            "--eval-engine",
+            "engine",
+            "--run-dir",
+            str(tmp_path),
+        ],
+        env={},
+    )
     node = build_node(cfg, PRESETS["smoke"], copy.deepcopy(model), tok, Silo(), torch.device("cpu"))
     synced, evaluated = [], []
     sync, greedy = node.engine.sync, node.engine.greedy
@@ -136,7 +165,8 @@ def test_engine_greedy_answers_match_torch_on_the_default_model():
     want = greedy_texts(model, tok, prompts, mix.max_new_tokens, batch_size=64)
     different = [(w, g) for w, g in zip(want, got) if w != g]
     assert len(different) <= MAX_DIFFERENT, different
-    scores = [[score_responses(t, [mix.answer_prefix + text])[0] for t, text in zip(tasks, texts)]
-              for texts in (want, got)]
+    scores = [
+        [score_responses(t, [mix.answer_prefix + text])[0] for t, text in zip(tasks, texts)] for texts in (want, got)
+    ]
     assert abs(sum(scores[0]) - sum(scores[1])) <= MAX_DIFFERENT
     assert sum(scores[0]) > 0  # the model answers some: parity of empty answers would prove nothing

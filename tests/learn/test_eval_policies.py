@@ -83,8 +83,9 @@ def test_collapse_signals_of_a_peaked_policy():
     prompts = [prompter(t) for t in tasks]
     cfg = SamplingConfig(max_new_tokens=6)
     torch.manual_seed(0)
-    spread = collapse_metrics([local_group(t, s, mix.answer_prefix)
-                               for t, s in zip(tasks, sample_groups(model, tok, prompts, 4, cfg))], [])
+    spread = collapse_metrics(
+        [local_group(t, s, mix.answer_prefix) for t, s in zip(tasks, sample_groups(model, tok, prompts, 4, cfg))], []
+    )
     with torch.no_grad():
         model.model.norm.weight.mul_(200.0)  # logits x200: the same argmax, almost all the mass on it
     torch.manual_seed(0)
@@ -95,8 +96,10 @@ def test_collapse_signals_of_a_peaked_policy():
     log_v = float(torch.log(torch.tensor(float(len(tok)))))
     assert spread["entropy_mean"] > 0.5 * log_v and peaked["entropy_mean"] < 0.01 * log_v
     assert peaked["signal_frac"] == 0.0 and peaked["external_signal_frac"] == 0.0
-    external = [Group(tasks[0], ["<answer>a</answer>", "<answer>b</answer>"], [1.0, 0.0], source="ab" * 32),
-                Group(tasks[1], ["<answer>a</answer>", "<answer>a</answer>"], [0.5, 0.5], source="cd" * 32)]
+    external = [
+        Group(tasks[0], ["<answer>a</answer>", "<answer>b</answer>"], [1.0, 0.0], source="ab" * 32),
+        Group(tasks[1], ["<answer>a</answer>", "<answer>a</answer>"], [0.5, 0.5], source="cd" * 32),
+    ]
     mixed = collapse_metrics(local, external)
     assert mixed["signal_frac"] == pytest.approx(1 / 5) and mixed["external_signal_frac"] == 0.5
     assert mixed["entropy_mean"] == peaked["entropy_mean"]  # entropy is the node's own samples only

@@ -150,9 +150,31 @@ def test_collapse_metrics_from_sampled_groups(tiny):
 async def test_a_run_with_eval_has_the_same_training_records_as_without(tmp_path, tiny):
     records = {}
     for every in (0, 1):
-        cfg = load_config(["--model", "tiny-random", "--tasks", "smoke", "--num-local", "2", "--generations", "3",
-                           "--max-new-tokens", "6", "--seed", "4", "--rounds", "3", "--eval-every", str(every),
-                           "--eval-size", "4", "--run-dir", str(tmp_path / str(every))], env={})
+        cfg = load_config(
+            [
+                "--model",
+                "tiny-random",
+                "--tasks",
+                "smoke",
+                "--num-local",
+                "2",
+                "--generations",
+                "3",
+                "--max-new-tokens",
+                "6",
+                "--seed",
+                "4",
+                "--rounds",
+                "3",
+                "--eval-every",
+                str(every),
+                "--eval-size",
+                "4",
+                "--run-dir",
+                str(tmp_path / str(every)),
+            ],
+            env={},
+        )
         node = build_node(cfg, PRESETS["smoke"], copy.deepcopy(tiny[0]), tiny[1], Silo(), torch.device("cpu"))
         records[every] = [(await node.run_round(r)).record for r in range(3)]
         node.worker.shutdown()
@@ -164,15 +186,39 @@ async def test_a_run_with_eval_has_the_same_training_records_as_without(tmp_path
 
 
 def two_round_node(tiny, run_dir, *extra):
-    cfg = load_config(["--model", "tiny-random", "--tasks", "smoke", "--num-local", "2", "--generations", "3",
-                       "--max-new-tokens", "6", "--seed", "4", "--rounds", "2", "--eval-every", "1",
-                       "--eval-size", "4", "--run-dir", str(run_dir), *extra], env={})
+    cfg = load_config(
+        [
+            "--model",
+            "tiny-random",
+            "--tasks",
+            "smoke",
+            "--num-local",
+            "2",
+            "--generations",
+            "3",
+            "--max-new-tokens",
+            "6",
+            "--seed",
+            "4",
+            "--rounds",
+            "2",
+            "--eval-every",
+            "1",
+            "--eval-size",
+            "4",
+            "--run-dir",
+            str(run_dir),
+            *extra,
+        ],
+        env={},
+    )
     return build_node(cfg, PRESETS["smoke"], copy.deepcopy(tiny[0]), tiny[1], Silo(), torch.device("cpu"))
 
 
 async def test_an_evaluation_skipped_by_a_stop_runs_on_resume_with_the_same_result(tmp_path, tiny):
     """A stop after round 1's update keeps the round without its due evaluation; the resumed node evaluates
     round 1's checkpoint first, into round 1's record, and gets what an unstopped run got."""
+
     def node_at(run_dir, *extra):
         return two_round_node(tiny, run_dir, *extra)
 
@@ -247,8 +293,17 @@ def test_common_prompt_prefix_runs_once_with_the_same_next_token_scores(tiny):
     assert prefix is not None and len(prefix.ids) >= CommonPrefix.MIN_TOKENS
     assert all(x[: len(prefix.ids)] == prefix.ids for x in ids)
     input_ids, attn, cache = prefix.batch(ids, tok.pad_token_id)
-    gen = {"do_sample": False, "max_new_tokens": 3, "output_scores": True, "return_dict_in_generate": True,
-           "pad_token_id": tok.pad_token_id, "eos_token_id": None, "temperature": None, "top_p": None, "top_k": None}
+    gen = {
+        "do_sample": False,
+        "max_new_tokens": 3,
+        "output_scores": True,
+        "return_dict_in_generate": True,
+        "pad_token_id": tok.pad_token_id,
+        "eos_token_id": None,
+        "temperature": None,
+        "top_p": None,
+        "top_k": None,
+    }
     shared = model.generate(input_ids=input_ids, attention_mask=attn, past_key_values=cache, **gen)
     plain = model.generate(**tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False), **gen)
     for a, b in zip(shared.scores, plain.scores):
@@ -266,17 +321,33 @@ def test_a_finished_row_leaves_the_batch_and_the_others_decode_as_with_generate(
 
     _, tok = tiny
     torch.manual_seed(0)  # large weights: the tiny-random model answers every prompt with the same token
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         initializer_range=0.5, tie_word_embeddings=True)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            initializer_range=0.5,
+            tie_word_embeddings=True,
+        )
+    ).eval()
     prompter = Prompter(tok, PRESETS["cpu-easy"])
     ids = tok([prompter(t) for t in eval_tasks(PRESETS["cpu-easy"], 6)], add_special_tokens=False)["input_ids"]
     prefix = CommonPrefix.build(model, ids, 8)
-    gen = {"do_sample": False, "max_new_tokens": 8, "pad_token_id": tok.pad_token_id, "temperature": None,
-           "top_p": None, "top_k": None}
+    gen = {
+        "do_sample": False,
+        "max_new_tokens": 8,
+        "pad_token_id": tok.pad_token_id,
+        "temperature": None,
+        "top_p": None,
+        "top_k": None,
+    }
     input_ids, attn, cache = prefix.batch(ids, tok.pad_token_id)
-    free = model.generate(input_ids=input_ids, attention_mask=attn, past_key_values=cache, eos_token_id=None,
-                          **gen)[:, input_ids.shape[1]:].tolist()
+    free = model.generate(input_ids=input_ids, attention_mask=attn, past_key_values=cache, eos_token_id=None, **gen)[
+        :, input_ids.shape[1] :
+    ].tolist()
     stops = sorted({free[0][1], free[2][4]})  # rows end at different steps; the others run to the cap
 
     def upto_stop(row: list[int]) -> list[int]:
@@ -293,7 +364,8 @@ def test_a_finished_row_leaves_the_batch_and_the_others_decode_as_with_generate(
     plain_ids, plain_attn = left_padded(ids, tok.pad_token_id)  # no prefix: the rows' own cache from scratch
     plain = model.generate(input_ids=plain_ids, attention_mask=plain_attn, eos_token_id=stops, **gen)
     assert greedy_rows(model, plain_ids, plain_attn, None, 8, stops) == [
-        upto_stop(row) for row in plain[:, plain_ids.shape[1]:].tolist()]
+        upto_stop(row) for row in plain[:, plain_ids.shape[1] :].tolist()
+    ]
 
 
 def test_greedy_rows_on_a_sliding_window_cache_gives_generates_tokens():
@@ -309,9 +381,15 @@ def test_greedy_rows_on_a_sliding_window_cache_gives_generates_tokens():
             p.normal_(0, 0.3)
     g = torch.Generator().manual_seed(1)
     ids, attn = left_padded([torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 12, 9, 3)], 0)
-    gen = {"do_sample": False, "max_new_tokens": 10, "pad_token_id": 0, "temperature": None, "top_p": None,
-           "top_k": None}
-    free = model.generate(input_ids=ids, attention_mask=attn, eos_token_id=None, **gen)[:, ids.shape[1]:].tolist()
+    gen = {
+        "do_sample": False,
+        "max_new_tokens": 10,
+        "pad_token_id": 0,
+        "temperature": None,
+        "top_p": None,
+        "top_k": None,
+    }
+    free = model.generate(input_ids=ids, attention_mask=attn, eos_token_id=None, **gen)[:, ids.shape[1] :].tolist()
     stops = sorted({free[0][2], free[3][5]})
     expected = [row[: next((i + 1 for i, t in enumerate(row) if t in stops), len(row))] for row in free]
     assert len({len(row) for row in expected}) > 1 and max(map(len, expected)) == 10

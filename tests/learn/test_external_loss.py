@@ -16,8 +16,9 @@ def reference_weighted_loss(logp, old, adv, lengths, weights, loss_type, max_len
     """The GRPO reference with each sequence's per-token terms multiplied by its weight (float64 loops)."""
     per_seq = []
     for i, n in enumerate(lengths):
-        one = reference_loss([logp[i]], [old[i]], [adv[i]], [n], 0.2, 0.28, "dapo", max_len, beta,
-                             [ref[i]] if ref else None)  # dapo of one sequence: its per-token mean
+        one = reference_loss(
+            [logp[i]], [old[i]], [adv[i]], [n], 0.2, 0.28, "dapo", max_len, beta, [ref[i]] if ref else None
+        )  # dapo of one sequence: its per-token mean
         per_seq.append((weights[i] * one * n, n))
     if loss_type == "grpo":
         return sum(s / n for s, n in per_seq) / len(lengths)
@@ -124,8 +125,14 @@ def received(groups):
     data = sign_batch(Identity.generate(), "mem", 0, "tiny", honest)
     cfg = VerifyConfig(swarm="mem")
     reputation = Reputation(cfg.reputation)
-    verifier = Verifier(Identity.generate().public_key_bytes, PRESETS["cpu-easy"], cfg, ExchangeStats(), reputation,
-                        PublisherBandit(rng=random.Random(0), reputation=reputation))
+    verifier = Verifier(
+        Identity.generate().public_key_bytes,
+        PRESETS["cpu-easy"],
+        cfg,
+        ExchangeStats(),
+        reputation,
+        PublisherBandit(rng=random.Random(0), reputation=reputation),
+    )
     got = verifier.verify(data)
     assert len(got) == len(groups)
     for g, original in zip(got, groups):
@@ -136,8 +143,7 @@ def received(groups):
 def test_published_log_probs_reach_the_receiver_and_weigh_its_update(tiny):
     model, tok, prompter, groups = tiny
     external = received(groups)
-    assert [g.behaviour_mean_logp for g in external] == [[round(x, 4) for x in g.mean_behaviour_logp()]
-                                                         for g in groups]
+    assert [g.behaviour_mean_logp for g in external] == [[round(x, 4) for x in g.mean_behaviour_logp()] for g in groups]
     by_rule = {rule: to_sequences_for(rule, external, tok, prompter) for rule in EXTERNAL_LOSSES}
     assert len(by_rule["sapo"]) == len(by_rule["is"]) == 12
     assert len(by_rule["positive"]) == len(by_rule["ftis"]) == 6  # rewards [1, 0, .5, 0]: two above the mean
@@ -151,8 +157,10 @@ def test_published_log_probs_reach_the_receiver_and_weigh_its_update(tiny):
 
     seqs = by_rule["is"]
     logp, mask = token_logprobs(model, seqs, tok.pad_token_id, 1.0)  # pi_old: the model before the step
-    expected = [reference_weight(float((row * m).sum() / m.sum()), s.behaviour_mean_logp)
-                for s, row, m in zip(seqs, logp.double(), mask.double())]
+    expected = [
+        reference_weight(float((row * m).sum() / m.sum()), s.behaviour_mean_logp)
+        for s, row, m in zip(seqs, logp.double(), mask.double())
+    ]
     stats = Trainer(copy.deepcopy(model), tok.pad_token_id, TrainConfig(lr=1e-3)).step(seqs)
     # the publisher's own model, but re-encoded text (a truncated completion gains an EOS): weights near 1
     assert stats.external_weight == pytest.approx(sum(expected) / len(expected), rel=1e-4)

@@ -34,7 +34,7 @@ def make_batch(seed=0):
     g = torch.Generator().manual_seed(seed)
     lengths = [5, 3, 7, 1]
     B, T = len(lengths), max(lengths)
-    logp = (-torch.rand(B, T, generator=g, dtype=torch.float64) * 3)
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
     # pi_old differs from pi_theta by up to +-0.6 in log space: ratios fall outside [0.8, 1.28] both ways
     old = logp + (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5) * 1.2
     mask = torch.zeros(B, T, dtype=torch.float64)
@@ -69,8 +69,10 @@ def test_loss_and_gradients_match_reference(loss_type, beta):
             dn = [row[:] for row in L]
             up[i][t] += h
             dn[i][t] -= h
-            fd = (reference_loss(up, OLD, adv.tolist(), lengths, 0.2, 0.28, loss_type, max_len, beta, R)
-                  - reference_loss(dn, OLD, adv.tolist(), lengths, 0.2, 0.28, loss_type, max_len, beta, R)) / (2 * h)
+            fd = (
+                reference_loss(up, OLD, adv.tolist(), lengths, 0.2, 0.28, loss_type, max_len, beta, R)
+                - reference_loss(dn, OLD, adv.tolist(), lengths, 0.2, 0.28, loss_type, max_len, beta, R)
+            ) / (2 * h)
             assert x.grad[i, t].item() == pytest.approx(fd, rel=1e-5, abs=1e-8)
     assert torch.all(x.grad[~mask.bool()] == 0)
     assert 0.0 < stats.clip_frac < 1.0
@@ -89,8 +91,9 @@ def test_clipped_tokens_have_zero_gradient():
 def test_ratio_one_gives_policy_gradient():
     """With pi_old == pi_theta the GRPO gradient is -A/n per token."""
     logp = torch.log(torch.tensor([[0.5, 0.25, 0.1]], dtype=torch.float64)).requires_grad_(True)
-    loss, _ = grpo_loss(logp, logp.detach(), torch.tensor([2.0], dtype=torch.float64),
-                        torch.ones(1, 3, dtype=torch.float64))
+    loss, _ = grpo_loss(
+        logp, logp.detach(), torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64)
+    )
     loss.backward()
     assert torch.allclose(logp.grad, torch.full((1, 3), -2.0 / 3, dtype=torch.float64))
 

@@ -117,8 +117,12 @@ async def test_a_node_whose_restore_point_is_gone_trains_on(tmp_path):
     node = tiny_memory_node(tmp_path, "--lr", "1e-3")
     try:
         node.guard.judge(ev(0, 0.40))  # a best whose restore point was never written (or was deleted since)
-        record = {"eval_accuracy": 0.11, "eval_baseline": 0.12, "eval_distinct_answers": 0.05,
-                  "eval_distinct_gold": 0.35}
+        record = {
+            "eval_accuracy": 0.11,
+            "eval_baseline": 0.12,
+            "eval_distinct_answers": 0.05,
+            "eval_distinct_gold": 0.35,
+        }
         await node.evaluation.judge(10, record)
         assert record["guard_action"] == "restore_failed" and "no restore point" in record["guard_reason"]
         assert node.trainer.lr == 1e-3 * 0.5 and node.guard.state.best is None
@@ -133,8 +137,12 @@ async def test_a_restore_point_of_another_round_is_not_loaded(tmp_path):
     try:
         node.persistence.save_restore_point(30)
         node.guard.judge(ev(20, 0.40))  # the resumed run's best: round 20
-        record = {"eval_accuracy": 0.11, "eval_baseline": 0.12, "eval_distinct_answers": 0.05,
-                  "eval_distinct_gold": 0.35}
+        record = {
+            "eval_accuracy": 0.11,
+            "eval_baseline": 0.12,
+            "eval_distinct_answers": 0.05,
+            "eval_distinct_gold": 0.35,
+        }
         await node.evaluation.judge(40, record)
         assert record["guard_action"] == "restore_failed" and "not of round 20" in record["guard_reason"]
     finally:
@@ -162,8 +170,12 @@ async def test_the_node_evaluates_its_starting_weights_and_can_go_back_to_them(t
             for p in node.model.parameters():
                 if p.requires_grad:  # the adapter (or the whole model without LoRA)
                     p.add_(0.5)  # round 0's update, a ruinous one
-        record = {"eval_accuracy": 0.0, "eval_baseline": 0.12, "eval_distinct_answers": 0.05,
-                  "eval_distinct_gold": 0.35}
+        record = {
+            "eval_accuracy": 0.0,
+            "eval_baseline": 0.12,
+            "eval_distinct_answers": 0.05,
+            "eval_distinct_gold": 0.35,
+        }
         await node.evaluation.judge(0, record)
         assert record["guard_action"] == "restore" and record["guard_restored_to"] == START_ROUND
         assert [k for k, v in node.model.state_dict().items() if not torch.equal(v, start[k])] == []

@@ -67,8 +67,12 @@ def test_shared_prefix_and_plain_give_the_same_adapter_gradients(tiny):
         with torch.no_grad():  # B away from zero, so A gets gradients too
             for p in adapter.parameters():
                 p.add_(0.05)
-        t = Trainer(adapter.model, tok.pad_token_id, TrainConfig(lr=0.0, prefix_sharing=mode, max_grad_norm=1e9),
-                    adapter=adapter)
+        t = Trainer(
+            adapter.model,
+            tok.pad_token_id,
+            TrainConfig(lr=0.0, prefix_sharing=mode, max_grad_norm=1e9),
+            adapter=adapter,
+        )
         t._optimizer_step(copy.deepcopy(seqs), None)
         grads.append(torch.cat([p.grad.flatten() for p in adapter.parameters()]))
     assert grads[0].abs().sum() > 0

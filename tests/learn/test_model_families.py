@@ -39,8 +39,9 @@ def _fake_model(root, chunks: list[bytes], digest: str | None = None) -> Package
         (pkg / "__init__.py").write_text(BOOM)
         (pkg / "data" / f"fake.gguf.part{i:02d}").write_bytes(chunk)
         parts.append((pkg.name, f"data/fake.gguf.part{i:02d}"))
-    return PackagedModel("fake", "fakemodel", "fake.gguf", ("fakemodel==1",), parts=tuple(parts),
-                         checksums="data/SHA256SUMS")
+    return PackagedModel(
+        "fake", "fakemodel", "fake.gguf", ("fakemodel==1",), parts=tuple(parts), checksums="data/SHA256SUMS"
+    )
 
 
 @pytest.fixture
@@ -82,8 +83,10 @@ def test_a_bad_checksum_or_a_missing_chunk_stops_with_one_clear_error(fake_env, 
         model_path("absent")
 
 
-@pytest.mark.skipif(not packaged.is_installed("gemma3-270m"), reason="gemma3-270m packages not installed "
-                    "(SAPO_MODELS=gemma3-270m bash scripts/setup.sh)")
+@pytest.mark.skipif(
+    not packaged.is_installed("gemma3-270m"),
+    reason="gemma3-270m packages not installed (SAPO_MODELS=gemma3-270m bash scripts/setup.sh)",
+)
 def test_the_gemma_packages_give_one_gguf_file():
     path = model_path("gemma3-270m")
     assert path.stat().st_size == 253_113_024
@@ -188,8 +191,9 @@ def test_the_default_model_is_converted_once_and_reloads_identically(tmp_path, m
     loads = []
     for _ in range(2):
         model, tok = load_model("default", torch.device("cpu"))
-        prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
-                                         add_generation_prompt=True)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": "What is 2 + 3?"}], tokenize=False, add_generation_prompt=True
+        )
         loads.append((model.state_dict(), tok(prompt)["input_ids"], prompt, len(tok), tok.pad_token))
         assert (converted / "config.json").exists()  # written by the first load, read by the second
     (first, *rest), (second, *rest2) = loads

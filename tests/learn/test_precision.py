@@ -122,8 +122,12 @@ def test_a_base_stored_in_bf16_runs_under_autocast_wherever_it_is_called():
     with pytest.raises(IndexError):
         model(input_ids=torch.tensor([[10**6]]))  # a token id past the vocabulary: the forward raises
     assert not torch.is_autocast_enabled("cpu")
-    seqs = to_sequences([local_group(t, g, "") for t, g in zip(TaskSampler(PRESETS["smoke"], 0).sample(2), groups)],
-                        tok, Prompter(tok, PRESETS["smoke"]), scale_std=True)
+    seqs = to_sequences(
+        [local_group(t, g, "") for t, g in zip(TaskSampler(PRESETS["smoke"], 0).sample(2), groups)],
+        tok,
+        Prompter(tok, PRESETS["smoke"]),
+        scale_std=True,
+    )
     for s in seqs:
         s.advantage = 1.0
     Trainer(adapter.model, tok.pad_token_id, TrainConfig(lr=1e-2), adapter=adapter).step(seqs)

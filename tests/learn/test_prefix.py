@@ -21,8 +21,11 @@ def tiny64():
     model, tok, prompter, _, groups = tiny_signal_groups(seed=11, max_new_tokens=10)
     mix = PRESETS["cpu-easy"]
     extra = TaskSampler(mix, seed=12).sample(1)[0]
-    groups.append(Group(task=extra, responses=["<answer>7</answer>", "<answer>13", "x"], rewards=[1.0, 0.0, 0.2],
-                        source="ab" * 32))
+    groups.append(
+        Group(
+            task=extra, responses=["<answer>7</answer>", "<answer>13", "x"], rewards=[1.0, 0.0, 0.2], source="ab" * 32
+        )
+    )
     model = model.double()
     for module in model.modules():  # HF's RMSNorm rounds to float32 even in a float64 model: keep float64
         if type(module).__name__ == "LlamaRMSNorm":
@@ -39,8 +42,9 @@ def _rms_norm_float64(self, hidden):
 
 def _grads(model, tok, seqs, shared, **cfg):
     m = copy.deepcopy(model)
-    trainer = Trainer(m, tok.pad_token_id, TrainConfig(lr=0.0, max_grad_norm=1e9,
-                                                       prefix_sharing="on" if shared else "off", **cfg))
+    trainer = Trainer(
+        m, tok.pad_token_id, TrainConfig(lr=0.0, max_grad_norm=1e9, prefix_sharing="on" if shared else "off", **cfg)
+    )
     seqs = copy.deepcopy(seqs)
     trainer.fill_old_logp(seqs)
     # pi_old made different from pi_theta, so the clipped branch is exercised too
@@ -74,8 +78,11 @@ def test_shared_logprobs_equal_plain_per_sequence(tiny64):
     model, tok, seqs = tiny64
     with torch.no_grad():
         plain, mask = token_logprobs(model, seqs, tok.pad_token_id, 0.7)
-        by_seq = {id(s): (row, m) for chunk, lp, mk in micro_batches(model, seqs, tok.pad_token_id, 0.7, 5, True)
-                  for s, row, m in zip(chunk, lp, mk)}
+        by_seq = {
+            id(s): (row, m)
+            for chunk, lp, mk in micro_batches(model, seqs, tok.pad_token_id, 0.7, 5, True)
+            for s, row, m in zip(chunk, lp, mk)
+        }
     for s, row, m in zip(seqs, plain, mask):
         n = int(m.sum())
         other, other_mask = by_seq[id(s)]
@@ -94,8 +101,9 @@ def test_units_keep_groups_whole_and_split_big_ones():
 
     seqs = [Sequence(p, [9] * (3 if p is a else 1), 0.0) for p in (a, b, a, c, b, a, a, a)]
     assert token_budget(seqs, 2) == 10  # two plain sequences of the longest: 2 x (2 + 3)
-    chunks = [len(ch) for ch, _, _ in micro_batches(load_model("tiny-random", torch.device("cpu"))[0], seqs, 0, 1.0, 2,
-                                                     True)]
+    chunks = [
+        len(ch) for ch, _, _ in micro_batches(load_model("tiny-random", torch.device("cpu"))[0], seqs, 0, 1.0, 2, True)
+    ]
     # a (2 + 5 x 3 > 10) is a unit of its own: 8 tokens of room for its completions, two at a time;
     # b and c share one unit and one pass (2 x 3 + 3 x 1 <= 10)
     assert chunks == [2, 2, 1, 3]
@@ -114,8 +122,13 @@ def test_auto_picks_shared_for_llama_and_plain_for_a_model_without_a_cache(tiny6
             return self.inner.get_input_embeddings()
 
         def forward(self, input_ids, attention_mask, position_ids, use_cache=False, logits_to_keep=0):
-            return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False, logits_to_keep=logits_to_keep)
+            return self.inner(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=logits_to_keep,
+            )
 
     wrapped = NoCache(model)
     assert not supports_prefix_sharing(wrapped, tok.pad_token_id)
@@ -130,8 +143,7 @@ def gemma64(vocab: int, window: int) -> torch.nn.Module:
     model = tiny_gemma3(vocab, window).double()
     for module in model.modules():  # Gemma's RMSNorm rounds to float32 too: keep float64
         if type(module).__name__ == "Gemma3RMSNorm":
-            module.forward = types.MethodType(
-                lambda self, x: self._norm(x) * (1.0 + self.weight), module)
+            module.forward = types.MethodType(lambda self, x: self._norm(x) * (1.0 + self.weight), module)
     return model
 
 
@@ -160,6 +172,7 @@ def _counting(init, calls: list):
     def wrapped(self, model, prompts, *args, **kwargs):
         calls.append(prompts)
         init(self, model, prompts, *args, **kwargs)
+
     return wrapped
 
 
@@ -182,8 +195,10 @@ def test_generation_prefills_each_prompt_once_with_the_same_samples(tiny64, mode
         for share in (True, False):
             calls.clear()
             torch.manual_seed(3)
-            runs[share] = (sample_groups(model, tok, prompts, 4, SamplingConfig(max_new_tokens=6), share_prompt=share),
-                           list(calls))
+            runs[share] = (
+                sample_groups(model, tok, prompts, 4, SamplingConfig(max_new_tokens=6), share_prompt=share),
+                list(calls),
+            )
     finally:
         hook.remove()
     (shared, shared_calls), (plain, plain_calls) = runs[True], runs[False]

@@ -18,6 +18,7 @@ def failing_on_second_call(target):
         if len(calls) == 2:
             raise OSError("disk gone")
         return target(*args, **kwargs)
+
     return wrapped
 
 

@@ -13,15 +13,19 @@ TASKS = TaskSampler(PRESETS["smoke"], 5).sample(4)
 
 
 def group(i: int, rewards: list[float], source: str = "local") -> Group:
-    return Group(TASKS[i % len(TASKS)], [f"<answer>{k}</answer>" for k in range(len(rewards))], rewards,
-                 source=source)
+    return Group(TASKS[i % len(TASKS)], [f"<answer>{k}</answer>" for k in range(len(rewards))], rewards, source=source)
 
 
 def test_zero_advantage_groups_are_dropped_and_at_most_i_local_kept_in_order():
-    local = [group(0, [1.0, 1.0, 1.0]), group(1, [1.0, 0.0, 0.0]), group(2, [0.0, 0.0, 0.0]),
-             group(3, [0.2, 0.5, 0.5]), group(4, [0.3, 0.3, 0.3]), group(5, [0.0, 1.0, 1.0])]
-    external = [group(i, r, source=f"{i:064x}") for i, r in
-                enumerate([[0.5, 0.5], [0.0, 1.0], [1.0, 1.0], [0.7, 0.1]])]
+    local = [
+        group(0, [1.0, 1.0, 1.0]),
+        group(1, [1.0, 0.0, 0.0]),
+        group(2, [0.0, 0.0, 0.0]),
+        group(3, [0.2, 0.5, 0.5]),
+        group(4, [0.3, 0.3, 0.3]),
+        group(5, [0.0, 1.0, 1.0]),
+    ]
+    external = [group(i, r, source=f"{i:064x}") for i, r in enumerate([[0.5, 0.5], [0.0, 1.0], [1.0, 1.0], [0.7, 0.1]])]
     sel = select_groups(local, external, num_local=2, num_external=8, rng=random.Random(0))
     assert sel.local == [local[1], local[3]]  # the first two with signal, in sampling order
     assert (sel.dropped_local, sel.dropped_external, sel.external_available) == (3, 2, 2)
@@ -60,8 +64,9 @@ def test_counts_never_exceed_the_targets(num_local, num_external):
     rng = random.Random(3)
     for _ in range(50):
         local = [group(i, [rng.choice([0.0, 1.0]) for _ in range(4)]) for i in range(rng.randint(0, 6))]
-        external = [group(i, [rng.choice([0.0, 1.0]) for _ in range(4)], source=f"{i:064x}")
-                    for i in range(rng.randint(0, 9))]
+        external = [
+            group(i, [rng.choice([0.0, 1.0]) for _ in range(4)], source=f"{i:064x}") for i in range(rng.randint(0, 9))
+        ]
         sel = select_groups(local, external, num_local, num_external, rng)
         assert len(sel.local) <= num_local and len(sel.external) <= num_external
         assert all(g.signal() for g in sel.local + sel.external)

@@ -42,14 +42,17 @@ def test_mix_allows_only_its_own_datasets_and_configs():
         resolve_mix("not_a_dataset")
 
 
-@pytest.mark.parametrize("response, expected", [
-    ("<answer>42</answer>", "42"),
-    ("thinking... <answer> 7 </answer> trailing", "7"),
-    ("<answer>1</answer> then <answer>2</answer>", "2"),
-    ("<answer>5\nmore text", "5"),
-    ("no tags\nfinal: 9", "final: 9"),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("<answer>42</answer>", "42"),
+        ("thinking... <answer> 7 </answer> trailing", "7"),
+        ("<answer>1</answer> then <answer>2</answer>", "2"),
+        ("<answer>5\nmore text", "5"),
+        ("no tags\nfinal: 9", "final: 9"),
+        ("", None),
+    ],
+)
 def test_extract_answer(response, expected):
     assert extract_answer(response) == expected
 

@@ -58,11 +58,22 @@ def test_the_split_reserves_about_its_share_of_the_facts_the_same_in_every_proce
     reserved = {k for k in facts if key_fraction(k) < MIX.unseen_share}
     assert 0.1 < len(reserved) / len(facts) < 0.3
     # a stable hash, not Python's salted hash(): another interpreter with another hash seed reserves the same
-    code = ("from node.learn.content import key_fraction; import sys; "
-            "print(sorted(k for k in sys.stdin.read().split('|') if key_fraction(k) < 0.2))")
-    outs = {subprocess.run([sys.executable, "-c", code], input="|".join(sorted(facts)), capture_output=True,
-                           text=True, cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": seed}, timeout=60).stdout
-            for seed in ("1", "2")}
+    code = (
+        "from node.learn.content import key_fraction; import sys; "
+        "print(sorted(k for k in sys.stdin.read().split('|') if key_fraction(k) < 0.2))"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            input="|".join(sorted(facts)),
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            timeout=60,
+        ).stdout
+        for seed in ("1", "2")
+    }
     assert len(outs) == 1 and outs.pop().strip() == repr(sorted(reserved))
 
 

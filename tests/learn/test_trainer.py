@@ -46,8 +46,9 @@ def test_micro_batching_gives_the_same_gradient(tiny):
     for micro in (12, 5):
         for loss_type in ("grpo", "dapo", "dr_grpo"):
             m = copy.deepcopy(model)
-            t = Trainer(m, tok.pad_token_id, TrainConfig(lr=0.0, micro_batch_size=micro, loss_type=loss_type,
-                                                         max_grad_norm=1e9))
+            t = Trainer(
+                m, tok.pad_token_id, TrainConfig(lr=0.0, micro_batch_size=micro, loss_type=loss_type, max_grad_norm=1e9)
+            )
             t._optimizer_step(seqs, None)
             grads.append(torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]))
     for a, b in zip(grads[:3], grads[3:]):

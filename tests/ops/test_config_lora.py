@@ -7,11 +7,16 @@ from node.ops.config import LORA_LR_SCALE, ConfigError, default_lr, load_config
 
 NO_RECIPE = {"SAPO_RECIPE": "none"}  # the built-in defaults, without the CPU recipe
 
+
 def test_lora_scales_the_default_learning_rate_only_when_none_is_given(tmp_path):
     full = load_config([], env=NO_RECIPE)
     assert full.lora_rank == 0 and full.lr == 1e-6
-    assert (load_config(["--lora-rank", "8"], env=NO_RECIPE).lr == 1e-5 == default_lr(8)
-            == pytest.approx(full.lr * LORA_LR_SCALE))
+    assert (
+        load_config(["--lora-rank", "8"], env=NO_RECIPE).lr
+        == 1e-5
+        == default_lr(8)
+        == pytest.approx(full.lr * LORA_LR_SCALE)
+    )
     assert load_config(["--lora-rank", "8", "--lr", "3e-6"], env=NO_RECIPE).lr == 3e-6  # explicit flag wins
     # env counts as explicit
     assert load_config([], env={**NO_RECIPE, "SAPO_LORA_RANK": "1", "SAPO_LR": "2e-6"}).lr == 2e-6
@@ -22,11 +27,14 @@ def test_lora_scales_the_default_learning_rate_only_when_none_is_given(tmp_path)
     assert load_config(["--config", str(toml)], env=NO_RECIPE).lr == 1e-5
 
 
-@pytest.mark.parametrize("args, flag", [
-    (["--lora-rank", "-1"], "--lora-rank"),
-    (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha"),
-    (["--lora-init", "runs/a"], "--lora-init"),  # needs an adapter to load into
-])
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--lora-rank", "-1"], "--lora-rank"),
+        (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha"),
+        (["--lora-init", "runs/a"], "--lora-init"),  # needs an adapter to load into
+    ],
+)
 def test_bad_lora_values_name_the_flag(args, flag):
     with pytest.raises(ConfigError, match=f"^{flag} "):
         load_config(args, env=NO_RECIPE)

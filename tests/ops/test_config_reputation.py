@@ -14,27 +14,31 @@ def test_defaults_give_a_budget_inside_the_net_timeout():
 
 
 def test_flags_and_env_reach_the_verifier():
-    cfg = load_config(["--verify-budget-s", "2.5", "--ban-s", "60", "--reset-reputation"],
-                      env={"SAPO_VERIFY_BUDGET_MB": "4"})
+    cfg = load_config(
+        ["--verify-budget-s", "2.5", "--ban-s", "60", "--reset-reputation"], env={"SAPO_VERIFY_BUDGET_MB": "4"}
+    )
     v = verify_config(cfg, max_age_s=30)
     assert (v.budget_s, v.budget_bytes, v.reputation.ban_s, v.max_age_s) == (2.5, 4 * 1024 * 1024, 60, 30)
     assert cfg.reset_reputation
 
 
-@pytest.mark.parametrize("args, flag", [
-    (["--verify-budget-s", "10"], "--verify-budget-s"),  # not below --net-timeout (10)
-    (["--verify-budget-s", "-1"], "--verify-budget-s"),
-    (["--verify-budget-mb", "0"], "--verify-budget-mb"),
-    (["--verify-budget-mb", "nan"], "--verify-budget-mb"),
-    (["--ban-s", "0"], "--ban-s"),
-    (["--ban-s", "inf"], "--ban-s"),
-    (["--identity-tier", "4"], "--identity-tier"),
-    (["--identity-tier", "-1"], "--identity-tier"),
-    (["--pow-difficulty", "36", "--identity-tier", "2"], "--identity-tier"),  # 44 bits: past the 40 cap
-    (["--threads", str(2**31)], "--threads"),  # torch's C int would end the node in a traceback
-    (["--eval-size", "200000"], "--eval-size"),  # more than the reserved range could give: refused up front
-    (["--eval-unseen-size", "20000"], "--eval-unseen-size"),
-])
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--verify-budget-s", "10"], "--verify-budget-s"),  # not below --net-timeout (10)
+        (["--verify-budget-s", "-1"], "--verify-budget-s"),
+        (["--verify-budget-mb", "0"], "--verify-budget-mb"),
+        (["--verify-budget-mb", "nan"], "--verify-budget-mb"),
+        (["--ban-s", "0"], "--ban-s"),
+        (["--ban-s", "inf"], "--ban-s"),
+        (["--identity-tier", "4"], "--identity-tier"),
+        (["--identity-tier", "-1"], "--identity-tier"),
+        (["--pow-difficulty", "36", "--identity-tier", "2"], "--identity-tier"),  # 44 bits: past the 40 cap
+        (["--threads", str(2**31)], "--threads"),  # torch's C int would end the node in a traceback
+        (["--eval-size", "200000"], "--eval-size"),  # more than the reserved range could give: refused up front
+        (["--eval-unseen-size", "20000"], "--eval-unseen-size"),
+    ],
+)
 def test_bad_values_name_the_flag(args, flag):
     with pytest.raises(ConfigError, match=f"^{flag} "):
         load_config(args, env={})
@@ -46,26 +50,33 @@ def test_identity_tiers_are_the_ones_proof_of_work_knows():
 
     assert load_config([], env={}).identity_tier == 1
     for tier in range(MAX_TIER + 1):
-        assert load_config(["--identity-tier", str(tier),
-                            "--pow-difficulty", str(MAX_POW_DIFFICULTY - TIER_BITS * tier)],
-                           env={}).identity_tier == tier
-    for args in (["--identity-tier", str(MAX_TIER + 1)],
-                 ["--identity-tier", "1", "--pow-difficulty", str(MAX_POW_DIFFICULTY - TIER_BITS + 1)]):
+        assert (
+            load_config(
+                ["--identity-tier", str(tier), "--pow-difficulty", str(MAX_POW_DIFFICULTY - TIER_BITS * tier)], env={}
+            ).identity_tier
+            == tier
+        )
+    for args in (
+        ["--identity-tier", str(MAX_TIER + 1)],
+        ["--identity-tier", "1", "--pow-difficulty", str(MAX_POW_DIFFICULTY - TIER_BITS + 1)],
+    ):
         with pytest.raises(ConfigError, match="^--identity-tier "):
             load_config(args, env={})
 
 
-
-@pytest.mark.parametrize("args, flag", [
-    (["--lr", "nan"], "--lr"),
-    (["--temperature", "nan"], "--temperature"),
-    (["--net-timeout", "inf"], "--net-timeout"),  # would remove every network timeout
-    (["--max-grad-norm", "-1"], "--max-grad-norm"),  # clip_grad_norm_ would flip the gradients
-    (["--seed", str(2**63)], "--seed"),
-    (["--swarm", ""], "--swarm"),
-    (["--seed", str(2**64)], "--seed"),
-    (["--device", "cuda:abc"], "--device"),
-])
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--lr", "nan"], "--lr"),
+        (["--temperature", "nan"], "--temperature"),
+        (["--net-timeout", "inf"], "--net-timeout"),  # would remove every network timeout
+        (["--max-grad-norm", "-1"], "--max-grad-norm"),  # clip_grad_norm_ would flip the gradients
+        (["--seed", str(2**63)], "--seed"),
+        (["--swarm", ""], "--swarm"),
+        (["--seed", str(2**64)], "--seed"),
+        (["--device", "cuda:abc"], "--device"),
+    ],
+)
 def test_values_that_would_fail_later_or_get_us_banned_name_the_flag(args, flag):
     with pytest.raises(ConfigError, match=f"^{flag} "):
         load_config(args, env={})
@@ -79,8 +90,9 @@ def test_an_unreadable_config_file_is_one_clear_error(tmp_path, content):
         load_config(["--config", str(path)], env={})
 
 
-@pytest.mark.parametrize("line, flag", [("lr = true", "--lr"), ("temperature = false", "--temperature"),
-                                        ("rounds = true", "--rounds")])
+@pytest.mark.parametrize(
+    "line, flag", [("lr = true", "--lr"), ("temperature = false", "--temperature"), ("rounds = true", "--rounds")]
+)
 def test_a_boolean_in_the_config_file_for_a_number_names_the_flag(tmp_path, line, flag):
     """TOML `lr = true` is no learning rate: refused as it is for ints, never read as 1.0."""
     path = tmp_path / "node.toml"

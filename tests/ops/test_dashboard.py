@@ -113,7 +113,9 @@ class CDP:
 async def chromium(profile: Path):
     proc = subprocess.Popen(
         [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "about:blank"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     port_file = profile / "DevToolsActivePort"
     try:
@@ -153,8 +155,11 @@ async def open_page(cdp: CDP, url: str) -> str:
     session = (await cdp.send("Target.attachToTarget", {"targetId": target, "flatten": True}))["sessionId"]
     for domain in ("Runtime", "Log", "Page"):
         await cdp.send(f"{domain}.enable", session=session)
-    await cdp.send("Emulation.setDeviceMetricsOverride",
-                   {"width": 1280, "height": 1400, "deviceScaleFactor": 1, "mobile": False}, session=session)
+    await cdp.send(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": 1280, "height": 1400, "deviceScaleFactor": 1, "mobile": False},
+        session=session,
+    )
     await cdp.send("Page.navigate", {"url": url}, session=session)
     await wait_for(cdp, session, f"location.href === {url!r} && document.readyState === 'complete'")
     return session
@@ -198,8 +203,9 @@ def page_errors(cdp: CDP, session: str) -> list[str]:
 
 
 async def screenshot(cdp: CDP, session: str, path: Path) -> None:
-    data = (await cdp.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True},
-                           session=session))["data"]
+    data = (
+        await cdp.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True}, session=session)
+    )["data"]
     path.write_bytes(base64.b64decode(data))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -210,8 +216,7 @@ async def test_dashboard_renders_in_chromium(tmp_path):
     try:
         async with chromium(tmp_path / "profile") as cdp:
             session = await open_page(cdp, f"http://127.0.0.1:{server.port}/")
-            points = await wait_for(
-                cdp, session, "Number(document.getElementById('reward-chart').dataset.points) || 0")
+            points = await wait_for(cdp, session, "Number(document.getElementById('reward-chart').dataset.points) || 0")
             assert points == len(snaps[-1]["history"]) > 0
             assert await evaluate(cdp, session, "document.getElementById('conn').dataset.state") == "ok"
             assert await evaluate(cdp, session, "Number(document.getElementById('mix-chart').dataset.points)") > 0
@@ -225,25 +230,39 @@ async def test_dashboard_renders_in_chromium(tmp_path):
             assert rows == 2
             # the untrusted peer name shows up as text, not markup
             names = await evaluate(
-                cdp, session, "[...document.querySelectorAll('#peer-table tbody tr td:first-child')]"
-                              ".map(td => td.textContent)")
+                cdp,
+                session,
+                "[...document.querySelectorAll('#peer-table tbody tr td:first-child')].map(td => td.textContent)",
+            )
             assert snaps[-1]["peers"]["cd" * 32]["name"] in names
             # reputation: the banned count, a score per listed peer, the banned row marked
             assert await evaluate(cdp, session, "document.getElementById('v-banned').textContent") == "1"
             banned_rows = await evaluate(cdp, session, "document.querySelectorAll('#peer-table tr.banned').length")
             assert banned_rows == 1
             scores = await evaluate(
-                cdp, session,
-                "[...document.querySelectorAll('#peer-table tbody tr')].map(tr => tr.cells[5].textContent)")
+                cdp,
+                session,
+                "[...document.querySelectorAll('#peer-table tbody tr')].map(tr => tr.cells[5].textContent)",
+            )
             assert sorted(scores) == ["-10.00", "1.50"]
 
             # the page keeps polling: a new round appears without a reload
-            hist = snaps[-1]["history"] + [{"round": 7, "reward_mean": 0.9, "num_local": 4, "num_external": 2,
-                                           "phase_s": {"generate": 1.0, "train": 2.0}}]
+            hist = snaps[-1]["history"] + [
+                {
+                    "round": 7,
+                    "reward_mean": 0.9,
+                    "num_local": 4,
+                    "num_external": 2,
+                    "phase_s": {"generate": 1.0, "train": 2.0},
+                }
+            ]
             snaps.append(fake_snapshot(round=8, history=hist))
-            await wait_for(cdp, session,
-                           f"Number(document.getElementById('reward-chart').dataset.points) === {len(hist)}",
-                           timeout=10)
+            await wait_for(
+                cdp,
+                session,
+                f"Number(document.getElementById('reward-chart').dataset.points) === {len(hist)}",
+                timeout=10,
+            )
             await screenshot(cdp, session, tmp_path / "dashboard.png")
             errors = page_errors(cdp, session)
             assert not errors, errors
@@ -259,10 +278,23 @@ async def test_dashboard_renders_in_chromium(tmp_path):
 
 
 async def test_dashboard_empty_node_and_bootstrap_page(tmp_path):
-    empty = {"peer_id": "12D3KooWNew", "round": 0, "phase": "generate", "history": [], "peers": {},
-             "groups": {"accepted": {}, "rejected": {}}, "totals": {}}
-    boot = {"peer_id": "12D3KooWBoot", "maddrs": ["/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWBoot"],
-            "swarm": "s", "uptime_s": 5.0, "peers_seen": 3, "version": "0.1.0"}
+    empty = {
+        "peer_id": "12D3KooWNew",
+        "round": 0,
+        "phase": "generate",
+        "history": [],
+        "peers": {},
+        "groups": {"accepted": {}, "rejected": {}},
+        "totals": {},
+    }
+    boot = {
+        "peer_id": "12D3KooWBoot",
+        "maddrs": ["/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWBoot"],
+        "swarm": "s",
+        "uptime_s": 5.0,
+        "peers_seen": 3,
+        "version": "0.1.0",
+    }
     node_srv = await start_status_server(lambda: empty)
     boot_srv = await start_status_server(lambda: boot, kind="bootstrap")
     try:

@@ -35,8 +35,12 @@ def test_progress_names_each_peers_model(tmp_path, capsys, with_records):
             rec = {"round": 0, "reward_mean": 0.5, "num_local": 2, "num_external": 1, "model": model}
             (run / "metrics.jsonl").write_bytes(orjson.dumps(rec) + b"\n")
     # before the first round only the script's list names them; the records win once there
-    assert progress_main([*map(str, runs), "--once", "--models", "default,other" if with_records else
-                          "default,gemma3-270m"]) == 0
+    assert (
+        progress_main(
+            [*map(str, runs), "--once", "--models", "default,other" if with_records else "default,gemma3-270m"]
+        )
+        == 0
+    )
     rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[2:]}
     assert rows == {"peer0": "default", "peer1": "gemma3-270m"}
 
@@ -48,9 +52,13 @@ def test_memory_check_sizes_peers_at_the_rank_their_arguments_resolve_to(monkeyp
     monkeypatch.setenv("SAPO_PEERS", "5")  # the script's peer count: not the node's --peers multiaddrs
     monkeypatch.delenv("SAPO_LORA_RANK", raising=False)
     monkeypatch.delenv("SAPO_RECIPE", raising=False)  # the suite's default: the node's own is auto
-    for node_args, lora in ((["--device", "cpu"], True), (["--device", "cpu", "--recipe", "none"], False),
-                            (["--device", "cpu", "--lora-rank", "0"], False), (["--device=cuda"], False),
-                            (["--device", "cpu", "--no-such-flag"], False)):
+    for node_args, lora in (
+        (["--device", "cpu"], True),
+        (["--device", "cpu", "--recipe", "none"], False),
+        (["--device", "cpu", "--lora-rank", "0"], False),
+        (["--device=cuda"], False),
+        (["--device", "cpu", "--no-such-flag"], False),
+    ):
         assert resources.main(["--models", "a,b", "--device", "cpu", "--", *node_args]) == 0
         assert ("LoRA)" in capsys.readouterr().out) is lora, node_args
     # on a GPU the packaged models take the CPU recipe (LoRA), any other model the paper's setup

@@ -24,17 +24,30 @@ class FakeTTY(io.StringIO):
 
 
 def test_format_round_record():
-    rec = {"round": 12, "reward_mean": 0.41234, "num_local": 6, "num_external": 2, "round_s": 31.25,
-           "phase_s": {"generate": 20}, "peer": "alice"}
+    rec = {
+        "round": 12,
+        "reward_mean": 0.41234,
+        "num_local": 6,
+        "num_external": 2,
+        "round_s": 31.25,
+        "phase_s": {"generate": 20},
+        "peer": "alice",
+    }
     line = format_progress_line(rec)
     assert line == "[alice] | round 12 | reward 0.412 | ext 2/8 | 31.2s"
     assert "\n" not in line
 
 
 def test_format_snapshot():
-    snap = {"peer_id": "12D3KooWAbcdefghijklmnop", "round": 3, "phase": "train", "last_reward": 0.5,
-            "reward_ma": 0.25, "history": [{"round": 2, "num_local": 4, "num_external": 4}],
-            "phase_s": {"generate": 1.5, "train": 2.0}}
+    snap = {
+        "peer_id": "12D3KooWAbcdefghijklmnop",
+        "round": 3,
+        "phase": "train",
+        "last_reward": 0.5,
+        "reward_ma": 0.25,
+        "history": [{"round": 2, "num_local": 4, "num_external": 4}],
+        "phase_s": {"generate": 1.5, "train": 2.0},
+    }
     line = format_progress_line(snap)
     assert "round 3" in line and "reward 0.500" in line and "ma 0.250" in line
     assert "ext 4/8" in line and "phase train" in line and "3.5s" in line
@@ -42,8 +55,15 @@ def test_format_snapshot():
 
 
 def test_held_out_accuracy_shows_against_the_constant_answer_baseline():
-    rec = {"round": 10, "reward_mean": 0.5, "peer": "bob", "eval_accuracy": 0.4219, "eval_baseline": 0.1367,
-           "eval_unseen_accuracy": 0.25, "eval_unseen_baseline": 0.168}
+    rec = {
+        "round": 10,
+        "reward_mean": 0.5,
+        "peer": "bob",
+        "eval_accuracy": 0.4219,
+        "eval_baseline": 0.1367,
+        "eval_unseen_accuracy": 0.25,
+        "eval_unseen_baseline": 0.168,
+    }
     line = format_progress_line(rec)
     assert line.endswith("| held-out 0.422 (const 0.137) | unseen 0.250 (const 0.168)")
     snap = {"round": 12, "last_reward": 0.5, "eval": {"round": 10, "eval_accuracy": 0.4, "eval_baseline": 0.125}}
@@ -54,8 +74,10 @@ def test_held_out_accuracy_shows_against_the_constant_answer_baseline():
 def test_table_shows_each_peers_last_evaluation(tmp_path):
     evals = {"eval_accuracy": 0.375, "eval_baseline": 0.125}
     _write(tmp_path / "a", [{"round": 0, "reward_mean": 0.1, **evals}, {"round": 1, "reward_mean": 0.2}])
-    _write(tmp_path / "b", [{"round": 0, "reward_mean": 0.1, **evals, "eval_unseen_accuracy": 0.0625,
-                             "eval_unseen_baseline": 0.1875}])
+    _write(
+        tmp_path / "b",
+        [{"round": 0, "reward_mean": 0.1, **evals, "eval_unseen_accuracy": 0.0625, "eval_unseen_baseline": 0.1875}],
+    )
     views = [RunView(tmp_path / n, MetricsTail(tmp_path / n / "metrics.jsonl")) for n in ("a", "b")]
     for v in views:
         v.poll()
@@ -89,8 +111,17 @@ def test_printer_tty_rewrites_one_line():
     out = FakeTTY()
     with ProgressPrinter(out, width=40) as p:
         p.update({"round": 1, "reward_mean": 0.1, "peer": "a"})
-        p.update({"round": 2, "reward_mean": 0.2, "peer": "a", "num_external": 3, "num_local": 5,
-                  "phase": "generate", "round_s": 100.0})
+        p.update(
+            {
+                "round": 2,
+                "reward_mean": 0.2,
+                "peer": "a",
+                "num_external": 3,
+                "num_local": 5,
+                "phase": "generate",
+                "round_s": 100.0,
+            }
+        )
         p.message("checkpoint saved")
     text = out.getvalue()
     assert text.count("\r") >= 3
@@ -125,8 +156,13 @@ def _write(run, recs):
 
 
 def test_table_and_once(tmp_path, capsys):
-    _write(tmp_path / "n0", [{"round": r, "reward_mean": r / 10, "num_local": 4, "num_external": 1,
-                              "round_s": 2.0, "peer": "alice"} for r in range(1, 4)])
+    _write(
+        tmp_path / "n0",
+        [
+            {"round": r, "reward_mean": r / 10, "num_local": 4, "num_external": 1, "round_s": 2.0, "peer": "alice"}
+            for r in range(1, 4)
+        ],
+    )
     view = RunView(tmp_path / "n0", MetricsTail(tmp_path / "n0" / "metrics.jsonl"))
     view.poll()
     table = format_table([view, RunView(tmp_path / "n1", MetricsTail(tmp_path / "n1" / "metrics.jsonl"))])
@@ -158,7 +194,9 @@ def test_cli_follows_and_exits_on_ctrl_c(tmp_path, sigint_ignored):
     ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
     proc = subprocess.Popen(
         [sys.executable, "-m", "node.ops.progress", str(run), "--interval", "0.2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
         preexec_fn=ignore,
     )
     try:

@@ -18,8 +18,9 @@ exit_without_teardown(7)
 
 def run(tmp_path, mode):
     marker = tmp_path / f"marker-{mode}"
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(marker), mode], cwd=REPO, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(marker), mode], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     return out, marker
 
 

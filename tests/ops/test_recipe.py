@@ -7,8 +7,14 @@ from node.ops.config import RECIPES, ConfigError, load_config, resolve_recipe
 
 def test_cpu_recipe_fills_only_what_no_source_set(tmp_path):
     cfg = load_config(["--device", "cpu"], env={})
-    assert (cfg.recipe, cfg.tasks, cfg.lora_rank, cfg.lr, cfg.num_local, cfg.num_external) == \
-        ("cpu", "cpu-learn", 8, RECIPES["cpu"]["lr"], 2, 2)
+    assert (cfg.recipe, cfg.tasks, cfg.lora_rank, cfg.lr, cfg.num_local, cfg.num_external) == (
+        "cpu",
+        "cpu-learn",
+        8,
+        RECIPES["cpu"]["lr"],
+        2,
+        2,
+    )
     assert cfg.rollout_engine == "auto" and cfg.collapse_guard and cfg.beta == RECIPES["cpu"]["beta"] > 0
     assert load_config(["--device", "cpu", "--beta", "0"], env={}).beta == 0
     assert load_config(["--device", "cpu", "--tasks", "paper", "--num-local", "4"], env={}).tasks == "paper"
@@ -28,8 +34,15 @@ def test_full_fine_tuning_on_a_cpu_keeps_the_full_fine_tuning_rate():
 def test_no_recipe_and_a_gpu_with_another_model_keep_the_papers_setup():
     for argv in (["--recipe", "none"], ["--device", "cuda", "--model", "Qwen/Qwen2.5-0.5B-Instruct"]):
         cfg = load_config(argv, env={})
-        assert (cfg.recipe, cfg.tasks, cfg.lora_rank, cfg.lr, cfg.num_local, cfg.num_external, cfg.beta) == \
-            ("none", "paper", 0, 1e-6, 4, 4, 0)
+        assert (cfg.recipe, cfg.tasks, cfg.lora_rank, cfg.lr, cfg.num_local, cfg.num_external, cfg.beta) == (
+            "none",
+            "paper",
+            0,
+            1e-6,
+            4,
+            4,
+            0,
+        )
     assert resolve_recipe("cpu", "cuda") == "cpu"  # asked for by name: taken as given
 
 

@@ -20,8 +20,12 @@ sys.stdin.read()  # hold the lock until the test closes our stdin or kills us
 
 def test_busy_run_dir_names_the_owner_and_a_dead_owner_does_not_block(tmp_path):
     run_dir = tmp_path / "run"
-    owner = subprocess.Popen([sys.executable, "-c", OWNER.format(repo=str(REPO), run_dir=str(run_dir))],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER.format(repo=str(REPO), run_dir=str(run_dir))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert owner.stdout.readline().strip() == "locked"
         with pytest.raises(RunDirBusy, match=rf"run dir {run_dir} is in use by pid {owner.pid}"):

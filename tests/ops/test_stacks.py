@@ -52,12 +52,29 @@ def test_dumps_name_every_thread_most_recent_call_first_while_threads_run():
 def test_a_node_survives_a_burst_of_dumps_mid_round(tmp_path):
     run_dir = tmp_path / "run"
     out = tmp_path / "node.out"
-    args = ["--model", "tiny-random", "--tasks", "smoke", "--num-local", "2", "--generations", "4",
-            "--max-new-tokens", "8", "--rounds", "100000", "--eval-every", "0", "--no-tensorboard",
-            "--run-dir", str(run_dir)]
+    args = [
+        "--model",
+        "tiny-random",
+        "--tasks",
+        "smoke",
+        "--num-local",
+        "2",
+        "--generations",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--rounds",
+        "100000",
+        "--eval-every",
+        "0",
+        "--no-tensorboard",
+        "--run-dir",
+        str(run_dir),
+    ]
     with open(out, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "node.cli", *args], cwd=REPO, env=node_env(), stdout=fh,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "node.cli", *args], cwd=REPO, env=node_env(), stdout=fh, stderr=subprocess.STDOUT
+        )
     try:
         deadline = time.monotonic() + 120
         while not live_metrics(run_dir):

@@ -34,14 +34,30 @@ def fake_snapshot(**over) -> dict:
         "reward_ma": 0.2,
         "phase_s": {"generate": 3.5, "score": 0.25, "publish": 0.1, "fetch": 1.0, "train": 4.0},
         "history": [
-            {"round": r, "reward_mean": r / 10, "num_local": 4, "num_external": r % 3,
-             "phase_s": {"generate": 3.0, "train": 4.0}, "signal_frac": 0.5, "entropy_mean": 1.5}
+            {
+                "round": r,
+                "reward_mean": r / 10,
+                "num_local": 4,
+                "num_external": r % 3,
+                "phase_s": {"generate": 3.0, "train": 4.0},
+                "signal_frac": 0.5,
+                "entropy_mean": 1.5,
+            }
             | ({"eval_accuracy": r / 20, "eval_unseen_accuracy": r / 40} if r % 5 == 1 else {})
             for r in range(1, 7)
         ],
-        "eval": {"round": 6, "eval_accuracy": 0.3, "eval_accuracy/count_bits": 0.25, "eval_s": 4.5, "eval_size": 64,
-                 "eval_baseline": 0.125, "eval_unseen_accuracy": 0.2, "eval_unseen_accuracy/chain_sum": 0.15,
-                 "eval_unseen_baseline": 0.175, "eval_unseen_size": 64},
+        "eval": {
+            "round": 6,
+            "eval_accuracy": 0.3,
+            "eval_accuracy/count_bits": 0.25,
+            "eval_s": 4.5,
+            "eval_size": 64,
+            "eval_baseline": 0.125,
+            "eval_unseen_accuracy": 0.2,
+            "eval_unseen_accuracy/chain_sum": 0.15,
+            "eval_unseen_baseline": 0.175,
+            "eval_unseen_size": 64,
+        },
         "entropy": 1.5,
         "signal_frac": 0.5,
         "peers": {
@@ -52,10 +68,18 @@ def fake_snapshot(**over) -> dict:
             "accepted": {"cd" * 32: 12},
             "rejected": {"ef" * 32: {"bad_signature": 2, 'weird"reason': 1}},
         },
-        "totals": {"rounds": 6, "tokens_generated": 98765, "groups_local": 24, "groups_external": 6,
-                   "dropped_zero_adv": 3},
+        "totals": {
+            "rounds": 6,
+            "tokens_generated": 98765,
+            "groups_local": 24,
+            "groups_external": 6,
+            "dropped_zero_adv": 3,
+        },
         "reputation": {
-            "tracked": 40, "banned": 1, "ban_threshold": -10.0, "max_score": 5.0,
+            "tracked": 40,
+            "banned": 1,
+            "ban_threshold": -10.0,
+            "max_score": 5.0,
             "peers": {
                 "ef" * 32: {"score": -10.0, "banned_until": now + 3600, "strikes": 1, "last_seen": now - 30},
                 "cd" * 32: {"score": 1.5, "banned_until": None, "strikes": 0, "last_seen": now - 1},
@@ -68,6 +92,7 @@ def fake_snapshot(**over) -> dict:
 
 
 # ---------------------------------------------------------------- fixtures
+
 
 @pytest.fixture
 async def client():
@@ -89,6 +114,7 @@ class Box:
 
 
 # ---------------------------------------------------------------- tests
+
 
 async def test_status_json_and_routes(client):
     box = Box(fake_snapshot())
@@ -167,8 +193,9 @@ async def test_metrics_exposition(client):
     assert value_of(samples, "sapo_publisher_score", peer="ef" * 32) == -10
     assert value_of(samples, "sapo_publisher_score", peer="cd" * 32) == 1.5
     assert value_of(samples, "sapo_publisher_banned_until_timestamp_seconds", peer="ef" * 32) > time.time()
-    assert not [s for s in samples if s[0] == "sapo_publisher_banned_until_timestamp_seconds"
-                and s[1].get("peer") == "cd" * 32], "no ban, no sample"
+    assert not [
+        s for s in samples if s[0] == "sapo_publisher_banned_until_timestamp_seconds" and s[1].get("peer") == "cd" * 32
+    ], "no ban, no sample"
     assert value_of(samples, "sapo_verify_seconds_last_round") == 0.75
     assert value_of(samples, "sapo_verify_bytes_last_round") == 123456
     assert value_of(samples, "sapo_eval_accuracy") == 0.3
@@ -185,9 +212,16 @@ async def test_metrics_exposition(client):
 
 
 def test_render_metrics_tolerates_junk():
-    junk = {"round": "seven", "last_reward": None, "reward_ma": float("nan"), "phase_s": [1, 2],
-            "peers": {"x": None}, "groups": {"accepted": {"x": "many"}, "rejected": {"y": 3}},
-            "totals": None, "uptime_s": float("inf")}
+    junk = {
+        "round": "seven",
+        "last_reward": None,
+        "reward_ma": float("nan"),
+        "phase_s": [1, 2],
+        "peers": {"x": None},
+        "groups": {"accepted": {"x": "many"}, "rejected": {"y": 3}},
+        "totals": None,
+        "uptime_s": float("inf"),
+    }
     types, _, samples = parse_prometheus(render_metrics(junk))
     assert "sapo_round" not in types and "sapo_reward_last" not in types
     assert value_of(samples, "sapo_uptime_seconds") == float("inf")
@@ -270,8 +304,14 @@ async def test_async_snapshot_and_stop_releases_port(client):
 
 
 async def test_bootstrap_kind(client):
-    snap = {"peer_id": "12D3KooWBoot", "maddrs": ["/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWBoot"],
-            "swarm": "test-swarm", "uptime_s": 9.0, "peers_seen": 5, "version": "0.1.0"}
+    snap = {
+        "peer_id": "12D3KooWBoot",
+        "maddrs": ["/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWBoot"],
+        "swarm": "test-swarm",
+        "uptime_s": 9.0,
+        "peers_seen": 5,
+        "version": "0.1.0",
+    }
     server = await start_status_server(lambda: snap, kind="bootstrap")
     base = f"http://127.0.0.1:{server.port}"
     try:

@@ -13,11 +13,25 @@ from tbread import read_events, read_scalars
 
 
 def record(r: int, **extra) -> dict:
-    rec = {"round": r, "t_end": 1_700_000_000.0 + r, "reward_mean": 0.1 * r + 0.05, "reward_max": 1.0,
-           "loss": -0.01 * r, "kl": 0.002 * r, "clip_frac": 0.03, "entropy_mean": 2.5 - 0.1 * r,
-           "signal_frac": 0.4, "num_local": 2, "num_external": r % 3, "external_rejected": 2,
-           "rejected_by_reason": {"bad_signature": 1, "banned": 1}, "phase_s": {"generate": 1.5, "train": 0.25},
-           "peak_mem_mb": 812.4, "ij_policy": "fixed", "external_sources": {"abcd": 1}}
+    rec = {
+        "round": r,
+        "t_end": 1_700_000_000.0 + r,
+        "reward_mean": 0.1 * r + 0.05,
+        "reward_max": 1.0,
+        "loss": -0.01 * r,
+        "kl": 0.002 * r,
+        "clip_frac": 0.03,
+        "entropy_mean": 2.5 - 0.1 * r,
+        "signal_frac": 0.4,
+        "num_local": 2,
+        "num_external": r % 3,
+        "external_rejected": 2,
+        "rejected_by_reason": {"bad_signature": 1, "banned": 1},
+        "phase_s": {"generate": 1.5, "train": 0.25},
+        "peak_mem_mb": 812.4,
+        "ij_policy": "fixed",
+        "external_sources": {"abcd": 1},
+    }
     rec.update(extra)
     return rec
 
@@ -38,8 +52,15 @@ def test_scalars_of_a_record():
     assert tags["eval/accuracy/count_bits"] == 0.75
     assert not any("ij_policy" in t or "sources" in t for t in tags)  # strings and per-peer maps stay out
     assert "eval/accuracy" not in scalars(record(1))  # a round without evaluation has no accuracy point
-    unseen = scalars(record(2, eval_accuracy=0.6, eval_unseen_accuracy=0.3, eval_unseen_baseline=0.17,
-                            **{"eval_unseen_accuracy/chain_sum": 0.25, "eval_unseen_scores": [1.0, 0.0]}))
+    unseen = scalars(
+        record(
+            2,
+            eval_accuracy=0.6,
+            eval_unseen_accuracy=0.3,
+            eval_unseen_baseline=0.17,
+            **{"eval_unseen_accuracy/chain_sum": 0.25, "eval_unseen_scores": [1.0, 0.0]},
+        )
+    )
     assert unseen["eval/unseen_accuracy"] == 0.3 and unseen["eval/unseen_constant_answer_baseline"] == 0.17
     assert unseen["eval/unseen_accuracy/chain_sum"] == 0.25 and "eval/accuracy/chain_sum" not in unseen
     assert not [t for t in tags if "unseen" in t]  # a mix without an unseen set has no such curve

@@ -85,7 +85,10 @@ async def test_bootstrap_lifecycle(tmp_path):
         maddrs = wait_for_file(maddrs_file, proc)
         assert maddrs and all(f"/tcp/{port}/p2p/" in m for m in maddrs)
         cfg = lambda name, peers: TransportConfig(  # noqa: E731
-            identity_dir=tmp_path / name, swarm="btest", host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers,
+            identity_dir=tmp_path / name,
+            swarm="btest",
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            initial_peers=peers,
             pow_difficulty=int(os.environ["SAPO_POW_DIFFICULTY"]),  # the bootstrap's setting (tests/conftest.py)
             fetch_timeout_s=30.0,  # the fetch below is compared with an exact list: never cut short by load
         )
@@ -93,8 +96,9 @@ async def test_bootstrap_lifecycle(tmp_path):
         await asyncio.gather(a.start(), b.start())
         try:
             ident = a.identity
-            data = encode_signed(RolloutBatch(WIRE_VERSION, "btest", 4, ident.public_key_bytes, time.time(), "m", []),
-                                 ident)
+            data = encode_signed(
+                RolloutBatch(WIRE_VERSION, "btest", 4, ident.public_key_bytes, time.time(), "m", []), ident
+            )
             assert await a.publish(4, data)
             assert [(r.publisher, r.round) for r in await b.fetch()] == [(a.identity.public_key_bytes, 4)]
             snap = await wait_for_status(url, proc, min_peers=2)

@@ -71,9 +71,19 @@ _PEER_PY = textwrap.dedent("""
 
 # One place for the commands each role runs inside its namespace.
 COMMANDS = {
-    "bootstrap": lambda ip, tmp: [sys.executable, "-m", "bootstrap.main", "--host-maddrs", f"/ip4/{ip}/tcp/0",
-                                  "--identity-dir", str(tmp / "boot"), "--maddrs-file", str(tmp / "maddrs.txt"),
-                                  "--swarm", SWARM],
+    "bootstrap": lambda ip, tmp: [
+        sys.executable,
+        "-m",
+        "bootstrap.main",
+        "--host-maddrs",
+        f"/ip4/{ip}/tcp/0",
+        "--identity-dir",
+        str(tmp / "boot"),
+        "--maddrs-file",
+        str(tmp / "maddrs.txt"),
+        "--swarm",
+        SWARM,
+    ],
     "writer": lambda ip, tmp, peers: [sys.executable, "-c", _PEER_PY, "writer", ip, str(tmp / "writer"), *peers],
     "reader": lambda ip, tmp, peers: [sys.executable, "-c", _PEER_PY, "reader", ip, str(tmp / "reader"), *peers],
 }
@@ -88,8 +98,12 @@ class Proc:
 
     def __init__(self, ns: str, argv: list[str]):
         self.p = subprocess.Popen(
-            [IP, "netns", "exec", ns, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, cwd=REPO,
+            [IP, "netns", "exec", ns, *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), "SAPO_THREADS": "1"},
         )
         self.lines: list[str] = []
@@ -166,8 +180,13 @@ def two_namespaces():
             _run("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
             _run("-n", ns, "link", "set", dev, "up")
             _run("-n", ns, "link", "set", "lo", "up")
-        ping = subprocess.run([IP, "netns", "exec", ns_b, "ping", "-c", "1", "-W", "2", ip_a],
-                              capture_output=True, text=True) if shutil.which("ping") else None
+        ping = (
+            subprocess.run(
+                [IP, "netns", "exec", ns_b, "ping", "-c", "1", "-W", "2", ip_a], capture_output=True, text=True
+            )
+            if shutil.which("ping")
+            else None
+        )
         if ping is not None:
             assert ping.returncode == 0, f"veth link does not work: {ping.stdout}{ping.stderr}"
         yield {"a": (ns_a, ip_a), "b": (ns_b, ip_b)}

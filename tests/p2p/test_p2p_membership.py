@@ -34,14 +34,24 @@ def peer_at(tmp: Path, port: int, name: str = "boot") -> tuple[SwarmTransport, s
     if not identity.exists():
         P2P.generate_identity(str(identity))
     peer_id = PeerID.from_identity(identity.read_bytes())
-    cfg = TransportConfig(identity_dir=tmp / name, swarm=SWARM, host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"],
-                          p2p_identity_file=identity, pow_difficulty=POW)
+    cfg = TransportConfig(
+        identity_dir=tmp / name,
+        swarm=SWARM,
+        host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"],
+        p2p_identity_file=identity,
+        pow_difficulty=POW,
+    )
     return SwarmTransport(cfg), f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id}"
 
 
 def member(tmp: Path, peers: list[str], **kw) -> Membership:
-    cfg = TransportConfig(identity_dir=tmp / "member", swarm=SWARM, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                          initial_peers=peers, pow_difficulty=POW)
+    cfg = TransportConfig(
+        identity_dir=tmp / "member",
+        swarm=SWARM,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        initial_peers=peers,
+        pow_difficulty=POW,
+    )
     kw.setdefault("backoff", Backoff(first_s=0.2, max_s=1.0))
     return Membership(SwarmTransport(cfg), watch_every_s=0.5, probe_timeout_s=1.0, rng=random.Random(0), **kw)
 
@@ -71,7 +81,8 @@ async def test_probe_tells_a_closed_port_from_an_open_one():
 
 
 async def test_solo_while_the_bootstrap_is_down_joined_when_it_appears_and_again_after_every_peer_left(
-        tmp_path, caplog):
+    tmp_path, caplog
+):
     caplog.set_level(logging.INFO, logger="p2p.membership")
     port = free_port()
     boot, address = peer_at(tmp_path, port)
@@ -119,8 +130,10 @@ async def test_a_stop_during_the_first_join_returns_at_once(tmp_path):
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)  # connections complete in the kernel's backlog and are never served
-        m = member(tmp_path, [f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}/p2p/"
-                              "QmPKxbjj7f9tqZ8Mq6eLzpFzkbwkaERA87VSuqF2aPhrV4"])
+        m = member(
+            tmp_path,
+            [f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}/p2p/QmPKxbjj7f9tqZ8Mq6eLzpFzkbwkaERA87VSuqF2aPhrV4"],
+        )
         stopped = asyncio.Event()
         asyncio.get_running_loop().call_later(1.0, stopped.set)
         await asyncio.wait_for(m.start(stopped), 15.0)

@@ -60,7 +60,7 @@ def test_a_mint_takes_about_two_to_the_difficulty_hashes():
         n = int.from_bytes(nonce, "big")
         assert check_pow(key, nonce, 8) and not any(check_pow(key, k.to_bytes(8, "big"), 8) for k in range(n))
         tries.append(n + 1)
-    assert 2 ** 7 < sum(tries) / len(tries) < 2 ** 9, sum(tries) / len(tries)
+    assert 2**7 < sum(tries) / len(tries) < 2**9, sum(tries) / len(tries)
     assert check_pow(bytes(32), mint_pow(bytes(32), 16), 16)  # and near the default's difficulty too
 
 
@@ -69,8 +69,9 @@ def test_a_stopped_mint_goes_on_where_it_stopped_and_finds_the_same_nonce(tmp_pa
     mint of that key starts there and finds the nonce an uninterrupted mint finds."""
     from p2p.pow import CHUNK, MintStopped, load_or_mint_pow
 
-    key = next(k for k in (bytes([i]) * 32 for i in range(256))
-               if int.from_bytes(mint_pow(k, 14), "big") > 2 * CHUNK)  # a key whose nonce lies past 2 chunks
+    key = next(
+        k for k in (bytes([i]) * 32 for i in range(256)) if int.from_bytes(mint_pow(k, 14), "big") > 2 * CHUNK
+    )  # a key whose nonce lies past 2 chunks
     straight = mint_pow(key, 14)
     path = tmp_path / POW_FILENAME
     asked = []

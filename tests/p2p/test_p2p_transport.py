@@ -47,15 +47,14 @@ def config(tmp: Path, name: str, peers: list[str] | None = None, **kw) -> Transp
     timeout is one no loaded machine reaches on loopback (a test of the timeout itself sets its own)."""
     kw.setdefault("pow_difficulty", POW)
     kw.setdefault("fetch_timeout_s", 30.0)
-    return TransportConfig(
-        identity_dir=tmp / name, swarm=SWARM, host_maddrs=LOOPBACK, initial_peers=peers or [], **kw
-    )
+    return TransportConfig(identity_dir=tmp / name, swarm=SWARM, host_maddrs=LOOPBACK, initial_peers=peers or [], **kw)
 
 
 def batch(ident: Identity, rnd: int, text: str = "answer") -> bytes:
     group = WireGroup(TaskSpecWire("basic_arithmetic", {"max_terms": 3}, 5, rnd), [text, text + "!"], [1.0, 0.0])
-    return encode_signed(RolloutBatch(WIRE_VERSION, SWARM, rnd, ident.public_key_bytes, time.time(), "m", [group]),
-                         ident)
+    return encode_signed(
+        RolloutBatch(WIRE_VERSION, SWARM, rnd, ident.public_key_bytes, time.time(), "m", [group]), ident
+    )
 
 
 async def started(cfg: TransportConfig) -> SwarmTransport:
@@ -170,8 +169,9 @@ def test_a_dht_call_given_up_on_prints_no_traceback(tmp_path):
     as two tracebacks on the node's console (it did while the timed-out future was cancelled). A process of
     its own: the DHT process writes to the console it inherited, which pytest's capture does not see."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", _GIVE_UP_PY, str(tmp_path / "id")], capture_output=True, text=True,
-                         timeout=60, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", _GIVE_UP_PY, str(tmp_path / "id")], capture_output=True, text=True, timeout=60, env=env
+    )
     assert out.returncode == 0 and "TIMEOUT" in out.stdout and "ANSWER 1" in out.stdout, out.stdout + out.stderr
     assert "Traceback" not in out.stderr and "InvalidStateError" not in out.stderr, out.stderr
 
@@ -259,8 +259,9 @@ async def test_owner_protection_against_a_malicious_peer(tmp_path):
 
         # positive control: Mallory's own, validly signed record does reach the honest peers
         mk = owner_subkey(mallory_id.public_key_bytes)
-        assert mallory.store(batch_key(SWARM, mallory_id.public_key_bytes, 5), batch(mallory_id, 5),
-                             get_dht_time() + 60, subkey=mk)
+        assert mallory.store(
+            batch_key(SWARM, mallory_id.public_key_bytes, 5), batch(mallory_id, 5), get_dht_time() + 60, subkey=mk
+        )
 
         # the honest peers' stored records are unchanged
         for peer in (honest, witness):

@@ -45,8 +45,9 @@ def presence_key_of(owner: Identity) -> str:
 
 def batch_bytes(ident: Identity, rnd: int = 3, swarm: str = SWARM) -> bytes:
     group = WireGroup(TaskSpecWire("bf", {}, 1, 0), ["a", "b"], [1.0, 0.0])
-    return encode_signed(RolloutBatch(WIRE_VERSION, swarm, rnd, ident.public_key_bytes, time.time(), "m", [group]),
-                         ident)
+    return encode_signed(
+        RolloutBatch(WIRE_VERSION, swarm, rnd, ident.public_key_bytes, time.time(), "m", [group]), ident
+    )
 
 
 def record(key: str, owner: Identity, envelope: bytes, exp: float | None = None) -> DHTRecord:
@@ -75,8 +76,14 @@ def test_owner_record_accepted_and_stripped():
 def test_the_subkey_parser_reads_exactly_what_owner_subkey_writes():
     key = HONEST.public_key_bytes
     assert owner_of_subkey(owner_subkey(key)) == key
-    for other in (owner_subkey(key) + b"\n", owner_subkey(key).upper(), owner_subkey(key[:31]), b"[owner:abc]",
-                  owner_subkey(key).decode(), None):
+    for other in (
+        owner_subkey(key) + b"\n",
+        owner_subkey(key).upper(),
+        owner_subkey(key[:31]),
+        b"[owner:abc]",
+        owner_subkey(key).decode(),
+        None,
+    ):
         assert owner_of_subkey(other) is None, other
 
 
@@ -118,8 +125,9 @@ def test_envelope_must_be_by_owner_and_well_placed():
     other = batch_bytes(MALLORY, 3, swarm="other")
     assert mv.check(signed(mv, record(round_key(SWARM, 3, MALLORY), MALLORY, other))) == "payload is for another swarm"
     pres = encode_presence(PresenceRecord(WIRE_VERSION, SWARM, MALLORY.public_key_bytes, 3, time.time()), MALLORY)
-    assert (mv.check(signed(mv, record(round_key(SWARM, 3, MALLORY), MALLORY, pres)))
-            == "presence record under a wrong key")
+    assert (
+        mv.check(signed(mv, record(round_key(SWARM, 3, MALLORY), MALLORY, pres))) == "presence record under a wrong key"
+    )
 
 
 def test_foreign_records_rejected():
@@ -216,14 +224,21 @@ def test_presence_sits_in_tier_0_and_in_its_keys_work_tier():
     paid for."""
     difficulty = 2
     rich = Identity.generate(difficulty + TIER_BITS)  # at least tier 1
-    poor = next(i for i in iter(lambda: Identity.generate(difficulty), None)
-                if work_bits(i.public_key_bytes, i.pow_nonce) < difficulty + TIER_BITS)  # tier 0
+    poor = next(
+        i
+        for i in iter(lambda: Identity.generate(difficulty), None)
+        if work_bits(i.public_key_bytes, i.pow_nonce) < difficulty + TIER_BITS
+    )  # tier 0
     assert work_tier(rich.public_key_bytes, rich.pow_nonce, difficulty) >= 1
     for owner in (rich, poor):
         v = SapoRecordValidator(owner, SWARM, pow_difficulty=difficulty)
         pres = encode_presence(PresenceRecord(WIRE_VERSION, SWARM, owner.public_key_bytes, 3, time.time()), owner)
-        accepted = [(t, s) for t in range(MAX_TIER + 1) for s in range(tier_shards(64, t))
-                    if v.check(signed(v, record(presence_key(SWARM, s, t), owner, pres))) is None]
+        accepted = [
+            (t, s)
+            for t in range(MAX_TIER + 1)
+            for s in range(tier_shards(64, t))
+            if v.check(signed(v, record(presence_key(SWARM, s, t), owner, pres))) is None
+        ]
         tier = work_tier(owner.public_key_bytes, owner.pow_nonce, difficulty)
         homes = presence_keys_for(SWARM, owner.public_key_bytes, owner.pow_nonce, difficulty, 64)
         assert [t for t, _ in accepted] == sorted({0, tier}) and len(homes) == len(accepted)

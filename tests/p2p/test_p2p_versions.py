@@ -39,15 +39,29 @@ _V1_PEER = textwrap.dedent("""
 
 
 def _v1_tree(tmp) -> str:
-    found = subprocess.run(["git", "-C", str(REPO), "log", "--format=%H", "-S", "WIRE_VERSION = 1", "--",
-                            "p2p/wire.py"], capture_output=True, text=True, check=False).stdout.split()
+    found = subprocess.run(
+        ["git", "-C", str(REPO), "log", "--format=%H", "-S", "WIRE_VERSION = 1", "--", "p2p/wire.py"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.split()
     if not found:
-        shallow = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--is-shallow-repository"],
-                                 capture_output=True, text=True, check=False).stdout.strip() == "true"
-        pytest.skip("protocol v1 is not in this checkout's git history" +
-                    (": a shallow clone (`git fetch --unshallow` brings it; .ci/run does in CI)" if shallow else ""))
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", found[0] + "^", "p2p"], capture_output=True,
-                             check=True)
+        shallow = (
+            subprocess.run(
+                ["git", "-C", str(REPO), "rev-parse", "--is-shallow-repository"],
+                capture_output=True,
+                text=True,
+                check=False,
+            ).stdout.strip()
+            == "true"
+        )
+        pytest.skip(
+            "protocol v1 is not in this checkout's git history"
+            + (": a shallow clone (`git fetch --unshallow` brings it; .ci/run does in CI)" if shallow else "")
+        )
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", found[0] + "^", "p2p"], capture_output=True, check=True
+    )
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
     return str(tmp)
 
@@ -55,13 +69,21 @@ def _v1_tree(tmp) -> str:
 async def test_v1_peer_is_refused_and_nothing_crashes(tmp_path):
     (tmp_path / "v1").mkdir()
     v1 = _v1_tree(tmp_path / "v1")
-    v2 = SwarmTransport(TransportConfig(identity_dir=tmp_path / "v2", swarm="vmix", pow_difficulty=4,
-                                        host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    v2 = SwarmTransport(
+        TransportConfig(
+            identity_dir=tmp_path / "v2", swarm="vmix", pow_difficulty=4, host_maddrs=["/ip4/127.0.0.1/tcp/0"]
+        )
+    )
     await v2.start()
     try:
-        proc = subprocess.run([sys.executable, "-c", _V1_PEER, str(tmp_path / "v1peer"), v2.visible_maddrs()[0]],
-                              capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                              env={"PYTHONPATH": f"{v1}:{REPO}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+        proc = subprocess.run(
+            [sys.executable, "-c", _V1_PEER, str(tmp_path / "v1peer"), v2.visible_maddrs()[0]],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+            env={"PYTHONPATH": f"{v1}:{REPO}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "PUBLISHED 2" in proc.stdout and "FETCHED 0" in proc.stdout, proc.stdout
         deadline = time.monotonic() + 30

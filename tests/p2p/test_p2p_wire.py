@@ -266,8 +266,9 @@ def test_a_swarm_name_is_refused_up_front_unless_its_presence_records_always_fit
 
     ident = Identity.generate()
     longest = max(n for n in range(1, 300) if presence_fits("s" * n))
-    rec = PresenceRecord(WIRE_VERSION, "s" * longest, ident.public_key_bytes, MAX_ROUND,
-                         math.nextafter(MAX_TIMESTAMP, 0))
+    rec = PresenceRecord(
+        WIRE_VERSION, "s" * longest, ident.public_key_bytes, MAX_ROUND, math.nextafter(MAX_TIMESTAMP, 0)
+    )
     assert decode_presence(encode_presence(rec, ident)).swarm == "s" * longest
     TransportConfig(identity_dir=tmp_path, swarm="s" * longest)
     with pytest.raises(ValueError, match="swarm name too long"):

@@ -37,8 +37,18 @@ def test_logp_mean_round_trips_rounded_and_costs_a_few_bytes_a_completion():
     assert 0 < len(data) - len(plain) <= 3 * 10 + len('"logp_mean":[],')
 
 
-@pytest.mark.parametrize("bad", [[-0.1, -0.2], [-0.1, -0.2, 0.5], [-0.1, -0.2, MIN_LOGP_MEAN - 1], [-0.1, "x", 0.0],
-                                 {"a": 1}, [-0.1, None, -0.3], [True, -0.2, -0.3]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [-0.1, -0.2],
+        [-0.1, -0.2, 0.5],
+        [-0.1, -0.2, MIN_LOGP_MEAN - 1],
+        [-0.1, "x", 0.0],
+        {"a": 1},
+        [-0.1, None, -0.3],
+        [True, -0.2, -0.3],
+    ],
+)
 def test_a_malformed_logp_mean_is_schema(bad):
     obj = payload_of(encode_signed(with_logp([[-0.1, -0.2, -0.3]]), ME))
     obj["groups"][0]["logp_mean"] = bad
@@ -67,11 +77,16 @@ _OLD_PEER = textwrap.dedent("""
 def _tree_before_minor(tmp) -> str:
     """p2p/ as it was before minor 1 (the parent of the commit that brought WIRE_MINOR), or HEAD's if no commit
     has it yet (the change is not committed)."""
-    found = subprocess.run(["git", "-C", str(REPO), "log", "--format=%H", "-S", "WIRE_MINOR", "--", "p2p/wire.py"],
-                           capture_output=True, text=True, check=False).stdout.split()
+    found = subprocess.run(
+        ["git", "-C", str(REPO), "log", "--format=%H", "-S", "WIRE_MINOR", "--", "p2p/wire.py"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.split()
     if not found:
-        head = subprocess.run(["git", "-C", str(REPO), "show", "HEAD:p2p/wire.py"], capture_output=True, text=True,
-                              check=False)
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "show", "HEAD:p2p/wire.py"], capture_output=True, text=True, check=False
+        )
         if head.returncode != 0 or "WIRE_MINOR" in head.stdout:
             pytest.skip("the protocol before minor 1 is not in this checkout's git history")
     rev = found[-1] + "^" if found else "HEAD"
@@ -83,9 +98,14 @@ def _tree_before_minor(tmp) -> str:
 def test_older_peers_and_minor_one_read_each_other(tmp_path):
     old_tree = _tree_before_minor(tmp_path)
     ours = encode_signed(with_logp([[-0.5, -1.5, -0.25]]), ME)
-    out = subprocess.run([sys.executable, "-c", _OLD_PEER, base64.b64encode(ours).decode()], cwd=old_tree,
-                         env={"PYTHONPATH": old_tree, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", _OLD_PEER, base64.b64encode(ours).decode()],
+        cwd=old_tree,
+        env={"PYTHONPATH": old_tree, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
     assert lines["READ"] == "1 éé"

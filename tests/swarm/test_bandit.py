@@ -128,8 +128,9 @@ def recopy(original: bytes, thief: Identity, round_: int) -> bytes:
     from p2p.wire import decode_signed
 
     b = decode_signed(original)
-    return encode_signed(RolloutBatch(WIRE_VERSION, "s", round_, thief.public_key_bytes, time.time(), "m", b.groups),
-                         thief)
+    return encode_signed(
+        RolloutBatch(WIRE_VERSION, "s", round_, thief.public_key_bytes, time.time(), "m", b.groups), thief
+    )
 
 
 def test_copied_content_is_trained_on_once_and_the_copier_earns_nothing():
@@ -222,8 +223,11 @@ def test_a_newcomer_seen_once_is_queued_and_tried_within_the_bound_without_being
     for rnd in range(2, 100):
         head = b.preferred(k)
         assert set(honest) <= set(head) and len(head) <= k
-        candidates = seen_once if rnd == 2 else {
-            p: rnd for p in set(head) | set(rng.sample(sybils, 5)) if p != gone and b.fresh(p)}
+        candidates = (
+            seen_once
+            if rnd == 2
+            else {p: rnd for p in set(head) | set(rng.sample(sybils, 5)) if p != gone and b.fresh(p)}
+        )
         chosen = b.choose(candidates, k)
         if newcomer in chosen:
             break

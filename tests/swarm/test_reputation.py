@@ -185,19 +185,30 @@ def test_empty_table_writes_no_file_and_missing_file_is_a_fresh_table(tmp_path):
     assert not rep.load(tmp_path / REPUTATION_FILE) and len(rep) == 0
 
 
-@pytest.mark.parametrize("content", [
-    b"{not json",
-    b"\xff\xfe",
-    b"[]",
-    json.dumps({"format": "other", "peers": {}}).encode(),
-    json.dumps({"format": "sapo-reputation/1", "peers": {"zz": {}}}).encode(),
-    json.dumps({"format": "sapo-reputation/1", "peers": {"ab": {"score": "x", "banned_until": 0, "strikes": 0,
-                                                                "last_seen": 0}}}).encode(),
-    b'{"format": "sapo-reputation/1", "peers": {"ab": {"score": NaN, "banned_until": 0, "strikes": 0, '
-    b'"last_seen": 0}}}',
-    json.dumps({"format": "sapo-reputation/1", "peers": {"ab": {"score": 1, "banned_until": 0, "strikes": -1,
-                                                                "last_seen": 0}}}).encode(),
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b"\xff\xfe",
+        b"[]",
+        json.dumps({"format": "other", "peers": {}}).encode(),
+        json.dumps({"format": "sapo-reputation/1", "peers": {"zz": {}}}).encode(),
+        json.dumps(
+            {
+                "format": "sapo-reputation/1",
+                "peers": {"ab": {"score": "x", "banned_until": 0, "strikes": 0, "last_seen": 0}},
+            }
+        ).encode(),
+        b'{"format": "sapo-reputation/1", "peers": {"ab": {"score": NaN, "banned_until": 0, "strikes": 0, '
+        b'"last_seen": 0}}}',
+        json.dumps(
+            {
+                "format": "sapo-reputation/1",
+                "peers": {"ab": {"score": 1, "banned_until": 0, "strikes": -1, "last_seen": 0}},
+            }
+        ).encode(),
+    ],
+)
 def test_corrupt_file_gives_one_warning_and_a_fresh_table(tmp_path, caplog, content):
     path = tmp_path / REPUTATION_FILE
     path.write_bytes(content)
@@ -214,16 +225,25 @@ def test_corrupt_file_gives_one_warning_and_a_fresh_table(tmp_path, caplog, cont
 
 
 def _row(score="1", strikes="0") -> bytes:
-    return (b'{"format": "sapo-reputation/1", "peers": {"ab": {"score": ' + score.encode()
-            + b', "banned_until": 0, "strikes": ' + strikes.encode() + b', "last_seen": 0}}}')
+    return (
+        b'{"format": "sapo-reputation/1", "peers": {"ab": {"score": '
+        + score.encode()
+        + b', "banned_until": 0, "strikes": '
+        + strikes.encode()
+        + b', "last_seen": 0}}}'
+    )
 
 
-@pytest.mark.parametrize("content", [
-    _row(strikes="Infinity"),  # json reads it; int() of it is an OverflowError, not a ValueError
-    _row(strikes="1e999"),
-    _row(score="1" + "0" * 400),  # an int no float holds
-    b"[" * 100_000 + b"]" * 100_000,  # deeper than the json module recurses
-], ids=["strikes-Infinity", "strikes-1e999", "score-10^400", "deep"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        _row(strikes="Infinity"),  # json reads it; int() of it is an OverflowError, not a ValueError
+        _row(strikes="1e999"),
+        _row(score="1" + "0" * 400),  # an int no float holds
+        b"[" * 100_000 + b"]" * 100_000,  # deeper than the json module recurses
+    ],
+    ids=["strikes-Infinity", "strikes-1e999", "score-10^400", "deep"],
+)
 def test_numbers_no_type_holds_and_deep_nesting_are_corrupt_not_a_crash(tmp_path, caplog, content):
     """Reputation.load never raises on the file's content: these too are one warning and a fresh table."""
     path = tmp_path / REPUTATION_FILE
@@ -241,8 +261,10 @@ def test_numbers_no_type_holds_and_deep_nesting_are_corrupt_not_a_crash(tmp_path
 def groups(seed=1, n=2, signal=True):
     out = []
     for task in TaskSampler(MIX, seed).sample(n):
-        responses = ([f"<answer>{task.answer}</answer>"] if signal else []) + ["<answer>nope</answer>",
-                                                                                 "<answer>0</answer>"]
+        responses = ([f"<answer>{task.answer}</answer>"] if signal else []) + [
+            "<answer>nope</answer>",
+            "<answer>0</answer>",
+        ]
         out.append(Group(task=task, responses=responses, rewards=score_responses(task, responses)))
     return out
 
@@ -280,7 +302,7 @@ def test_garbage_under_someone_elses_key_cannot_frame_it():
     for i in range(50):
         data = bytearray(make_batch(victim, "s", i, "m", groups()))
         at = data.find(b"nope")
-        data[at:at + 4] = b"yes!"  # the victim's key in the header, a signature that does not hold
+        data[at : at + 4] = b"yes!"  # the victim's key in the header, a signature that does not hold
         v.verify(bytes(data), hint=victim.public_key_bytes)
         v.verify(make_batch(Identity.generate(), "s", i, "m", groups()), hint=victim.public_key_bytes)
     assert stats.rejected[victim.public_key_hex]["bad_signature"] == 50
@@ -289,8 +311,7 @@ def test_garbage_under_someone_elses_key_cannot_frame_it():
 
 def test_signed_cap_violations_cost_the_signer():
     stats = ExchangeStats()
-    v = Verifier(Identity.generate().public_key_bytes, MIX, VerifyConfig(swarm="s", caps=WireCaps(max_groups=1)),
-                 stats)
+    v = Verifier(Identity.generate().public_key_bytes, MIX, VerifyConfig(swarm="s", caps=WireCaps(max_groups=1)), stats)
     peer = Identity.generate()
     v.verify(make_batch(peer, "s", 1, "m", groups(n=2)), hint=None)  # no transport hint: the signer is read
     assert stats.rejected[peer.public_key_hex]["too_many_groups"] == 1
@@ -349,8 +370,15 @@ def useless_batch(peer: Identity, round_: int = 1, n_groups: int = 8) -> bytes:
     task = TaskSampler(MIX, round_).sample(1)[0]
     completions = ["<answer>nope</answer>", "<answer>nope</answer>"]  # valid, honestly scored, no signal
     wg = WireGroup(TaskSpecWire(**task.spec.to_wire()), completions, score_responses(task, completions))
-    batch = RolloutBatch(version=WIRE_VERSION, swarm="s", round=round_, publisher=peer.public_key_bytes,
-                         created_at=time.time(), model="sybil", groups=[wg] * n_groups)
+    batch = RolloutBatch(
+        version=WIRE_VERSION,
+        swarm="s",
+        round=round_,
+        publisher=peer.public_key_bytes,
+        created_at=time.time(),
+        model="sybil",
+        groups=[wg] * n_groups,
+    )
     return encode_signed(batch, peer)
 
 
@@ -365,8 +393,9 @@ def test_time_budget_holds_under_a_flood_and_established_peers_go_first():
         ex._verify_all([(peer.public_key_bytes, make_batch(peer, "s", 1, "m", groups(seed=3 + 10 * i)))])
     sybils = [Identity.generate() for _ in range(200)]
     records = [(p.public_key_bytes, useless_batch(p)) for p in sybils]
-    records[50:50] = [(p.public_key_bytes, make_batch(p, "s", 2, "m", groups(seed=4 + 10 * i)))
-                      for i, p in enumerate(honest)]
+    records[50:50] = [
+        (p.public_key_bytes, make_batch(p, "s", 2, "m", groups(seed=4 + 10 * i))) for i, p in enumerate(honest)
+    ]
     ex.clock = Tick()
     ex.stats.new_round()
     got = ex._verify_all(records)
@@ -453,8 +482,9 @@ async def test_batches_over_the_verify_budget_are_offered_again_over_the_dht_not
     peers = [Identity.generate() for _ in range(6)]
     records = [FetchedRecord(p.public_key_bytes, 1, useless_batch(p)) for p in peers]
     transport = ListedTransport(Identity.generate(), records)
-    ex = DhtExchange(transport, MIX, VerifyConfig(swarm="s", budget_bytes=2 * len(records[0].data) - 1,
-                                                  budget_s=1e9), "m")
+    ex = DhtExchange(
+        transport, MIX, VerifyConfig(swarm="s", budget_bytes=2 * len(records[0].data) - 1, budget_s=1e9), "m"
+    )
     await ex.verify(await ex.fetch(1))
     assert ex.stats.round_verified == 2 and ex.stats.round_rejected["over_budget"] == 4
     assert transport.offered_again == [r for r in records if sha256(r.data).hexdigest() not in ex.verifier.judged]

@@ -36,9 +36,32 @@ def tiny_model():
 
 def make_node(tmp_path, name, seed, board, tiny_model, exchange_cls=MemoryExchange, extra=()):
     run_dir = tmp_path / name
-    cfg = load_config(["--model", "tiny-random", "--tasks", "smoke", "--num-local", "2", "--num-external", "4",
-                       "--generations", "4", "--max-new-tokens", "8", "--seed", str(seed), "--run-dir", str(run_dir),
-                       "--swarm", "mem", "--pow-difficulty", "8", *extra], env={})
+    cfg = load_config(
+        [
+            "--model",
+            "tiny-random",
+            "--tasks",
+            "smoke",
+            "--num-local",
+            "2",
+            "--num-external",
+            "4",
+            "--generations",
+            "4",
+            "--max-new-tokens",
+            "8",
+            "--seed",
+            str(seed),
+            "--run-dir",
+            str(run_dir),
+            "--swarm",
+            "mem",
+            "--pow-difficulty",
+            "8",
+            *extra,
+        ],
+        env={},
+    )
     # the same identity after a restart
     identity = Identity.load_or_create(run_dir / KEY_FILENAME, create=True, pow_difficulty=cfg.pow_difficulty)
     exchange = exchange_cls(board, identity, MIX, verify_config(cfg), "tiny")
@@ -70,7 +93,9 @@ async def test_a_liar_is_banned_and_stays_banned_after_resume(tmp_path, tiny_mod
     opened = []
     judge = again.exchange.verifier.judge
     again.exchange.verifier.judge = lambda digest, data, now=None, hint=None: (
-        opened.append(hint), judge(digest, data, now, hint))[1]
+        opened.append(hint),
+        judge(digest, data, now, hint),
+    )[1]
     await again.open()
     assert again.next_round == 1
     assert not again.exchange.reputation.allowed(liar_key)

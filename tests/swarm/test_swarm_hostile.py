@@ -74,8 +74,9 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def batch(ident: Identity, swarm: str, rnd: int, groups: list[WireGroup], model: str = "m") -> bytes:
-    return encode_signed(RolloutBatch(WIRE_VERSION, swarm, rnd, ident.public_key_bytes, time.time(), model, groups),
-                         ident)
+    return encode_signed(
+        RolloutBatch(WIRE_VERSION, swarm, rnd, ident.public_key_bytes, time.time(), model, groups), ident
+    )
 
 
 def presence(ident: Identity, swarm: str, rnd: int) -> bytes:
@@ -154,15 +155,19 @@ def test_sybils_that_follow_the_rules_do_not_dilute_honest_peers(tmp_path):
     attacker = None
     try:
         keys = [prefix_of(d) for d in run_dirs]
-        wait_for(lambda: all(keys[1 - i] in sources(rounds(d)) for i, d in enumerate(run_dirs)), nodes, left(),
-                 "the honest nodes to train on each other")
+        wait_for(
+            lambda: all(keys[1 - i] in sources(rounds(d)) for i, d in enumerate(run_dirs)),
+            nodes,
+            left(),
+            "the honest nodes to train on each other",
+        )
         t_proven = time.time()
-        wait_for(lambda: min(len(after(d, t_proven)) for d in run_dirs) >= per_phase, nodes, left(),
-                 "rounds before")
+        wait_for(lambda: min(len(after(d, t_proven)) for d in run_dirs) >= per_phase, nodes, left(), "rounds before")
         t_attack = time.time()
         victims = [Identity.load_or_create(d / "identity.ed25519", create=False).public_key_bytes for d in run_dirs]
-        attacker = Attacker("ghost+useless+copycat+liars", n_sybils, swarm, maddrs, POW, tmp_path, victims,
-                            ttl=120, liars_per_period=0)
+        attacker = Attacker(
+            "ghost+useless+copycat+liars", n_sybils, swarm, maddrs, POW, tmp_path, victims, ttl=120, liars_per_period=0
+        )
 
         async def attack() -> None:
             while min(len(after(d, t_attack)) for d in run_dirs) < per_phase:
@@ -173,16 +178,19 @@ def test_sybils_that_follow_the_rules_do_not_dilute_honest_peers(tmp_path):
         try:
             asyncio.run(asyncio.wait_for(attack(), left()))
         except asyncio.TimeoutError:
-            raise AssertionError(f"under attack, the honest nodes did not finish {per_phase} rounds each in time: "
-                                 f"{[len(after(d, t_attack)) for d in run_dirs]}") from None
+            raise AssertionError(
+                f"under attack, the honest nodes did not finish {per_phase} rounds each in time: "
+                f"{[len(after(d, t_attack)) for d in run_dirs]}"
+            ) from None
         t_end = time.time()
 
         def share(reader: Path, publisher: Path, key: str, lo: float, hi: float) -> float:
             """Of the useful groups (with signal) `publisher` made in [lo, hi), the share `reader` trained on:
             unlike groups per round, it does not move when the publisher's model drifts between phases."""
             got = sum(r["external_sources"].get(key, 0) for r in after(reader, lo) if r["t_start"] < hi)
-            made = sum(round(r["local_signal_frac"] * r["target_local"]) for r in after(publisher, lo)
-                       if r["t_start"] < hi)
+            made = sum(
+                round(r["local_signal_frac"] * r["target_local"]) for r in after(publisher, lo) if r["t_start"] < hi
+            )
             return got / max(made, 1)
 
         for i, d in enumerate(run_dirs):
@@ -224,8 +232,12 @@ async def test_replica_answering_with_an_invalid_subkey_does_not_hide_honest_rec
     honest = transport(tmp_path, "honest", swarm, [])
     await honest.start()
     evil_id = Identity.generate(POW)
-    liar = hivemind.DHT(initial_peers=honest.visible_maddrs(), start=True, host_maddrs=[LOOPBACK],
-                        record_validators=[StoresAnything(evil_id)])
+    liar = hivemind.DHT(
+        initial_peers=honest.visible_maddrs(),
+        start=True,
+        host_maddrs=[LOOPBACK],
+        record_validators=[StoresAnything(evil_id)],
+    )
     reader = plain = None
     try:
         hk = honest.identity.public_key_bytes
@@ -235,8 +247,9 @@ async def test_replica_answering_with_an_invalid_subkey_does_not_hide_honest_rec
         junk_subkey = b"[ed25519:" + b"0" * 64 + b"]"
         pkey = shard_key(swarm, honest.identity)
         for key in (pkey, batch_key(swarm, hk, 3)):
-            assert await asyncio.wait_for(liar.run_coroutine(partial(_inject, key=key, subkey=junk_subkey),
-                                                             return_future=True), 30)
+            assert await asyncio.wait_for(
+                liar.run_coroutine(partial(_inject, key=key, subkey=junk_subkey), return_future=True), 30
+            )
         maddrs = [str(m) for m in liar.get_visible_maddrs()]
         await honest.shutdown()  # now the liar is the only replica left
         reader = transport(tmp_path, "reader", swarm, maddrs, client_mode=True)
@@ -244,9 +257,13 @@ async def test_replica_answering_with_an_invalid_subkey_does_not_hide_honest_rec
         got = await reader.fetch()
         assert [(r.publisher, r.round, r.data) for r in got] == [(hk, 3, data)]
         # control: hivemind's own handling drops the whole answer of that replica
-        plain = hivemind.DHT(initial_peers=maddrs, start=True, host_maddrs=[LOOPBACK], client_mode=True,
-                             record_validators=[SapoRecordValidator(Identity.generate(POW), swarm,
-                                                                    pow_difficulty=POW)])
+        plain = hivemind.DHT(
+            initial_peers=maddrs,
+            start=True,
+            host_maddrs=[LOOPBACK],
+            client_mode=True,
+            record_validators=[SapoRecordValidator(Identity.generate(POW), swarm, pow_difficulty=POW)],
+        )
         assert plain.get(pkey, latest=True) is None
     finally:
         for t in (reader, honest):
@@ -274,8 +291,9 @@ async def test_key_without_proof_of_work_is_refused_everywhere(tmp_path):
         assert rejected.get("dht_envelope_weak_identity", 0) > 0, rejected
         # the Verifier refuses it too, whatever path the bytes took
         stats = ExchangeStats()
-        verifier = Verifier(a.identity.public_key_bytes, PRESETS["smoke"],
-                            VerifyConfig(swarm=swarm, pow_difficulty=strict), stats)
+        verifier = Verifier(
+            a.identity.public_key_bytes, PRESETS["smoke"], VerifyConfig(swarm=swarm, pow_difficulty=strict), stats
+        )
         assert verifier.verify(data, hint=wk) == []
         assert stats.rejected[wk.hex()] == {"weak_identity": 1}
         # positive control: a key with the work gets through both
@@ -298,13 +316,22 @@ async def test_non_finite_or_far_expiration_is_never_stored(tmp_path):
     honest = transport(tmp_path, "honest", swarm, [])
     await honest.start()
     evil_id = Identity.generate(POW)
-    evil = hivemind.DHT(initial_peers=honest.visible_maddrs(), start=True, host_maddrs=[LOOPBACK],
-                        client_mode=True, record_validators=[StoresAnything(evil_id)])
+    evil = hivemind.DHT(
+        initial_peers=honest.visible_maddrs(),
+        start=True,
+        host_maddrs=[LOOPBACK],
+        client_mode=True,
+        record_validators=[StoresAnything(evil_id)],
+    )
     try:
         sub = owner_subkey(evil_id.public_key_bytes)
         for rnd, exp in enumerate((float("inf"), float("nan"), get_dht_time() + 10 * 86400)):
-            assert not evil.store(batch_key(swarm, evil_id.public_key_bytes, rnd),
-                                  batch(evil_id, swarm, rnd, [smoke_group(43)]), exp, subkey=sub)
+            assert not evil.store(
+                batch_key(swarm, evil_id.public_key_bytes, rnd),
+                batch(evil_id, swarm, rnd, [smoke_group(43)]),
+                exp,
+                subkey=sub,
+            )
         assert not evil.store(shard_key(swarm, evil_id), presence(evil_id, swarm, 1), float("inf"), subkey=sub)
         assert await honest.fetch() == []
         rejected = await honest.validator_rejections()
@@ -322,23 +349,37 @@ async def test_announced_rounds_cannot_inflate_a_fetch(tmp_path):
     honest = transport(tmp_path, "honest", swarm, [], fetch_max=fetch_max)
     await honest.start()
     ids = [Identity.generate(POW) for _ in range(60)]
-    attacker = hivemind.DHT(initial_peers=honest.visible_maddrs(), start=True, host_maddrs=[LOOPBACK],
-                            client_mode=True, record_validators=[SapoRecordValidator(
-                                ids[0], swarm, pow_difficulty=POW, also_sign_for=tuple(ids[1:]))])
+    attacker = hivemind.DHT(
+        initial_peers=honest.visible_maddrs(),
+        start=True,
+        host_maddrs=[LOOPBACK],
+        client_mode=True,
+        record_validators=[SapoRecordValidator(ids[0], swarm, pow_difficulty=POW, also_sign_for=tuple(ids[1:]))],
+    )
     try:
         exp = get_dht_time() + 120
-        items = [(shard_key(swarm, ident), owner_subkey(ident.public_key_bytes),
-                  presence(ident, swarm, MAX_ROUND - i), exp) for i, ident in enumerate(ids)]
+        items = [
+            (shard_key(swarm, ident), owner_subkey(ident.public_key_bytes), presence(ident, swarm, MAX_ROUND - i), exp)
+            for i, ident in enumerate(ids)
+        ]
         assert all(await store_all(attacker, items))
         await honest.fetch()
         assert honest.last_fetch.candidates >= fetch_max
         assert honest.last_fetch.batches_requested == fetch_max  # not 60, not 60 x window, not 400
         # a round past MAX_ROUND is refused by the validator (and the decoder)
-        over = canonical_json({"kind": "presence", "version": WIRE_VERSION, "swarm": swarm,
-                               "publisher": ids[0].public_key_bytes.hex(), "round": MAX_ROUND + 1,
-                               "updated_at": time.time()})
-        assert not attacker.store(shard_key(swarm, ids[0]), seal(over, ids[0]), exp,
-                                  subkey=owner_subkey(ids[0].public_key_bytes))
+        over = canonical_json(
+            {
+                "kind": "presence",
+                "version": WIRE_VERSION,
+                "swarm": swarm,
+                "publisher": ids[0].public_key_bytes.hex(),
+                "round": MAX_ROUND + 1,
+                "updated_at": time.time(),
+            }
+        )
+        assert not attacker.store(
+            shard_key(swarm, ids[0]), seal(over, ids[0]), exp, subkey=owner_subkey(ids[0].public_key_bytes)
+        )
     finally:
         attacker.shutdown()
         await honest.shutdown()
@@ -353,23 +394,40 @@ async def test_a_newcomer_with_more_work_is_met_before_a_crowd_of_fresh_cheaper_
     swarm = "hostile-tiers"
     reader = transport(tmp_path, "reader", swarm, [], fetch_max=16)
     await reader.start()
-    newcomer_key = next(i for i in (Identity.generate(tier_difficulty(POW, 1)) for _ in range(100))
-                        if work_tier(i.public_key_bytes, i.pow_nonce, POW) == 1)  # 1 in 16 mints reach tier 2
+    newcomer_key = next(
+        i
+        for i in (Identity.generate(tier_difficulty(POW, 1)) for _ in range(100))
+        if work_tier(i.public_key_bytes, i.pow_nonce, POW) == 1
+    )  # 1 in 16 mints reach tier 2
     newcomer = transport(tmp_path, "newcomer", swarm, reader.visible_maddrs(), identity=newcomer_key)
-    sybils = [i for i in (Identity.generate(POW) for _ in range(440))
-              if work_tier(i.public_key_bytes, i.pow_nonce, POW) == 0][:400]
-    attacker = hivemind.DHT(initial_peers=reader.visible_maddrs(), start=True, host_maddrs=[LOOPBACK],
-                            client_mode=True, record_validators=[SapoRecordValidator(
-                                sybils[0], swarm, pow_difficulty=POW, also_sign_for=tuple(sybils[1:]))])
+    sybils = [
+        i for i in (Identity.generate(POW) for _ in range(440)) if work_tier(i.public_key_bytes, i.pow_nonce, POW) == 0
+    ][:400]
+    attacker = hivemind.DHT(
+        initial_peers=reader.visible_maddrs(),
+        start=True,
+        host_maddrs=[LOOPBACK],
+        client_mode=True,
+        record_validators=[SapoRecordValidator(sybils[0], swarm, pow_difficulty=POW, also_sign_for=tuple(sybils[1:]))],
+    )
     try:
         await newcomer.start()
         assert newcomer.work_tier == 1
         assert await newcomer.publish(3, batch(newcomer.identity, swarm, 3, [smoke_group(45)]))
         exp = get_dht_time() + 120
-        items = [item for ident in sybils for item in (
-            (batch_key(swarm, ident.public_key_bytes, 3), owner_subkey(ident.public_key_bytes),
-             batch(ident, swarm, 3, [smoke_group(46)]), exp),
-            (shard_key(swarm, ident), owner_subkey(ident.public_key_bytes), presence(ident, swarm, 3), exp))]
+        items = [
+            item
+            for ident in sybils
+            for item in (
+                (
+                    batch_key(swarm, ident.public_key_bytes, 3),
+                    owner_subkey(ident.public_key_bytes),
+                    batch(ident, swarm, 3, [smoke_group(46)]),
+                    exp,
+                ),
+                (shard_key(swarm, ident), owner_subkey(ident.public_key_bytes), presence(ident, swarm, 3), exp),
+            )
+        ]
         assert all(await store_all(attacker, items))
         me = newcomer.identity.public_key_bytes
         shards = tier_shards(DEFAULT_PRESENCE_SHARDS, 1)
@@ -400,8 +458,13 @@ async def test_presence_records_are_small_and_in_their_own_shard(tmp_path):
     publisher = transport(tmp_path, "pub", swarm, honest.visible_maddrs())
     await publisher.start()
     evil_id = Identity.generate(POW)
-    evil = hivemind.DHT(initial_peers=honest.visible_maddrs(), start=True, host_maddrs=[LOOPBACK],
-                        client_mode=True, record_validators=[SapoRecordValidator(evil_id, swarm, pow_difficulty=POW)])
+    evil = hivemind.DHT(
+        initial_peers=honest.visible_maddrs(),
+        start=True,
+        host_maddrs=[LOOPBACK],
+        client_mode=True,
+        record_validators=[SapoRecordValidator(evil_id, swarm, pow_difficulty=POW)],
+    )
     try:
         assert await publisher.publish(1, batch(publisher.identity, swarm, 1, [smoke_group(44)]))
         sub, exp = owner_subkey(evil_id.public_key_bytes), get_dht_time() + 120
@@ -410,9 +473,14 @@ async def test_presence_records_are_small_and_in_their_own_shard(tmp_path):
         small_pad = seal(pres[HEADER_LEN:-1] + b',"pad":"' + b"x" * 600 + b'"}', evil_id)
         own = presence_shard(evil_id.public_key_bytes, DEFAULT_PRESENCE_SHARDS)
         wrong_shard = presence_key(swarm, (own + 1) % DEFAULT_PRESENCE_SHARDS)
-        stored = await store_all(evil, [(shard_key(swarm, evil_id), sub, padded, exp),
-                                        (shard_key(swarm, evil_id), sub, small_pad, exp),
-                                        (wrong_shard, sub, pres, exp)])
+        stored = await store_all(
+            evil,
+            [
+                (shard_key(swarm, evil_id), sub, padded, exp),
+                (shard_key(swarm, evil_id), sub, small_pad, exp),
+                (wrong_shard, sub, pres, exp),
+            ],
+        )
         assert stored == [False, False, False]
         # the presence shard of the honest publisher still answers, and the honest batch is fetched
         got = await honest.fetch()
@@ -431,8 +499,13 @@ async def test_duplicate_json_names_are_refused_by_the_dht(tmp_path):
     honest = transport(tmp_path, "honest", swarm, [])
     await honest.start()
     evil_id = Identity.generate(POW)
-    evil = hivemind.DHT(initial_peers=honest.visible_maddrs(), start=True, host_maddrs=[LOOPBACK],
-                        client_mode=True, record_validators=[SapoRecordValidator(evil_id, swarm, pow_difficulty=POW)])
+    evil = hivemind.DHT(
+        initial_peers=honest.visible_maddrs(),
+        start=True,
+        host_maddrs=[LOOPBACK],
+        client_mode=True,
+        record_validators=[SapoRecordValidator(evil_id, swarm, pow_difficulty=POW)],
+    )
     try:
         good = batch(evil_id, swarm, 5, [smoke_group(45)])
         doubled = seal(good[HEADER_LEN:].replace(b'"round":5', b'"round":5,"round":6'), evil_id)
@@ -441,10 +514,18 @@ async def test_duplicate_json_names_are_refused_by_the_dht(tmp_path):
         assert not evil.store(batch_key(swarm, evil_id.public_key_bytes, 6), doubled, exp, subkey=sub)
         rejected = await honest.validator_rejections()
         assert rejected.get("dht_payload_is_not_strict_json", 0) >= 2, rejected
-        record = DHTRecord(key_id_bytes(batch_key(swarm, evil_id.public_key_bytes, 5)), MSGPackSerializer.dumps(sub),
-                           MSGPackSerializer.dumps(good), exp)
-        assert SapoRecordValidator(evil_id, swarm).check(
-            DHTRecord(record.key, record.subkey, SapoRecordValidator(evil_id, swarm).sign_value(record), exp)) is None
+        record = DHTRecord(
+            key_id_bytes(batch_key(swarm, evil_id.public_key_bytes, 5)),
+            MSGPackSerializer.dumps(sub),
+            MSGPackSerializer.dumps(good),
+            exp,
+        )
+        assert (
+            SapoRecordValidator(evil_id, swarm).check(
+                DHTRecord(record.key, record.subkey, SapoRecordValidator(evil_id, swarm).sign_value(record), exp)
+            )
+            is None
+        )
     finally:
         evil.shutdown()
         await honest.shutdown()

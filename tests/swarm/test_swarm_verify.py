@@ -52,22 +52,31 @@ def _forged(peer: Identity, *, rewards=None, dataset=None, config=None, created_
         spec["dataset"], spec["config"] = dataset, config or {}
     completions = [f"<answer>{task.answer}</answer>", "<answer>x</answer>"]
     honest = score_responses(task, completions)
-    batch = RolloutBatch(version=WIRE_VERSION, swarm=swarm, round=round_, publisher=peer.public_key_bytes,
-                         created_at=created_at or time.time(), model="evil",
-                         groups=[WireGroup(TaskSpecWire(**spec), completions, rewards or honest)])
+    batch = RolloutBatch(
+        version=WIRE_VERSION,
+        swarm=swarm,
+        round=round_,
+        publisher=peer.public_key_bytes,
+        created_at=created_at or time.time(),
+        model="evil",
+        groups=[WireGroup(TaskSpecWire(**spec), completions, rewards or honest)],
+    )
     return encode_signed(batch, peer)
 
 
-@pytest.mark.parametrize("make, reason", [
-    (lambda p: _forged(p, rewards=[1.0, 1.0]), "reward_mismatch"),
-    (lambda p: _forged(p, dataset="bf"), "task_not_allowed"),
-    (lambda p: _forged(p, dataset="count_bits", config={"min_n": 1, "max_n": 10**6}), "task_not_allowed"),
-    (lambda p: _forged(p, created_at=time.time() - 3600), "stale"),
-    (lambda p: _forged(p, created_at=time.time() + 3600), "from_future"),
-    (lambda p: _forged(p, swarm="other"), "wrong_swarm"),
-    (lambda p: b"\x00garbage" * 10, "malformed"),
-    (lambda p: b"x" * (3 * 1024 * 1024), "oversize"),
-])
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda p: _forged(p, rewards=[1.0, 1.0]), "reward_mismatch"),
+        (lambda p: _forged(p, dataset="bf"), "task_not_allowed"),
+        (lambda p: _forged(p, dataset="count_bits", config={"min_n": 1, "max_n": 10**6}), "task_not_allowed"),
+        (lambda p: _forged(p, created_at=time.time() - 3600), "stale"),
+        (lambda p: _forged(p, created_at=time.time() + 3600), "from_future"),
+        (lambda p: _forged(p, swarm="other"), "wrong_swarm"),
+        (lambda p: b"\x00garbage" * 10, "malformed"),
+        (lambda p: b"x" * (3 * 1024 * 1024), "oversize"),
+    ],
+)
 def test_hostile_batches_are_rejected_by_reason(make, reason):
     v, stats, _ = verifier()
     peer = Identity.generate()
@@ -101,7 +110,7 @@ def test_tampered_completion_fails_signature():
     peer = Identity.generate()
     data = bytearray(make_batch(peer, "s", 1, "m", honest_groups()))
     at = data.find(b"nope")
-    data[at:at + 4] = b"yes!"
+    data[at : at + 4] = b"yes!"
     assert v.verify(bytes(data), hint=peer.public_key_bytes) == []
     assert stats.rejected[peer.public_key_hex]["bad_signature"] == 1
 
@@ -145,9 +154,27 @@ async def test_three_nodes_exchange_over_memory_board(tmp_path, tiny_model):
     board = MemoryBoard()
     nodes = []
     for i in range(3):
-        cfg = load_config(["--model", "tiny-random", "--tasks", "smoke", "--num-local", "2", "--num-external", "2",
-                           "--generations", "4", "--seed", str(i), "--run-dir", str(tmp_path / f"p{i}"),
-                           "--swarm", "mem"], env={})
+        cfg = load_config(
+            [
+                "--model",
+                "tiny-random",
+                "--tasks",
+                "smoke",
+                "--num-local",
+                "2",
+                "--num-external",
+                "2",
+                "--generations",
+                "4",
+                "--seed",
+                str(i),
+                "--run-dir",
+                str(tmp_path / f"p{i}"),
+                "--swarm",
+                "mem",
+            ],
+            env={},
+        )
         model, tok = copy.deepcopy(tiny_model[0]), tiny_model[1]
         mix = PRESETS["smoke"]
         exchange = MemoryExchange(board, Identity.generate(), mix, VerifyConfig(swarm="mem"), "tiny")
@@ -178,9 +205,27 @@ async def test_a_three_times_slower_peer_gets_and_gives_groups(tmp_path, tiny_mo
     board = MemoryBoard()
     nodes = []
     for i in range(3):
-        cfg = load_config(["--model", "tiny-random", "--tasks", "smoke", "--num-local", "2", "--num-external", "4",
-                           "--generations", "4", "--seed", str(10 + i), "--run-dir", str(tmp_path / f"p{i}"),
-                           "--swarm", "mem"], env={})
+        cfg = load_config(
+            [
+                "--model",
+                "tiny-random",
+                "--tasks",
+                "smoke",
+                "--num-local",
+                "2",
+                "--num-external",
+                "4",
+                "--generations",
+                "4",
+                "--seed",
+                str(10 + i),
+                "--run-dir",
+                str(tmp_path / f"p{i}"),
+                "--swarm",
+                "mem",
+            ],
+            env={},
+        )
         mix = PRESETS["smoke"]
         exchange = MemoryExchange(board, Identity.generate(), mix, VerifyConfig(swarm="mem"), "tiny")
         nodes.append(build_node(cfg, mix, copy.deepcopy(tiny_model[0]), tiny_model[1], exchange, torch.device("cpu")))

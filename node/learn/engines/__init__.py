@@ -43,8 +43,9 @@ class RolloutEngine(Protocol):
     def sync(self, model: torch.nn.Module) -> None:
         """Make the engine sample from `model`'s current weights (or adapter)."""
 
-    def sample(self, prompts: list[str], group_size: int, cfg: SamplingConfig,
-               stop: StopRequest | None = None) -> list[SampledGroup]:
+    def sample(
+        self, prompts: list[str], group_size: int, cfg: SamplingConfig, stop: StopRequest | None = None
+    ) -> list[SampledGroup]:
         """`group_size` completions per prompt, in prompt order; randomness drawn from torch's global RNG
         (so checkpoints, which hold its state, make resumed rounds sample the same), RoundAbandoned between
         two decode steps once `stop` is set."""
@@ -53,8 +54,15 @@ class RolloutEngine(Protocol):
         """Release what the engine holds outside Python's memory (native models, scratch files)."""
 
 
-def make_engine(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, model_name: str = "",
-                weight_type: str = "auto", logp_exact: bool = True, llama_binding: str = "auto") -> RolloutEngine:
+def make_engine(
+    name: str,
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    model_name: str = "",
+    weight_type: str = "auto",
+    logp_exact: bool = True,
+    llama_binding: str = "auto",
+) -> RolloutEngine:
     """The engine `name` for this model, synced to its current weights, or the torch sampler (with one log
     line) when it is unavailable or fails to load. `logp_exact=False` tells the torch sampler that its
     recorded log-probs are not the update's numerics (mixed precision: node/learn/precision.py);
@@ -105,8 +113,9 @@ def eval_engine(choice: str, engine: RolloutEngine, precision: str = "off") -> R
         raise ValueError(f"unknown evaluation engine {choice!r} (one of {', '.join(EVAL_ENGINES)})")
     greedy = callable(getattr(engine, "greedy", None))
     if choice == "engine" and not greedy:
-        log.warning("--eval-engine engine: the %s rollout engine has no greedy decoding; evaluating with torch",
-                    engine.name)
+        log.warning(
+            "--eval-engine engine: the %s rollout engine has no greedy decoding; evaluating with torch", engine.name
+        )
     if choice == "torch" or not greedy or (choice == "auto" and precision == "bf16"):
         log.info("held-out evaluation: greedy decoding with torch")
         return None

@@ -24,9 +24,15 @@ from node.learn.choices import GGUF_WEIGHTS as WEIGHT_TYPES
 from node.learn.precision import native_bf16_cpu
 
 LAYER_TENSORS = {  # transformers module (inside model.layers.N) -> GGUF tensor (inside blk.N)
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
 }
 TOP_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
@@ -122,8 +128,9 @@ def _encode(array: np.ndarray, weight_type: str):
         return array.astype(np.float16), None
     if weight_type == "bf16":  # torch rounds to nearest even as gguf's numpy path does, 20x faster
         return _bf16_raw(torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(torch.bfloat16))
-    return gguf.quants.quantize(array.astype(np.float32, copy=False), gguf.GGMLQuantizationType.Q8_0), \
-        gguf.GGMLQuantizationType.Q8_0
+    return gguf.quants.quantize(
+        array.astype(np.float32, copy=False), gguf.GGMLQuantizationType.Q8_0
+    ), gguf.GGMLQuantizationType.Q8_0
 
 
 def _bf16_raw(t: torch.Tensor):
@@ -147,8 +154,9 @@ def stochastic_bf16(x: torch.Tensor, consume: bool = False) -> torch.Tensor:
     reuse = consume and x.dtype == torch.float32 and x.is_contiguous()
     bits = (x if reuse else x.to(torch.float32, copy=True).contiguous()).view(torch.int32)
     rng = np.random.default_rng(int(torch.randint(0, 2**63 - 1, (1,))))
-    bits += torch.from_numpy(np.frombuffer(rng.bytes(2 * bits.numel()), dtype=np.uint16).astype(np.int32)) \
-        .view(bits.shape)
+    bits += torch.from_numpy(np.frombuffer(rng.bytes(2 * bits.numel()), dtype=np.uint16).astype(np.int32)).view(
+        bits.shape
+    )
     bits &= -65536  # 0xFFFF0000 in two's complement
     return bits.view(torch.float32).to(torch.bfloat16)  # exact: the low 16 bits are zero
 
@@ -170,8 +178,14 @@ def lora_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def write_model(path: Path, model: torch.nn.Module, fields: list, weight_type: str = "f16",
-                merge_lora: bool = False, frozen: dict | None = None) -> Path:
+def write_model(
+    path: Path,
+    model: torch.nn.Module,
+    fields: list,
+    weight_type: str = "f16",
+    merge_lora: bool = False,
+    frozen: dict | None = None,
+) -> Path:
     """The model's current weights as a llama.cpp model file: a PEFT model's frozen base, or with
     `merge_lora` (bf16 or f32 only) the base with its active adapter merged in.
 
@@ -272,8 +286,10 @@ def _write_kv_cached(w) -> bool:
         cache_key = (key, id(val.value)) if key.startswith("tokenizer.") else None
         packed = _PACKED_KV.get(cache_key) if cache_key else None
         if packed is None:
-            packed = bytes(pack(key, gguf.GGUFValueType.STRING, add_vtype=False)
-                           + pack(val.value, val.type, add_vtype=True, sub_type=val.sub_type))
+            packed = bytes(
+                pack(key, gguf.GGUFValueType.STRING, add_vtype=False)
+                + pack(val.value, val.type, add_vtype=True, sub_type=val.sub_type)
+            )
             if cache_key:
                 _PACKED_KV[cache_key] = packed
         out += packed

@@ -47,13 +47,20 @@ GREEDY_BATCH = 16  # prompts per greedy call (the held-out evaluation): see `gre
 class LlamaEngine:
     name = "llama"
 
-    def __init__(self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, model_name: str = "",
-                 weight_type: str = "auto", binding: str = "auto"):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        model_name: str = "",
+        weight_type: str = "auto",
+        binding: str = "auto",
+    ):
         self.api = llama_api.binding(binding)  # ImportError: make_engine falls back to torch
         gguf_export.check_supported(model)
         self.tokenizer = tokenizer
         self.weight_type = gguf_export.resolve_weight_type(
-            self.api.auto_weights if weight_type == "auto" and self.api.auto_weights else weight_type)
+            self.api.auto_weights if weight_type == "auto" and self.api.auto_weights else weight_type
+        )
         self.source = _source_gguf(model_name)  # the file the model was loaded from, if a GGUF
         self.template = _template_for(model_name, tokenizer)
         self.fields = gguf_export.template_fields(self.template)
@@ -70,11 +77,14 @@ class LlamaEngine:
         lora = hasattr(model, "peft_config")
         if lora and self.weight_type not in gguf_export.MERGEABLE:
             if not self.api.lora_on_top:
-                raise RuntimeError(f"the {self.api.label} binding cannot apply a LoRA adapter on top of "
-                                   f"{self.weight_type} weights: --engine-weights auto or bf16 merges it instead")
+                raise RuntimeError(
+                    f"the {self.api.label} binding cannot apply a LoRA adapter on top of "
+                    f"{self.weight_type} weights: --engine-weights auto or bf16 merges it instead"
+                )
             if not self._base_loaded:  # written once; each sync then swaps a few-MB adapter
-                base = self._write(lambda d: gguf_export.write_model(d / "base.gguf", model, self.fields,
-                                                                     self.weight_type))
+                base = self._write(
+                    lambda d: gguf_export.write_model(d / "base.gguf", model, self.fields, self.weight_type)
+                )
                 self._load_model(base)
                 self._base_loaded = True
             self._version += 1
@@ -82,9 +92,16 @@ class LlamaEngine:
             self._load_adapter(path)
         else:  # full weights, or LoRA merged into them (an adapter on top samples at half the speed)
             self._version += 1
-            path = self._write(lambda d: gguf_export.write_model(
-                d / f"model-{self._version}.gguf", model, self.fields, self.weight_type, merge_lora=lora,
-                frozen=self._frozen if lora else None))
+            path = self._write(
+                lambda d: gguf_export.write_model(
+                    d / f"model-{self._version}.gguf",
+                    model,
+                    self.fields,
+                    self.weight_type,
+                    merge_lora=lora,
+                    frozen=self._frozen if lora else None,
+                )
+            )
             self._load_model(path)
 
     def _write(self, write):
@@ -155,32 +172,42 @@ class LlamaEngine:
 
     # --- sampling -------------------------------------------------------------------------------------
 
-    def sample(self, prompts: list[str], group_size: int, cfg: SamplingConfig,
-               stop: StopRequest | None = None) -> list[SampledGroup]:
+    def sample(
+        self, prompts: list[str], group_size: int, cfg: SamplingConfig, stop: StopRequest | None = None
+    ) -> list[SampledGroup]:
         per_call = max(1, MAX_SEQUENCES // max(group_size, 1))
         out: list[SampledGroup] = []
         for start in range(0, len(prompts), per_call):
             seed = int(torch.randint(0, 2**63 - 1, (1,)))  # torch's RNG: checkpointed, so resume replays it
-            out += self._sample(prompts[start:start + per_call], group_size, cfg, stop, seed)
+            out += self._sample(prompts[start : start + per_call], group_size, cfg, stop, seed)
         return out
 
-    def _sample(self, prompts: list[str], G: int, cfg: SamplingConfig, stop: StopRequest | None,
-                seed: int) -> list[SampledGroup]:
+    def _sample(
+        self, prompts: list[str], G: int, cfg: SamplingConfig, stop: StopRequest | None, seed: int
+    ) -> list[SampledGroup]:
         rng = np.random.default_rng(seed)
         prompt_ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        completions, logps, entropies = self._generate(prompt_ids, G, cfg.max_new_tokens,
-                                                       lambda logits: _draw(logits, cfg, rng), stop)
+        completions, logps, entropies = self._generate(
+            prompt_ids, G, cfg.max_new_tokens, lambda logits: _draw(logits, cfg, rng), stop
+        )
         groups = []
         for p, ids in enumerate(prompt_ids):
             sl = slice(p * G, p * G + G)
-            groups.append(SampledGroup(
-                prompt_ids=list(ids), completion_ids=completions[sl], behaviour_logp=logps[sl],
-                texts=[self.tokenizer.decode(c, skip_special_tokens=True) for c in completions[sl]],
-                entropy=[float(np.mean(e)) if e else 0.0 for e in entropies[sl]], logp_exact=False))
+            groups.append(
+                SampledGroup(
+                    prompt_ids=list(ids),
+                    completion_ids=completions[sl],
+                    behaviour_logp=logps[sl],
+                    texts=[self.tokenizer.decode(c, skip_special_tokens=True) for c in completions[sl]],
+                    entropy=[float(np.mean(e)) if e else 0.0 for e in entropies[sl]],
+                    logp_exact=False,
+                )
+            )
         return groups
 
-    def greedy(self, prompts: list[str], max_new_tokens: int, batch_size: int = GREEDY_BATCH,
-               stop: StopRequest | None = None) -> list[str]:
+    def greedy(
+        self, prompts: list[str], max_new_tokens: int, batch_size: int = GREEDY_BATCH, stop: StopRequest | None = None
+    ) -> list[str]:
         """Greedy completions (the argmax token each step, as `evaluate.greedy_texts` takes it from torch's
         logits), decoded without special tokens, in the order of `prompts`: the held-out evaluation through
         the engine (node/learn/evaluate.py). `batch_size` prompts per call, of similar length (sorted): the
@@ -191,7 +218,7 @@ class LlamaEngine:
         texts: list[str] = [""] * len(prompts)
         step = max(1, min(batch_size, MAX_SEQUENCES))
         for start in range(0, len(order), step):
-            batch = order[start:start + step]
+            batch = order[start : start + step]
             completions, _, _ = self._generate([ids[i] for i in batch], 1, max_new_tokens, _argmax, stop)
             for i, c in zip(batch, completions):
                 texts[i] = self.tokenizer.decode(c, skip_special_tokens=True)
@@ -222,8 +249,11 @@ class LlamaEngine:
                 self._decode(ctx, batch, [(tok, pos, 0, False) for pos, tok in enumerate(prompt_ids[0][:shared])])
                 for p in range(1, len(prompt_ids)):
                     api.seq_cp(ctx, 0, p * G)
-            entries = [(ids[pos], pos, p * G, pos == len(ids) - 1) for p, ids in enumerate(prompt_ids)
-                       for pos in range(shared, len(ids))]
+            entries = [
+                (ids[pos], pos, p * G, pos == len(ids) - 1)
+                for p, ids in enumerate(prompt_ids)
+                for pos in range(shared, len(ids))
+            ]
             logits = self._decode(ctx, batch, entries)
             for p in range(len(prompt_ids)):
                 for g in range(1, G):
@@ -304,7 +334,7 @@ def _draw(logits: np.ndarray, cfg: SamplingConfig, rng: np.random.Generator):
     tokens = np.empty(n, dtype=np.int64)
     for i in range(n):
         b = min(int(np.searchsorted(cum_blocks[i], u[i], side="left")), len(starts) - 1)
-        inner = np.cumsum(probs[i, starts[b]:starts[b] + BLOCK], dtype=np.float64)
+        inner = np.cumsum(probs[i, starts[b] : starts[b] + BLOCK], dtype=np.float64)
         rest = u[i] - (cum_blocks[i, b] - blocks[i, b])
         tokens[i] = min(starts[b] + int(np.searchsorted(inner, rest, side="left")), vocab - 1)
     logp = x[np.arange(n), tokens].astype(np.float64) - lse
@@ -338,8 +368,9 @@ def _template_for(model_name: str, tokenizer: PreTrainedTokenizerBase) -> Path:
         return source
     embedded = embedded_model_path()
     ref = embedded_model_tokens()
-    if len(tokenizer) == len(ref) and tokenizer.convert_ids_to_tokens(list(range(0, len(ref), 997))) == \
-            [ref[i] for i in range(0, len(ref), 997)]:
+    if len(tokenizer) == len(ref) and tokenizer.convert_ids_to_tokens(list(range(0, len(ref), 997))) == [
+        ref[i] for i in range(0, len(ref), 997)
+    ]:
         return embedded
     raise ValueError("the llama engine needs a GGUF source or SmolLM2's vocabulary for the tokenizer metadata")
 

@@ -21,8 +21,9 @@ class TorchEngine:
     def sync(self, model: torch.nn.Module) -> None:
         self.model = model  # the same module the trainer updates in place: nothing to copy
 
-    def sample(self, prompts: list[str], group_size: int, cfg: SamplingConfig,
-               stop: StopRequest | None = None) -> list[SampledGroup]:
+    def sample(
+        self, prompts: list[str], group_size: int, cfg: SamplingConfig, stop: StopRequest | None = None
+    ) -> list[SampledGroup]:
         groups = sample_groups(self.model, self.tokenizer, prompts, group_size, cfg, stop)
         for g in groups:
             g.logp_exact = g.logp_exact and self.logp_exact

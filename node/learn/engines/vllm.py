@@ -40,14 +40,21 @@ class VllmEngine:
         weights = list(model.state_dict().items())
         self.llm.apply_model(lambda m: m.load_weights(weights))
 
-    def sample(self, prompts: list[str], group_size: int, cfg: SamplingConfig,
-               stop: StopRequest | None = None) -> list[SampledGroup]:
+    def sample(
+        self, prompts: list[str], group_size: int, cfg: SamplingConfig, stop: StopRequest | None = None
+    ) -> list[SampledGroup]:
         if stop is not None:
             stop.check()
         seed = int(torch.randint(0, 2**31 - 1, (1,)))
-        params = self.vllm.SamplingParams(n=group_size, temperature=cfg.temperature, top_p=cfg.top_p,
-                                          max_tokens=cfg.max_new_tokens, seed=seed, logprobs=0,
-                                          stop_token_ids=[self.tokenizer.eos_token_id])
+        params = self.vllm.SamplingParams(
+            n=group_size,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_tokens=cfg.max_new_tokens,
+            seed=seed,
+            logprobs=0,
+            stop_token_ids=[self.tokenizer.eos_token_id],
+        )
         ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         outputs = self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
         if stop is not None:
@@ -56,9 +63,16 @@ class VllmEngine:
         for prompt_ids, out in zip(ids, outputs):
             comps = [list(o.token_ids) for o in out.outputs]
             logps = [[float(next(iter(d.values())).logprob) for d in (o.logprobs or [])] for o in out.outputs]
-            groups.append(SampledGroup(prompt_ids=prompt_ids, completion_ids=comps, behaviour_logp=logps,
-                                       texts=[self.tokenizer.decode(c, skip_special_tokens=True) for c in comps],
-                                       entropy=[], logp_exact=False))  # no full distribution: no entropy
+            groups.append(
+                SampledGroup(
+                    prompt_ids=prompt_ids,
+                    completion_ids=comps,
+                    behaviour_logp=logps,
+                    texts=[self.tokenizer.decode(c, skip_special_tokens=True) for c in comps],
+                    entropy=[],
+                    logp_exact=False,
+                )
+            )  # no full distribution: no entropy
         return groups
 
     def close(self) -> None:
