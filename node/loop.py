@@ -53,6 +53,7 @@ from node.records import (
     QuietRounds,
     log_line,
     remember_round,
+    round_context,
     round_record,
     status_snapshot,
     tokens_generated,
@@ -108,16 +109,8 @@ class SapoNode:
         self.mid_round_weights = False  # a round failed after its weights moved: memory is no round's state
         self.start_due = False  # open() sets it: step() evaluates the starting weights before round 0
         self.quiet = QuietRounds()  # says so when round after round brings no update
-        self.evaluation = NodeEvaluation(
-            held_out=self.held_out,
-            guard=self.guard,
-            persistence=self.persistence,
-            metrics=self.metrics,
-            trainer=self.trainer,
-            live=self.live,
-            in_worker=self._in_worker,
-            held_out_run=self._held_out,
-        )
+        parts = (self.held_out, self.guard, self.persistence, self.metrics, self.trainer, self.live)
+        self.evaluation = NodeEvaluation(*parts, held_out_run=self._held_out, in_worker=self._in_worker)
 
     @property
     def stop_requested(self) -> bool:
@@ -129,16 +122,8 @@ class SapoNode:
 
     async def run(self) -> int:
         """Runs rounds until cfg.rounds (in total) or a stop request; returns the rounds completed now."""
-        loop = asyncio.get_running_loop()
-        self._stop_event = stop_event = asyncio.Event()
-
-        def wake_network_waits() -> None:  # any thread; the loop may already be gone (late console loss)
-            try:
-                loop.call_soon_threadsafe(stop_event.set)
-            except RuntimeError:
-                pass
-
-        self.stop.on_set(wake_network_waits)
+        self._stop_event = asyncio.Event()
+        self.stop.on_set(_from_any_thread(asyncio.get_running_loop(), self._stop_event.set))  # wakes network waits
         await self.open()
         try:
             while self.pending and not self.stop_requested:
@@ -227,21 +212,8 @@ class SapoNode:
 
         tokens = tokens_generated(sampled)
         self.totals.add(selection, tokens)
-        record = round_record(
-            r=r,
-            timer=timer,
-            local=local,
-            external=external,
-            selection=selection,
-            target=(num_local, num_external),
-            stats=stats,
-            tokens=tokens,
-            exchange=self.exchange.stats,
-            peak_mem_mb=peak_memory_mb(self.device),
-            ij_policy=self.cfg.ij_policy,
-            model=self.cfg.model,
-            publisher=self.publisher,
-        )
+        record = round_record(r, timer, local, external, selection, (num_local, num_external), stats, tokens)
+        record |= round_context(self.exchange.stats, peak_memory_mb(self.device), self.cfg, self.publisher)
         if await self.evaluation.after_round(r, timer, record, self.stop_requested):
             self.engine_stale = True  # the collapse guard put other weights back
         self.ij.update(RoundObservation.of(r, local, selection))
@@ -280,13 +252,7 @@ class SapoNode:
                 await self._checkpoint()  # the reputation file with it
             else:
                 if self.mid_round_weights:
-                    saved = self.persistence.saved_round
-                    log.error(
-                        "round %d failed after its weights moved: not checkpointing them (resumed, they "
-                        "would count that round twice); --resume continues from %s",
-                        self.next_round,
-                        f"the checkpoint of round {saved}" if saved >= 0 else "round 0 (no checkpoint yet)",
-                    )
+                    _log_weights_not_saved(self.next_round, self.persistence.saved_round)
                 await self._in_worker(self.persistence.save_reputation)
         finally:
             await self.exchange.close()
@@ -297,13 +263,7 @@ class SapoNode:
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-safe status for /status, /metrics and the dashboard."""
-        return status_snapshot(
-            swarm=self.cfg.swarm if self.cfg.swarm_enabled else "silo",
-            model=self.cfg.model,
-            live=self.live,
-            exchange=self.exchange,
-            totals=self.totals,
-        )
+        return status_snapshot(self.cfg, self.live, self.exchange, self.totals)
 
     # --- the model thread and the network -----------------------------------------------------------------
 
@@ -318,6 +278,27 @@ class SapoNode:
 
     def _bounded(self, coro, what: str):
         return within_net_timeout(coro, what, self.cfg.net_timeout, self.stop, self._stop_event)
+
+
+def _from_any_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> Callable[[], None]:
+    """`fn` run on `loop` from any thread; nothing if the loop is already gone (a late console loss)."""
+
+    def call() -> None:
+        try:
+            loop.call_soon_threadsafe(fn)
+        except RuntimeError:
+            pass
+
+    return call
+
+
+def _log_weights_not_saved(next_round: int, saved: int) -> None:
+    log.error(
+        "round %d failed after its weights moved: not checkpointing them (resumed, they would count that round "
+        "twice); --resume continues from %s",
+        next_round,
+        f"the checkpoint of round {saved}" if saved >= 0 else "round 0 (no checkpoint yet)",
+    )
 
 
 def _ignore_outcome(task: asyncio.Future) -> None:

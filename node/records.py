@@ -19,6 +19,7 @@ from node import __version__
 from node.learn.groups import Group, Selection, collapse_metrics, mean_reward
 from node.learn.sampling import SampledGroup
 from node.learn.trainer import StepStats
+from node.ops.config import NodeConfig
 from node.ops.live import LiveState, PhaseTimer
 from node.swarm.exchange import Exchange, ExchangeStats
 
@@ -110,7 +111,6 @@ def tokens_generated(sampled: list[SampledGroup]) -> int:
 
 
 def round_record(
-    *,
     r: int,
     timer: PhaseTimer,
     local: list[Group],
@@ -119,14 +119,10 @@ def round_record(
     target: tuple[int, int],
     stats: StepStats,
     tokens: int,
-    exchange: ExchangeStats,
-    peak_mem_mb: float,
-    ij_policy: str,
-    model: str,
-    publisher: str = "",
 ) -> dict[str, Any]:
-    """The round's metrics.jsonl line: `local` are the groups we sampled, `external` the verified ones we
-    received, `selection` what was trained on out of them, `target` the (I, J) the policy asked for."""
+    """What the round did, for its metrics.jsonl line (`round_context` adds the swarm's side and the node's
+    name): `local` are the groups we sampled, `external` the verified ones we received, `selection` what was
+    trained on out of them, `target` the (I, J) the policy asked for."""
     rewards = [x for g in local for x in g.rewards]
     phase_s = {k: round(v, 4) for k, v in timer.seconds.items()}
     return {
@@ -147,17 +143,8 @@ def round_record(
         "dropped_zero_adv_local": selection.dropped_local,
         "dropped_zero_adv_external": selection.dropped_external,
         "external_available": selection.external_available,
-        "external_accepted": exchange.round_accepted,
-        "external_rejected": sum(exchange.round_rejected.values()),
-        "rejected_by_reason": dict(exchange.round_rejected),
-        "verified_batches": exchange.round_verified,
-        "verify_bytes": exchange.round_verify_bytes,
-        "verify_s": round(exchange.round_verify_s, 4),
-        "swarm_state": exchange.round_swarm_state,  # joined, solo (waiting for peers: nothing shared) or silo
-        **({"solo_since": exchange.round_solo_since} if exchange.round_solo_since is not None else {}),
         "external_sources": _count_sources(selection.external),
         "external_groups": [group_id(g) for g in selection.external],  # the same id twice: trained on twice
-        "publisher": publisher[:SOURCE_PREFIX] or None,  # this peer as the others' external_sources name it
         "loss": stats.loss,
         "kl": stats.kl,
         "clip_frac": stats.clip_frac,
@@ -167,10 +154,26 @@ def round_record(
         "train_sequences": stats.sequences,  # with --external-loss positive/ftis, fewer than the groups hold
         "external_weight": stats.external_weight,  # mean min(1, pi_old/mu) of weighted external completions
         "tokens_generated": tokens,
-        "peak_mem_mb": round(peak_mem_mb, 1),
-        "ij_policy": ij_policy,
-        "model": model,  # peers of a mixed swarm run different models (progress view, report)
         **collapse_metrics(local, external),
+    }
+
+
+def round_context(exchange: ExchangeStats, peak_mem_mb: float, cfg: NodeConfig, publisher: str) -> dict[str, Any]:
+    """The rest of the round's metrics.jsonl line: what the swarm brought and refused, the memory peak, and
+    which node this is (`publisher`: its public key)."""
+    return {
+        "external_accepted": exchange.round_accepted,
+        "external_rejected": sum(exchange.round_rejected.values()),
+        "rejected_by_reason": dict(exchange.round_rejected),
+        "verified_batches": exchange.round_verified,
+        "verify_bytes": exchange.round_verify_bytes,
+        "verify_s": round(exchange.round_verify_s, 4),
+        "swarm_state": exchange.round_swarm_state,  # joined, solo (waiting for peers: nothing shared) or silo
+        **({"solo_since": exchange.round_solo_since} if exchange.round_solo_since is not None else {}),
+        "publisher": publisher[:SOURCE_PREFIX] or None,  # this peer as the others' external_sources name it
+        "peak_mem_mb": round(peak_mem_mb, 1),
+        "ij_policy": cfg.ij_policy,
+        "model": cfg.model,  # peers of a mixed swarm run different models (progress view, report)
     }
 
 
@@ -199,19 +202,17 @@ def log_line(rec: dict[str, Any]) -> str:
     )
 
 
-def status_snapshot(
-    *, swarm: str, model: str, live: LiveState, exchange: Exchange, totals: NodeTotals
-) -> dict[str, Any]:
-    """JSON-safe status for /status, /metrics and the dashboard; `swarm` is the swarm's name or "silo"."""
+def status_snapshot(cfg: NodeConfig, live: LiveState, exchange: Exchange, totals: NodeTotals) -> dict[str, Any]:
+    """JSON-safe status for /status, /metrics and the dashboard."""
     rewards = [h["reward_mean"] for h in live.history]
     ma = rewards[-20:]
     last = live.history[-1] if live.history else None
     stats = exchange.stats
     return {
         **exchange.identity_info(),
-        "swarm": swarm,
+        "swarm": cfg.swarm if cfg.swarm_enabled else "silo",
         "membership": exchange.swarm_state(),  # joined, solo ("solo: waiting for peers since ...") or silo
-        "model": model,
+        "model": cfg.model,
         "version": __version__,
         "round": live.round,
         "phase": live.phase,
