@@ -9,12 +9,14 @@ and torch's RNG is seeded last, so whatever building draws, the first round samp
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from node.learn import precision
 from node.learn.engines import eval_engine, make_engine
+from node.learn.eval_share import EvalShare
 from node.learn.evaluate import HeldOutEval
 from node.learn.groups import Prompter
 from node.learn.guard import CollapseGuard, GuardConfig
@@ -174,6 +176,21 @@ def build_node(
         device=device,
         guard=guard,
     )
+    held_out = HeldOutEval(
+        mix,
+        cfg.eval_size,
+        cfg.eval_every,
+        cfg.rounds,
+        cfg.eval_unseen_size,
+        at=cfg.eval_rounds,
+        engine=eval_engine(cfg.eval_engine, engine, mode),
+        round0=cfg.eval_round0,
+    )
+    if cfg.eval_share:  # what else the answers depend on: peers that differ in any of it never share
+        evaluator = held_out.engine.name if held_out.engine is not None else "torch"
+        spec = f"{cfg.model}|{mix!r}|{cfg.eval_size}|{cfg.eval_unseen_size}|{sampling.max_new_tokens}|{evaluator}"
+        share = EvalShare(Path(cfg.eval_share), f"{spec}|{mode}|{torch.get_num_threads()}|{device}")
+        held_out.share_first = share.evaluate
     node = SapoNode(
         cfg=cfg,
         mix=mix,
@@ -190,15 +207,7 @@ def build_node(
         trainer=trainer,
         ij=ij,
         exchange=exchange,
-        held_out=HeldOutEval(
-            mix,
-            cfg.eval_size,
-            cfg.eval_every,
-            cfg.rounds,
-            cfg.eval_unseen_size,
-            at=cfg.eval_rounds,
-            engine=eval_engine(cfg.eval_engine, engine, mode),
-        ),
+        held_out=held_out,
         totals=totals,
         metrics=metrics,
         tensorboard=TensorBoardLog(cfg.run_path, enabled=cfg.tensorboard),

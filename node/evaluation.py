@@ -49,7 +49,7 @@ class NodeEvaluation:
 
     def start_due(self, next_round: int) -> bool:
         """Whether the starting weights are evaluated before round 0 (a fresh start with the guard on)."""
-        return next_round == 0 and self.guard.cfg.enabled and self.held_out.due(0)
+        return next_round == 0 and self.guard.cfg.enabled and self.held_out.enabled
 
     async def start(self) -> bool:
         """The starting weights' held-out evaluation, before round 0's update: the collapse guard's first

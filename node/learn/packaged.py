@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 class ModelLoadError(RuntimeError):
@@ -121,11 +124,56 @@ def converted_dir(name: str) -> Path | None:
     return _model_cache(_expected_sha256(home / m.checksums, m.gguf)) / "transformers"
 
 
+def ready(names: list[str]) -> bool:
+    """Whether every packaged model among `names` is installed and kept converted for transformers (and, for
+    the engine's model, its tokenizer metadata parsed for the engine), checked without importing torch
+    (setup.sh runs it before every local swarm); other names (hub ids, paths, empty) are not packaged
+    models and count as ready."""
+    for name in (n for n in names if n in PACKAGED):
+        converted = converted_dir(name) if is_installed(name) else None
+        if converted is None or not (converted / "config.json").exists():
+            return False
+        if name == ENGINE_MODEL and not (cache_dir() / derived_name(ENGINE_TOKENIZER, model_path(name))).exists():
+            return False
+    return True
+
+
+ENGINE_MODEL = "default"  # the packaged model the llama engine serves (a llama architecture)
+ENGINE_TOKENIZER = "gguf-tokenizer"  # the engine's copy of a GGUF's tokenizer metadata (engines/gguf_export.py)
+
+
+def derived_name(kind: str, path: Path) -> str:
+    """The cache file name of what is derived from the file `path` (`file_key`: a new file, a new name)."""
+    return f"{kind}-{file_key(path)[:16]}.json"
+
+
 def file_key(path: Path) -> str:
     """A cheap identity of a file for what is derived from it and cached (its path, size and modification
     time; hashing 270 MB each start would cost a second): another file or a reinstall, another key."""
     stat = path.stat()
     return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+
+
+def cached_json(name: str, compute: Callable[[], Any], valid: Callable[[Any], bool]) -> Any:
+    """`compute()`'s JSON value, kept as `name` in the model cache for the next start (name it after what it
+    is derived from: `file_key`). A value that is missing, unreadable or not `valid` is computed again; a
+    read-only cache only costs the computation. Written whole or not at all: peers may write it at once."""
+    path = cache_dir() / name
+    try:
+        value = json.loads(path.read_text())
+        if valid(value):
+            return value
+    except (OSError, ValueError):
+        pass
+    value = compute()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(value))
+        tmp.replace(path)
+    except OSError:
+        pass
+    return value
 
 
 def _model_cache(digest: str) -> Path:

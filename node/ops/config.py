@@ -158,6 +158,16 @@ class NodeConfig:
         "also evaluate after these rounds, comma-separated (e.g. 3,6: the first rise shows "
         "early; scripts/local_swarm.sh's default)",
     )
+    eval_round0: bool = opt(
+        True,
+        "evaluate after round 0's update as well (--no-eval-round0: a fresh node's first point is its "
+        "starting weights' evaluation; the quick start saves that minute)",
+    )
+    eval_share: str = opt(
+        "",
+        "a directory shared by peers on this machine: peers that start from the same weights evaluate them "
+        "once, the others read the result (scripts/local_swarm.sh's; empty: each evaluates its own)",
+    )
     eval_engine: str = opt(
         "auto",
         "what decodes the held-out answers: auto (the rollout engine where it is not "

@@ -435,3 +435,7 @@ def test_the_schedule_adds_early_rounds_to_every_n_and_the_last():
     assert load_config([], env={}).eval_rounds == ()  # plain sapo-node: every 10 rounds, as before
     with pytest.raises(ConfigError, match="--eval-at"):
         load_config(["--eval-at", "3;six"], env={})
+    quick = HeldOutEval(PRESETS["smoke"], 4, every=10, rounds=25, at=(3, 6), round0=False)
+    assert [r for r in range(25) if quick.due(r)] == [3, 6, 10, 20, 24] and quick.next_due(0) == 3
+    assert quick.enabled  # the starting weights are still evaluated (evaluation.start_due reads this)
+    assert load_config(["--no-eval-round0"], env={}).eval_round0 is False

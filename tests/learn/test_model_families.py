@@ -69,6 +69,21 @@ def test_a_chunked_model_is_assembled_once_checked_and_never_imported(fake_env, 
     assert "fakemodel" not in sys.modules and "fakemodel_part1" not in sys.modules
 
 
+def test_setup_knows_a_model_is_ready_only_once_it_is_installed_and_converted(fake_env, monkeypatch):
+    """setup.sh skips the model step when `ready` says so, without importing torch: a model not converted
+    yet, or not installed, is not ready; names that are no packaged model are not its business."""
+    root, _ = fake_env
+    assert packaged.ready(["", "some/hub-id"])
+    monkeypatch.setitem(PACKAGED, "absent", PackagedModel("absent", "no_such_pkg", "x.gguf", ("no-such-pkg==1",)))
+    assert not packaged.ready(["absent"])
+    monkeypatch.setitem(PACKAGED, "fake", _fake_model(root, [b"only"]))
+    assert not packaged.ready(["fake"])  # installed, never loaded: its converted copy is missing
+    converted = packaged.converted_dir("fake")
+    converted.mkdir(parents=True)
+    (converted / "config.json").write_text("{}")
+    assert packaged.ready(["fake", ""]) and "torch" not in packaged.__dict__
+
+
 def test_a_bad_checksum_or_a_missing_chunk_stops_with_one_clear_error(fake_env, monkeypatch):
     root, cache = fake_env
     monkeypatch.setitem(PACKAGED, "fake", _fake_model(root, [b"abc", b"def"], digest="0" * 64))

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from node.learn.choices import GGUF_WEIGHTS as WEIGHT_TYPES
+from node.learn.lora import base_name
 from node.learn.precision import native_bf16_cpu
 
 LAYER_TENSORS = {  # transformers module (inside model.layers.N) -> GGUF tensor (inside blk.N)
@@ -36,7 +37,6 @@ LAYER_TENSORS = {  # transformers module (inside model.layers.N) -> GGUF tensor 
 }
 TOP_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
-_PEFT = re.compile(r"^base_model\.model\.|\.base_layer(?=\.|$)")
 
 
 def resolve_weight_type(weight_type: str) -> str:
@@ -50,7 +50,7 @@ def resolve_weight_type(weight_type: str) -> str:
 
 def gguf_module(name: str) -> str | None:
     """`model.layers.3.self_attn.q_proj` (PEFT wrappers stripped) -> `blk.3.attn_q`; None if not mapped."""
-    name = _PEFT.sub("", name)
+    name = base_name(name)
     if name in TOP_TENSORS:
         return TOP_TENSORS[name]
     m = _LAYER.match(name)
@@ -85,11 +85,24 @@ def check_supported(model: torch.nn.Module) -> None:
 
 
 def template_fields(template: Path) -> list[tuple[str, object, list]]:
-    """The tokenizer's key/values of a GGUF file, to copy into every file written: (key, value, types)."""
+    """The tokenizer's key/values of a GGUF file, to copy into every file written: (key, value, types). Kept
+    beside the cached models, keyed by the file: parsing them (49k tokens and merges) costs 5 CPU-s, which
+    every engine start paid."""
     import gguf
 
-    reader = gguf.GGUFReader(str(template))
-    return [(k, f.contents(), f.types) for k, f in reader.fields.items() if k.startswith("tokenizer.")]
+    from node.learn.packaged import ENGINE_TOKENIZER, cached_json, derived_name
+
+    def parse() -> list:
+        reader = gguf.GGUFReader(str(template))
+        fields = reader.fields.items()
+        return [[k, f.contents(), [int(t) for t in f.types]] for k, f in fields if k.startswith("tokenizer.")]
+
+    rows = cached_json(
+        derived_name(ENGINE_TOKENIZER, template),
+        parse,
+        lambda v: isinstance(v, list) and all(isinstance(r, list) and len(r) == 3 for r in v),
+    )
+    return [(k, value, [gguf.GGUFValueType(t) for t in types]) for k, value, types in rows]
 
 
 def _writer(path: Path, fields: list[tuple[str, object, list]], kind: str):

@@ -21,7 +21,6 @@ the trainer forms pi_old with the training model (node/learn/trainer.py).
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import shutil
@@ -381,22 +380,11 @@ def embedded_model_tokens() -> list[str]:
     is kept beside the cached models, keyed by the file's path, size and time (a new file, a new list)."""
     import gguf
 
-    from node.learn.packaged import cache_dir, file_key
+    from node.learn.packaged import cached_json, derived_name
 
     path = embedded_model_path()
-    cached = cache_dir() / f"gguf-tokens-{file_key(path)[:16]}.json"
-    try:
-        tokens = json.loads(cached.read_text())
-        if isinstance(tokens, list) and all(isinstance(t, str) for t in tokens):
-            return tokens
-    except (OSError, ValueError):
-        pass  # not cached yet, or unreadable: parse the file
-    tokens = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].contents()
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(tokens))
-        tmp.replace(cached)  # whole or absent: concurrent nodes may write it at once
-    except OSError:
-        pass  # a read-only cache only costs the parse again
-    return tokens
+    return cached_json(
+        derived_name("gguf-tokens", path),
+        lambda: gguf.GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].contents(),
+        lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v),
+    )
