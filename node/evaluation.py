@@ -40,7 +40,7 @@ class NodeEvaluation:
     metrics: MetricsWriter
     trainer: Trainer
     live: LiveState
-    held_out_run: Callable[[], Awaitable[EvalResult]]
+    held_out_run: Callable[[bool], Awaitable[EvalResult]]  # True: the unseen set too
     in_worker: Callable[..., Awaitable[Any]]
 
     def __post_init__(self) -> None:
@@ -58,7 +58,7 @@ class NodeEvaluation:
         guard replaced the weights."""
         self.live.phase = "eval"
         try:
-            result = await self.held_out_run()
+            result = await self.held_out_run(True)
         except RoundAbandoned:
             log.info("held-out evaluation of the starting weights skipped: stop requested")
             return False
@@ -85,7 +85,7 @@ class NodeEvaluation:
         evaluation skips it (the round stays), it never abandons the round."""
         try:
             with timer("eval"):
-                result = await self.held_out_run()
+                result = await self.held_out_run(self.held_out.unseen_due(r))
         except RoundAbandoned:
             log.info("held-out evaluation of round %d skipped: stop requested", r)
             return

@@ -231,14 +231,21 @@ class SapoNode:
         remember_round(self.live, record)
         log.info("%s", log_line(record))
 
-    async def _held_out(self) -> EvalResult:
+    async def _held_out(self, unseen: bool) -> EvalResult:
         """The held-out evaluation of the weights as they are, in the model thread (RoundAbandoned on a stop);
-        an engine that decodes it is synced to them first (then the next round needs no sync)."""
+        an engine that decodes it is synced to them first (then the next round needs no sync); `unseen`: the
+        unseen set too."""
         if self.held_out.engine is not None and self.engine_stale:
             await self._in_worker(self.engine.sync, self.model)
             self.engine_stale = False
         return await self._in_worker(
-            self.held_out.run, self.model, self.tokenizer, self.prompter, self.sampling.max_new_tokens, self.stop
+            self.held_out.run,
+            self.model,
+            self.tokenizer,
+            self.prompter,
+            self.sampling.max_new_tokens,
+            self.stop,
+            unseen,
         )
 
     async def _checkpoint(self) -> None:

@@ -374,6 +374,11 @@ class HeldOutEval:
         on_schedule = r % self.every == 0 and (r > 0 or self.round0)
         return on_schedule or r == self.rounds - 1 or r in self.at
 
+    def unseen_due(self, r: int) -> bool:
+        """Whether round r's evaluation covers the unseen set too: at every regular point (every N rounds, the
+        last); the early points of `at` alone read the held-out set, half the cost, to show the first rise."""
+        return r % self.every == 0 or r == self.rounds - 1 or r not in self.at
+
     def next_due(self, r: int) -> int | None:
         """The first round from `r` on whose end brings an evaluation (None: none left), for the progress view."""
         if not self.enabled or r >= self.rounds:
@@ -387,14 +392,17 @@ class HeldOutEval:
         prompter: Prompter,
         max_new_tokens: int,
         stop: StopRequest | None = None,
+        unseen: bool = True,
     ) -> EvalResult:
+        """The greedy answers of the weights as they are, on the held-out set and (`unseen`, where the mix has
+        one) the unseen set in the same pass."""
         if self.share_first is not None:
             share, self.share_first = self.share_first, None
-            return share(model, lambda: self.run(model, tokenizer, prompter, max_new_tokens, stop), stop)
+            return share(model, lambda: self.run(model, tokenizer, prompter, max_new_tokens, stop, unseen), stop)
         if self.seen is None:
             self.seen = EvalSet.of(eval_tasks(self.mix, self.size))
-            unseen = eval_tasks(self.mix, self.unseen_size, unseen=True)
-            self.unseen = EvalSet.of(unseen) if unseen else None
+            unseen_tasks = eval_tasks(self.mix, self.unseen_size, unseen=True)
+            self.unseen = EvalSet.of(unseen_tasks) if unseen_tasks else None
         result = evaluate(
             model,
             tokenizer,
@@ -403,7 +411,7 @@ class HeldOutEval:
             max_new_tokens,
             self.batch_size,
             stop=stop,
-            unseen=self.unseen.tasks if self.unseen is not None else None,
+            unseen=self.unseen.tasks if self.unseen is not None and unseen else None,
             engine=self.engine,
         )
         if result.unseen is not None and self.unseen is not None:

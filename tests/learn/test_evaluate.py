@@ -438,4 +438,6 @@ def test_the_schedule_adds_early_rounds_to_every_n_and_the_last():
     quick = HeldOutEval(PRESETS["smoke"], 4, every=10, rounds=25, at=(3, 6), round0=False)
     assert [r for r in range(25) if quick.due(r)] == [3, 6, 10, 20, 24] and quick.next_due(0) == 3
     assert quick.enabled  # the starting weights are still evaluated (evaluation.start_due reads this)
+    # the early points read the held-out set alone; the regular ones (and the last) the unseen set too
+    assert [r for r in range(25) if quick.due(r) and quick.unseen_due(r)] == [10, 20, 24]
     assert load_config(["--no-eval-round0"], env={}).eval_round0 is False
