@@ -72,7 +72,7 @@ def measure(
     """One candidate's record: fresh training groups sampled as a node samples them, and the held-out set's
     greedy accuracy (torch) and constant-answer baseline."""
     from node.learn.evaluate import constant_answer_baseline, greedy_texts
-    from node.learn.groups import Prompter, local_group, score_responses
+    from node.learn.groups import Prompter, local_group, right_and_wrong, score_responses
     from node.learn.sampling import SamplingConfig
     from node.learn.tasks import TaskSampler, eval_tasks
 
@@ -85,7 +85,7 @@ def measure(
         tasks = sampler.sample(min(8, groups - start))
         for task, sampled in zip(tasks, engine.sample([prompter(t) for t in tasks], generations, cfg)):
             g = local_group(task, sampled, mix.answer_prefix)
-            mixed += any(r >= 1.0 for r in g.rewards) and any(r < 1.0 for r in g.rewards)
+            mixed += right_and_wrong(g.rewards)
             rewards += g.rewards
             lengths += [len(ids) for ids in sampled.completion_ids]
     t_sample = time.perf_counter() - t0

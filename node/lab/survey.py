@@ -24,7 +24,7 @@ import torch
 
 from node.learn import gym
 from node.learn.evaluate import constant_answer_baseline, greedy_texts
-from node.learn.groups import Prompter, score_responses
+from node.learn.groups import Prompter, right_and_wrong, score_responses
 from node.learn.sampling import SamplingConfig, sample_groups
 from node.learn.tasks import CPU_EASY_SYSTEM_PROMPT, Task, TaskMix, eval_tasks, extract_answer
 
@@ -256,7 +256,7 @@ def measure_cell(
             sample_scores += scores
             lengths += [len(ids) for ids in group.completion_ids]
             solved += any(s >= 1.0 for s in scores)
-            mixed += any(s >= 1.0 for s in scores) and any(s < 1.0 for s in scores)
+            mixed += right_and_wrong(scores)
             correct_answers |= {str(extract_answer(r)) for r, s in zip(responses, scores) if s >= 1.0}
     correct_answers |= {str(extract_answer(fmt.answer_prefix + g)) for g, s in zip(greedy, greedy_scores) if s >= 1.0}
     seconds = time.perf_counter() - t0

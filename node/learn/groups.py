@@ -43,6 +43,12 @@ def score_responses(task: Task, responses: list[str]) -> list[float]:
     return [score(task, extract_answer(r)) for r in responses]
 
 
+def right_and_wrong(rewards: list[float]) -> bool:
+    """Whether a group holds a fully right and a not fully right completion: what the task surveys count as a
+    group with a learning signal (the zero-advantage filter keeps any group whose rewards differ)."""
+    return any(r >= 1.0 for r in rewards) and any(r < 1.0 for r in rewards)
+
+
 def local_group(task: Task, sampled: SampledGroup, answer_prefix: str) -> Group:
     responses = [answer_prefix + text for text in sampled.texts]
     return Group(task=task, responses=responses, rewards=score_responses(task, responses), sampled=sampled)

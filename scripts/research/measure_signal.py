@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from node.learn.groups import Prompter, local_group
+from node.learn.groups import Prompter, local_group, right_and_wrong
 from node.learn.model_io import load_model, pick_device
 from node.learn.sampling import SamplingConfig, sample_groups
 from node.learn.tasks import TaskSampler, resolve_mix
@@ -45,7 +45,7 @@ def main() -> None:
         sampled = sample_groups(model, tok, [prompter(t) for t in tasks], args.generations, cfg)
         for t, s in zip(tasks, sampled):
             g = local_group(t, s, mix.answer_prefix)
-            mixed = any(r == 1.0 for r in g.rewards) and any(r < 1.0 for r in g.rewards)
+            mixed = right_and_wrong(g.rewards)
             stats = per[t.spec.dataset]
             stats[0] += 1
             stats[1] += int(mixed)

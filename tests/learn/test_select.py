@@ -72,3 +72,10 @@ def test_counts_never_exceed_the_targets(num_local, num_external):
         assert all(g.signal() for g in sel.local + sel.external)
         assert len(sel.local) == min(num_local, len(local) - sel.dropped_local)
         assert len(sel.external) == min(num_external, sel.external_available)
+
+
+def test_a_group_with_signal_in_the_surveys_sense_holds_a_right_and_a_wrong_answer():
+    from node.learn.groups import right_and_wrong
+
+    assert right_and_wrong([1.0, 0.0, 0.0]) and right_and_wrong([1.0, 0.5])
+    assert not right_and_wrong([1.0, 1.0]) and not right_and_wrong([0.5, 0.0]) and not right_and_wrong([])
