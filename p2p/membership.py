@@ -95,6 +95,9 @@ def tcp_target(maddr: str) -> tuple[str, int] | None:
         return None
 
 
+PROBE_TIMEOUT_S = 3.0  # a TCP connect to an initial peer
+
+
 async def probe(maddr: str, timeout: float) -> str | None:
     """None when a TCP connection to the peer's address opens within `timeout` (or when the address is not
     one a TCP connect can test), else what went wrong, in a few words."""
@@ -113,6 +116,12 @@ async def probe(maddr: str, timeout: float) -> str | None:
     return None
 
 
+async def none_answer(peers: list[str], timeout: float) -> str | None:
+    """When none of `peers` answers a TCP probe within `timeout`: what went wrong with each; None if one does."""
+    answers = await asyncio.gather(*(probe(m, timeout) for m in peers))
+    return "; ".join(f"{m}: {why}" for m, why in zip(peers, answers)) if all(answers) else None
+
+
 class Membership:
     """Keeps `transport` in its swarm (module docstring). `joined` and `state` are read by the exchange."""
 
@@ -121,7 +130,7 @@ class Membership:
         transport: SwarmTransport,
         require_peers: bool = False,
         backoff: Backoff = Backoff(),
-        probe_timeout_s: float = 3.0,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
         watch_every_s: float = 10.0,
         alone_after: int = 2,
         remind_every_s: float = 600.0,
@@ -180,6 +189,9 @@ class Membership:
             logger.info("first peer of swarm %r: waiting for peers to join", self.transport.config.swarm)
             return
         if self.require_peers:  # strict: no answer is an error, as before this module
+            why = await none_answer(self.peers, self.probe_timeout_s)
+            if why is not None:  # said in a probe's time, not after the DHT's own bootstrap timeouts
+                raise TransportError(f"none of the initial peers answered ({why})")
             await self.transport.start()
             self._set(JOINED)
             return
@@ -198,9 +210,9 @@ class Membership:
     async def _try_join(self) -> str | None:
         """Probe the initial peers; if one answers, (re)start the DHT peer through them. None once joined,
         else what failed. A failure on this machine's side raises TransportError (retrying cannot fix it)."""
-        answers = await asyncio.gather(*(probe(m, self.probe_timeout_s) for m in self.peers))
-        if all(answers):
-            return "; ".join(f"{m}: {why}" for m, why in zip(self.peers, answers))
+        why = await none_answer(self.peers, self.probe_timeout_s)
+        if why is not None:
+            return why
         await self.transport.shutdown()  # a DHT left alone by every peer: restarted through the initial peers
         try:
             await self.transport.start()
