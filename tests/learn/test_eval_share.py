@@ -99,14 +99,19 @@ def test_a_dead_holder_is_taken_over_and_a_stop_ends_the_wait(tmp_path):
 @pytest.mark.slow
 def test_two_real_nodes_evaluate_their_common_start_once(tmp_path, tiny_args):
     """Two sapo-node processes, the tiny model, one shared directory: one evaluates the starting weights, the
-    other reads its result; both records carry the same start figures."""
-    args = [*tiny_args[:-2], "--rounds", "1", "--eval-every", "10", "--eval-size", "8", "--eval-share", str(tmp_path)]
+    other reads its result; both records carry the same start figures; with --no-eval-round0 and --eval-at 1
+    the next evaluations are after rounds 1 and 2 (the last), none after round 0."""
+    args = [*tiny_args[:-2], "--rounds", "3", "--eval-every", "10", "--eval-size", "8", "--eval-share", str(tmp_path)]
+    args += ["--eval-at", "1", "--no-eval-round0"]  # the quick start's schedule: start, 1, then the last
     runs = [tmp_path / "peer0", tmp_path / "peer1"]
     with ThreadPoolExecutor(2) as pool:
         done = list(pool.map(lambda d: run_node(*args, "--run-dir", str(d), "--seed", d.name[-1]), runs))
     for proc in done:
         assert proc.returncode == 0, proc.stderr[-3000:]
-    firsts = [read_records(d / "metrics.jsonl")[0] for d in runs]
+    records = [read_records(d / "metrics.jsonl") for d in runs]
+    firsts = [recs[0] for recs in records]
     assert firsts[0]["start_scores"] == firsts[1]["start_scores"] and "start_accuracy" in firsts[0]
+    evaluated = [[r["round"] for r in recs if "eval_accuracy" in r] for recs in records]
+    assert evaluated == [[1, 2], [1, 2]] and firsts[0]["eval_next"] == 1
     logs = [(d / "node.log").read_text() for d in runs]
     assert sum("another peer's" in log for log in logs) == 1, logs
