@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         state = "all cells in" if result["complete"] else "NOT all cells in yet: provisional"
         print(
             f"pick: {result['chosen']} ({state}); the confirmatory run needs n = {result['needed_seeds']} paired "
-            f"seeds for 80% power, runs {result['seeds']}"
+            f"seeds for 80% power: it runs {result['seeds']} if the budget allows, else {MIN_SEEDS}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
