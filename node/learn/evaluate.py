@@ -377,7 +377,7 @@ class HeldOutEval:
     def unseen_due(self, r: int) -> bool:
         """Whether round r's evaluation covers the unseen set too: at every regular point (every N rounds, the
         last); the early points of `at` alone read the held-out set, half the cost, to show the first rise."""
-        return r % self.every == 0 or r == self.rounds - 1 or r not in self.at
+        return r not in self.at or r == self.rounds - 1 or (self.enabled and r % self.every == 0)
 
     def next_due(self, r: int) -> int | None:
         """The first round from `r` on whose end brings an evaluation (None: none left), for the progress view."""

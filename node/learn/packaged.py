@@ -124,6 +124,10 @@ def converted_dir(name: str) -> Path | None:
     return _model_cache(_expected_sha256(home / m.checksums, m.gguf)) / "transformers"
 
 
+ENGINE_MODEL = "default"  # the packaged model the llama engine serves (a llama architecture)
+ENGINE_TOKENIZER = "gguf-tokenizer"  # the engine's copy of a GGUF's tokenizer metadata (engines/gguf_export.py)
+
+
 def ready(names: list[str]) -> bool:
     """Whether every packaged model among `names` is installed and kept converted for transformers (and, for
     the engine's model, its tokenizer metadata parsed for the engine), checked without importing torch
@@ -136,10 +140,6 @@ def ready(names: list[str]) -> bool:
         if name == ENGINE_MODEL and not (cache_dir() / derived_name(ENGINE_TOKENIZER, model_path(name))).exists():
             return False
     return True
-
-
-ENGINE_MODEL = "default"  # the packaged model the llama engine serves (a llama architecture)
-ENGINE_TOKENIZER = "gguf-tokenizer"  # the engine's copy of a GGUF's tokenizer metadata (engines/gguf_export.py)
 
 
 def derived_name(kind: str, path: Path) -> str:
@@ -167,13 +167,20 @@ def cached_json(name: str, compute: Callable[[], Any], valid: Callable[[Any], bo
         pass
     value = compute()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(value))
-        tmp.replace(path)
+        write_json(path, value)
     except OSError:
         pass
     return value
+
+
+def write_json(path: Path, value: Any) -> None:
+    """`value` as JSON at `path`, whole or not at all (a temporary file beside it, renamed over it): a reader
+    in another process never sees half a file. (p2p/files.py's write_atomically also fsyncs; learn/ may not
+    import p2p/, and a cache needs no fsync.)"""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)
 
 
 def _model_cache(digest: str) -> Path:

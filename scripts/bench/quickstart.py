@@ -134,16 +134,14 @@ def main() -> int:
 def by_evaluation(peers: list[Path], t0: float) -> list[dict]:
     """Per evaluation round that every peer reached: when the last peer had it (seconds after the command)
     and the peers' mean held-out accuracy and mean gain over their own starting weights."""
-    per_peer = [
-        {r["round"]: r for r in records(peer / "metrics.jsonl") if "eval_accuracy" in r or "start_accuracy" in r}
-        for peer in peers
+    per_peer = [{r["round"]: r for r in records(peer / "metrics.jsonl")} for peer in peers]
+    start = [recs.get(0, {}).get("start_accuracy") for recs in per_peer]
+    if not per_peer or None in start:
+        return []
+    rounds = sorted(set.intersection(*({k for k, r in recs.items() if "eval_accuracy" in r} for recs in per_peer)))
+    rows = [
+        {"round": "start", "last_done_s": None, "held_out": sum(start) / len(start), "gain": 0.0, "peers": len(start)}
     ]
-    start = [recs[0].get("start_accuracy") if 0 in recs else None for recs in per_peer]
-    rows = []
-    if not per_peer or any(s is None for s in start):
-        return rows
-    rounds = sorted(set.intersection(*(set(k for k, r in recs.items() if "eval_accuracy" in r) for recs in per_peer)))
-    rows.append({"round": "start", "last_done_s": None, "held_out": sum(start) / len(start), "gain": 0.0})
     for r in rounds:
         acc = [recs[r]["eval_accuracy"] for recs in per_peer]
         rows.append(
@@ -155,7 +153,6 @@ def by_evaluation(peers: list[Path], t0: float) -> list[dict]:
                 "peers": len(acc),
             }
         )
-    rows[0]["peers"] = len(start)
     return rows
 
 
