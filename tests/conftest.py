@@ -128,6 +128,21 @@ def run_node(*args: str, timeout: float = 240, **env: str) -> subprocess.Complet
     return run_python(["-m", "node.cli", *args], timeout, node_env(**env))
 
 
+def small_silo_node(model, tokenizer, model_name: str, rounds: int, run_dir: Path, *extra: str):
+    """A silo node on the smoke tasks, built in this process on a copy of `model`: 2 groups of 3 completions,
+    6 new tokens, seed 4, `rounds` rounds; `extra` flags as sapo-node takes them (--eval-every, ...)."""
+    import copy
+
+    from node.build import build_node
+    from node.ops.config import load_config
+    from node.swarm.exchange import Silo
+
+    flags = ["--model", model_name, "--tasks", "smoke", "--num-local", "2", "--generations", "3"]
+    flags += ["--max-new-tokens", "6", "--seed", "4", "--rounds", str(rounds), "--run-dir", str(run_dir), *extra]
+    cfg = load_config(flags, env={})
+    return build_node(cfg, PRESETS["smoke"], copy.deepcopy(model), tokenizer, Silo(), torch.device("cpu"))
+
+
 @pytest.fixture
 def tiny_args():
     """A fast solo configuration on the tiny random model."""

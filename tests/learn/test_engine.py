@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import node.learn.trainer as trainer_mod
-from conftest import BINDINGS
+from conftest import BINDINGS, small_silo_node
 from conftest import need_llama as need
 from node.learn.engines import make_engine
 from node.learn.engines.torch import TorchEngine
@@ -274,37 +274,11 @@ async def test_a_node_with_the_llama_engine_syncs_after_each_update(tmp_path, sm
     """The round loop: the engine samples round 0 from the initial weights, and every later round starts
     with a `sync` phase (the update moved the weights); the records are an ordinary node's."""
     need("any")
-    from node.build import build_node
-    from node.ops.config import load_config
-    from node.swarm.exchange import Silo
 
     model, tok, *_ = smol
-    cfg = load_config(
-        [
-            "--model",
-            "tiny-random-smol",
-            "--tasks",
-            "smoke",
-            "--num-local",
-            "2",
-            "--generations",
-            "3",
-            "--max-new-tokens",
-            "6",
-            "--seed",
-            "4",
-            "--rounds",
-            "2",
-            "--eval-every",
-            "0",
-            "--rollout-engine",
-            "llama",
-            "--run-dir",
-            str(tmp_path),
-        ],
-        env={},
+    node = small_silo_node(
+        model, tok, "tiny-random-smol", 2, tmp_path, "--eval-every", "0", "--rollout-engine", "llama"
     )
-    node = build_node(cfg, PRESETS["smoke"], copy.deepcopy(model), tok, Silo(), torch.device("cpu"))
     try:
         assert node.engine.name == "llama"
         records = [(await node.run_round(r)).record for r in range(2)]

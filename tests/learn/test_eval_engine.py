@@ -3,22 +3,18 @@ the engine holds the current weights whenever it evaluates, that records name th
 torch's greedy answers on the default model (real llama.cpp through the wheel setup installs: these tests
 fail where it is missing, unless setup was told SAPO_ENGINE=torch)."""
 
-import copy
 import logging
 
 import pytest
 import torch
 
-from conftest import need_llama
-from node.build import build_node
+from conftest import need_llama, small_silo_node
 from node.learn.engines import eval_engine, make_engine
 from node.learn.engines.torch import TorchEngine
 from node.learn.evaluate import eval_tasks, greedy_texts
 from node.learn.groups import Prompter, score_responses
 from node.learn.model_io import load_model
 from node.learn.tasks import PRESETS
-from node.ops.config import load_config
-from node.swarm.exchange import Silo
 
 # Parity on the default model: the quick start's mix and held-out set. The engine samples with bf16 weights
 # (--engine-weights auto with the wheel), torch's reference decodes in fp32: a question whose two best first
@@ -73,40 +69,25 @@ async def test_the_engine_evaluates_the_weights_of_the_round_and_records_say_so(
     records name the evaluator (start_engine, eval_engine) and when the next evaluation comes (eval_next)."""
     need_llama("wheel")
     model, tok = smol
-    cfg = load_config(
-        [
-            "--model",
-            "tiny-random-smol",
-            "--tasks",
-            "smoke",
-            "--num-local",
-            "2",
-            "--generations",
-            "3",
-            "--max-new-tokens",
-            "6",
-            "--seed",
-            "4",
-            "--rounds",
-            "3",
-            "--eval-every",
-            "2",
-            "--eval-size",
-            "4",
-            "--eval-at",
-            "1",
-            "--lr",
-            "1e-2",
-            "--rollout-engine",
-            "llama",
-            "--eval-engine",
-            "engine",
-            "--run-dir",
-            str(tmp_path),
-        ],
-        env={},
+    node = small_silo_node(
+        model,
+        tok,
+        "tiny-random-smol",
+        3,
+        tmp_path,
+        "--eval-every",
+        "2",
+        "--eval-size",
+        "4",
+        "--eval-at",
+        "1",
+        "--lr",
+        "1e-2",
+        "--rollout-engine",
+        "llama",
+        "--eval-engine",
+        "engine",
     )
-    node = build_node(cfg, PRESETS["smoke"], copy.deepcopy(model), tok, Silo(), torch.device("cpu"))
     synced, evaluated = [], []
     sync, greedy = node.engine.sync, node.engine.greedy
 

@@ -1,13 +1,10 @@
 """Held-out evaluation: a fixed set no training task can come from; evaluating changes no training record."""
 
-import copy
-
 import orjson
 import pytest
 import torch
 
-from conftest import tiny_gemma3
-from node.build import build_node
+from conftest import small_silo_node, tiny_gemma3
 from node.learn.evaluate import HeldOutEval, constant_answer_baseline, evaluate, greedy_texts
 from node.learn.groups import Prompter, collapse_metrics, local_group
 from node.learn.model_io import load_model
@@ -15,7 +12,6 @@ from node.learn.sampling import SamplingConfig, sample_groups
 from node.learn.tasks import DATASET_SIZE, EVAL_INDEX_START, PRESETS, TaskSampler, TaskSpec, eval_tasks, is_eval_index
 from node.ops.config import ConfigError, load_config
 from node.ops.metrics import MetricsWriter
-from node.swarm.exchange import Silo
 
 
 @pytest.fixture(scope="module")
@@ -150,32 +146,9 @@ def test_collapse_metrics_from_sampled_groups(tiny):
 async def test_a_run_with_eval_has_the_same_training_records_as_without(tmp_path, tiny):
     records = {}
     for every in (0, 1):
-        cfg = load_config(
-            [
-                "--model",
-                "tiny-random",
-                "--tasks",
-                "smoke",
-                "--num-local",
-                "2",
-                "--generations",
-                "3",
-                "--max-new-tokens",
-                "6",
-                "--seed",
-                "4",
-                "--rounds",
-                "3",
-                "--eval-every",
-                str(every),
-                "--eval-size",
-                "4",
-                "--run-dir",
-                str(tmp_path / str(every)),
-            ],
-            env={},
+        node = small_silo_node(
+            tiny[0], tiny[1], "tiny-random", 3, tmp_path / str(every), "--eval-every", str(every), "--eval-size", "4"
         )
-        node = build_node(cfg, PRESETS["smoke"], copy.deepcopy(tiny[0]), tiny[1], Silo(), torch.device("cpu"))
         records[every] = [(await node.run_round(r)).record for r in range(3)]
         node.worker.shutdown()
     keys = ("reward_mean", "loss", "tokens_generated", "clip_frac", "grad_norm", "entropy_mean", "signal_frac")
@@ -186,33 +159,7 @@ async def test_a_run_with_eval_has_the_same_training_records_as_without(tmp_path
 
 
 def two_round_node(tiny, run_dir, *extra):
-    cfg = load_config(
-        [
-            "--model",
-            "tiny-random",
-            "--tasks",
-            "smoke",
-            "--num-local",
-            "2",
-            "--generations",
-            "3",
-            "--max-new-tokens",
-            "6",
-            "--seed",
-            "4",
-            "--rounds",
-            "2",
-            "--eval-every",
-            "1",
-            "--eval-size",
-            "4",
-            "--run-dir",
-            str(run_dir),
-            *extra,
-        ],
-        env={},
-    )
-    return build_node(cfg, PRESETS["smoke"], copy.deepcopy(tiny[0]), tiny[1], Silo(), torch.device("cpu"))
+    return small_silo_node(tiny[0], tiny[1], "tiny-random", 2, run_dir, "--eval-every", "1", "--eval-size", "4", *extra)
 
 
 async def test_an_evaluation_skipped_by_a_stop_runs_on_resume_with_the_same_result(tmp_path, tiny):
