@@ -24,7 +24,7 @@ import torch
 
 from node.learn.formats import stop_token_ids
 from node.learn.groups import Prompter, score_responses
-from node.learn.kvcache import CommonPrefix, generate_positions, left_padded
+from node.learn.kvcache import CommonPrefix, cache_arg, generate_positions, left_padded, returned_cache
 from node.learn.stop import StopRequest
 from node.learn.tasks import Task, TaskMix, eval_tasks, extract_answer, score
 
@@ -177,7 +177,7 @@ def greedy_texts(
                     out = model.generate(
                         input_ids=input_ids,
                         attention_mask=attn,
-                        past_key_values=cache,
+                        **cache_arg(cache),
                         do_sample=False,
                         max_new_tokens=max_new_tokens,
                         use_cache=True,
@@ -222,12 +222,12 @@ def greedy_rows(
         input_ids=ids[:, start:],
         attention_mask=attn,
         position_ids=positions[:, start:],
-        past_key_values=cache,
+        **cache_arg(cache),
         cache_position=torch.arange(start, length, device=ids.device),
         use_cache=True,
         logits_to_keep=1,
     )
-    logits, cache = out.logits[:, -1], out.past_key_values
+    logits, cache = out.logits[:, -1], returned_cache(out)
     rows, pos = torch.arange(ids.shape[0]), positions[:, -1:]
     stops = torch.tensor(stop_ids, device=ids.device)
     new: list[list[int]] = [[] for _ in range(ids.shape[0])]
@@ -248,7 +248,7 @@ def greedy_rows(
             input_ids=token[:, None],
             attention_mask=attn,
             position_ids=pos,
-            past_key_values=cache,
+            **cache_arg(cache),
             cache_position=torch.tensor([length + step], device=ids.device),
             use_cache=True,
         ).logits[:, -1]

@@ -15,8 +15,24 @@ import logging
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 log = logging.getLogger(__name__)
+
+# transformers 5.x renamed a model's `past_key_values` argument and output to `cache` (the old name warns, and
+# goes in 5.40); releases before the rename know only the old one. Every call here passes and reads the name
+# the installed release has.
+CACHE_ARG = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+
+
+def cache_arg(cache) -> dict:
+    """`cache` as the keyword argument a forward or `generate` of the installed transformers takes."""
+    return {CACHE_ARG: cache}
+
+
+def returned_cache(out):
+    """The KV cache a forward returned (`use_cache=True`), under the installed transformers' name."""
+    return getattr(out, CACHE_ARG)
 
 
 def is_full_attention_cache(cache, longest: int) -> bool:
@@ -67,7 +83,7 @@ def _reusable_cache(model: torch.nn.Module, what: str, longest: int, **inputs):
         log.debug("%s not shared: %d tokens exceed the model's attention window (%d)", what, longest, window)
         return None
     try:
-        cache = model(**inputs, use_cache=True, logits_to_keep=1).past_key_values
+        cache = returned_cache(model(**inputs, use_cache=True, logits_to_keep=1))
     except (TypeError, ValueError, NotImplementedError) as exc:
         log.debug("%s not shared: %s", what, exc)
         return None

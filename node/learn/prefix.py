@@ -33,7 +33,7 @@ import torch
 from transformers import DynamicCache
 
 from node.learn.choices import PREFIX_SHARING
-from node.learn.kvcache import attention_window, is_full_attention_cache, left_padded
+from node.learn.kvcache import attention_window, cache_arg, is_full_attention_cache, left_padded, returned_cache
 from node.learn.sampling import Sequence, completion_logprobs, token_logprobs
 
 __all__ = [
@@ -119,7 +119,7 @@ class SharedPrefix:
         out = model(
             input_ids=ids.to(device), attention_mask=self.attn, position_ids=positions, use_cache=True, logits_to_keep=1
         )
-        cache = out.past_key_values
+        cache = returned_cache(out)
         if not is_full_attention_cache(cache, longest):
             raise TypeError(
                 f"prefix sharing needs a DynamicCache that attends fully over {longest} tokens, "
@@ -152,7 +152,7 @@ class SharedPrefix:
                 input_ids=comp_ids[:, : C - 1],
                 attention_mask=attn,
                 position_ids=positions,
-                past_key_values=cache,
+                **cache_arg(cache),
                 use_cache=True,
             ).logits
             # log-probs of the two parts joined, not their [B, C, vocab] logits (a copy the size of the batch)

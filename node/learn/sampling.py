@@ -17,7 +17,7 @@ from transformers import (
 )
 
 from node.learn.formats import stop_token_ids
-from node.learn.kvcache import shared_prompt_cache
+from node.learn.kvcache import cache_arg, shared_prompt_cache
 from node.learn.stop import StopRequest
 
 
@@ -137,7 +137,7 @@ def sample_groups(
                 inputs = {
                     "input_ids": enc["input_ids"].repeat_interleave(group_size, dim=0),
                     "attention_mask": enc["attention_mask"].repeat_interleave(group_size, dim=0),
-                    "past_key_values": cache,
+                    **cache_arg(cache),
                 }
             out = model.generate(
                 **inputs,

@@ -7,6 +7,7 @@ import torch
 from conftest import small_silo_node, tiny_gemma3
 from node.learn.evaluate import HeldOutEval, constant_answer_baseline, evaluate, greedy_texts
 from node.learn.groups import Prompter, collapse_metrics, local_group
+from node.learn.kvcache import cache_arg
 from node.learn.model_io import load_model
 from node.learn.sampling import SamplingConfig, sample_groups
 from node.learn.tasks import DATASET_SIZE, EVAL_INDEX_START, PRESETS, TaskSampler, TaskSpec, eval_tasks, is_eval_index
@@ -251,7 +252,7 @@ def test_common_prompt_prefix_runs_once_with_the_same_next_token_scores(tiny):
         "top_p": None,
         "top_k": None,
     }
-    shared = model.generate(input_ids=input_ids, attention_mask=attn, past_key_values=cache, **gen)
+    shared = model.generate(input_ids=input_ids, attention_mask=attn, **cache_arg(cache), **gen)
     plain = model.generate(**tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False), **gen)
     for a, b in zip(shared.scores, plain.scores):
         assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
@@ -292,7 +293,7 @@ def test_a_finished_row_leaves_the_batch_and_the_others_decode_as_with_generate(
         "top_k": None,
     }
     input_ids, attn, cache = prefix.batch(ids, tok.pad_token_id)
-    free = model.generate(input_ids=input_ids, attention_mask=attn, past_key_values=cache, eos_token_id=None, **gen)[
+    free = model.generate(input_ids=input_ids, attention_mask=attn, **cache_arg(cache), eos_token_id=None, **gen)[
         :, input_ids.shape[1] :
     ].tolist()
     stops = sorted({free[0][1], free[2][4]})  # rows end at different steps; the others run to the cap

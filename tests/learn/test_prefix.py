@@ -208,3 +208,21 @@ def test_generation_prefills_each_prompt_once_with_the_same_samples(tiny64, mode
         assert a.completion_ids == b.completion_ids and a.prompt_ids == b.prompt_ids
         for x, y in zip(a.behaviour_logp, b.behaviour_logp):
             assert max(abs(u - v) for u, v in zip(x, y)) < 1e-9
+
+
+def test_cache_passes_under_the_installed_transformers_name(caplog):
+    """Sampling, the shared-prefix update and greedy evaluation hand the KV cache over under the name the
+    installed transformers takes: no deprecation warning (the old name goes in transformers 5.40)."""
+    from transformers.utils import logging as hf_logging
+
+    from node.learn.evaluate import greedy_texts
+
+    hf_logging.get_logger("x").warning_once.__func__.cache_clear()  # warning_once says each message once a process
+    hf_logging.enable_propagation()
+    with caplog.at_level("WARNING"):
+        model, tok, prompter, tasks, groups = tiny_signal_groups(seed=3, max_new_tokens=4)
+        seqs = to_sequences(groups, tok, prompter, scale_std=True)
+        assert list(micro_batches(model, seqs, tok.pad_token_id, 1.0, 4, True))
+        assert len(greedy_texts(model, tok, [prompter(t) for t in tasks], 4, 2)) == 3
+    cache_warnings = [r.getMessage() for r in caplog.records if "past_key_values" in r.getMessage()]
+    assert cache_warnings == []
