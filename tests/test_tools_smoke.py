@@ -77,6 +77,44 @@ def test_eval_benchmark(tmp_path):
     assert variants["rows-4"]["differ"] == 0  # rows that leave their batch answer as `generate` does
 
 
+def test_eval_benchmark_on_an_adapter_with_the_fp32_reference(tmp_path):
+    """A trained adapter's evaluation as a LoRA node runs it (its base stored in bf16 under mixed precision)
+    beside the fp32 reference, which decodes its own fp32 copy."""
+    import torch
+
+    from node.learn.lora import attach
+    from node.learn.model_io import load_model
+    from node.ops.checkpoint import CheckpointStore
+
+    adapter = attach(load_model("tiny-random", torch.device("cpu"))[0], 4, 8.0)
+    with torch.no_grad():
+        for p in adapter.parameters():
+            p.normal_(std=0.05)  # B = 0 would leave the base model
+    ckpt = CheckpointStore(tmp_path / "run").save(3, adapter.state_dict(), {}, {"round": 3})
+    tool(
+        "bench.eval",
+        *TINY,
+        "--size",
+        "4",
+        "--batches",
+        "4",
+        "--repeats",
+        "1",
+        "--fp32",
+        "--adapter",
+        str(ckpt),
+        "--lora-rank",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--json",
+        str(tmp_path / "e.json"),
+    )
+    variants = json.loads((tmp_path / "e.json").read_text())["variants"]
+    assert set(variants) == {"generate-32", "rows-4", "fp32"}
+    assert all("differ_fp32" in v for v in variants.values())
+
+
 def test_lora_benchmark(tmp_path):
     tool(
         "bench.lora",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -86,3 +87,35 @@ def runs_under_autocast(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
     model.register_forward_pre_hook(enter)
     model.register_forward_hook(leave, always_call=True)
+
+
+@contextlib.contextmanager
+def update_attention(*models: torch.nn.Module | None) -> Iterator[None]:
+    """Eager attention (matmul + softmax) for an update's passes on a CPU under bf16 autocast, PyTorch's fused
+    SDPA elsewhere. On a CPU the fused kernel's backward is slow on a round's short sequences: on the default
+    model (one thread, LoRA, 32 sequences of ~20 completion tokens on 66-token prompts) it took 13% of the
+    update, and eager attention made the update 11% cheaper; in fp32 it did not pay (BENCHMARKS, rollout
+    engine). Only the attention's arithmetic order changes, not what is computed; sampling and evaluation
+    keep SDPA. Restored on exit, also when the update raises."""
+    present = [m for m in models if m is not None]
+    on_cpu = all(next(m.parameters()).device.type == "cpu" for m in present)
+    if not (present and on_cpu and _cpu_autocast_dtype() == torch.bfloat16):
+        yield
+        return
+    configs = {id(m.config): m.config for model in present for m in model.modules() if hasattr(m, "config")}
+    switched = [c for c in configs.values() if getattr(c, "_attn_implementation", None) == "sdpa"]
+    for config in switched:
+        config._attn_implementation = "eager"
+    try:
+        yield
+    finally:
+        for config in switched:
+            config._attn_implementation = "sdpa"
+
+
+def _cpu_autocast_dtype() -> torch.dtype | None:
+    """The dtype CPU autocast casts to where it is on, else None (torch before 2.4 names these calls differently)."""
+    try:
+        return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+    except (TypeError, AttributeError):
+        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None

@@ -19,6 +19,7 @@ import torch
 
 from node.learn.grpo import external_weight, grpo_loss
 from node.learn.lora import Adapter
+from node.learn.precision import update_attention
 from node.learn.prefix import PREFIX_SHARING, micro_batches, supports_prefix_sharing
 from node.learn.sampling import Sequence
 from node.learn.stop import RoundAbandoned, StopRequest
@@ -147,7 +148,7 @@ class Trainer:
         self._update_began_at = self.steps_taken
         watch = self.stop.watch(self.model, lambda: not self._stepped) if self.stop else contextlib.nullcontext()
         try:
-            with watch:
+            with watch, update_attention(self.model, self.ref_model):
                 return self._update(seqs, stats)
         except RoundAbandoned:
             self.optimizer.zero_grad(set_to_none=True)  # drop half-accumulated gradients

@@ -13,7 +13,8 @@ Same prompts (the preset's held-out set and its unseen set), same greedy answers
 seconds of each (median of --repeats, interleaved; wall and CPU), the ratio to `generate`, the accuracy,
 and how many texts differ from `generate`'s (and from fp32's). --adapter takes a LoRA checkpoint (a peer's
 checkpoints/round-N): a trained adapter writes longer answers than the base model, which is where the
-rows that leave pay.
+rows that leave pay. Under mixed precision the adapter's base is stored in bf16, as a LoRA node keeps it
+(its weights are then not cast again in every decoding step); the fp32 variant decodes an fp32 copy.
 
     nice python -m scripts.bench.eval --adapter runs/.../peer0/checkpoints/round-000009 --json eval.json
     nice python -m scripts.bench.eval --batches 64 --fp32 --engine llama --json evaluators.json
@@ -22,6 +23,7 @@ rows that leave pay.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -62,22 +64,33 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     model, tok = load_model(args.model, device)
+    mode = precision.resolve("auto", device)
+    reference = model  # what the fp32 variant decodes
     if args.adapter:
-        adapter = LoraBase(model, LoraSettings(args.lora_rank, args.lora_alpha)).adapter("bench")
-        adapter.load_state_dict(load_from(Path(args.adapter)).model)
-        adapter.activate()
-        model = adapter.model
+        state = load_from(Path(args.adapter)).model
+
+        def with_adapter(base: torch.nn.Module, stored: torch.dtype) -> torch.nn.Module:
+            adapter = LoraBase(base, LoraSettings(args.lora_rank, args.lora_alpha)).adapter("bench")
+            adapter.load_state_dict(state)
+            if stored != torch.float32:  # as a LoRA node keeps its base under bf16 (node/build.py)
+                adapter.base.store_frozen_weights_as(stored)
+            return adapter.model
+
+        mixed = mode == "bf16"
+        reference = with_adapter(copy.deepcopy(model) if mixed and args.fp32 else model, torch.float32)
+        model = with_adapter(model, torch.bfloat16) if mixed else reference
     mix = resolve_mix(args.tasks)
     tasks = eval_tasks(mix, args.size) + eval_tasks(mix, args.size, unseen=True)
     prompter = Prompter(tok, mix)
     prompts = [prompter(t) for t in tasks]
-    mode = precision.resolve("auto", device)
     batches = [int(b) for b in args.batches.split(",")]
 
     def torch_greedy(batch: int, compact: bool, how: str = mode):
         def run() -> list[str]:
             with precision.autocast(how, device):
-                return greedy_texts(model, tok, prompts, mix.max_new_tokens, batch, compact=compact)
+                return greedy_texts(
+                    model if how == mode else reference, tok, prompts, mix.max_new_tokens, batch, compact=compact
+                )
 
         return run
 

@@ -81,6 +81,37 @@ def test_an_update_under_bf16_autocast_keeps_fp32_weights_and_a_ratio_of_one():
     assert moved, "the update changed no weight"
 
 
+def test_the_update_runs_eager_attention_on_a_cpu_under_bf16_and_scores_what_sdpa_scores():
+    """On a CPU under bf16 autocast the update's passes use eager attention (faster backward there), only for
+    the update: the same log-probs as SDPA's within bf16 rounding, on the shared-prefix layout (prompt cache +
+    completions, where a wrong mask would show), and SDPA again afterwards, also after an error; fp32 keeps
+    SDPA."""
+    from node.learn.prefix import micro_batches
+
+    model, tok = load_model("tiny-random", CPU)
+    groups, prompter = _groups(model, tok)
+    seqs = to_sequences(groups, tok, prompter, scale_std=True)
+    assert model.config._attn_implementation == "sdpa"
+
+    def scored() -> torch.Tensor:
+        return torch.cat(
+            [logp[mask > 0] for _, logp, mask in micro_batches(model, seqs, tok.pad_token_id, 1.0, 4, True)]
+        )
+
+    with precision.update_attention(model):
+        assert model.config._attn_implementation == "sdpa"  # not under bf16 autocast
+    with torch.no_grad(), precision.autocast("bf16", CPU):
+        fused = scored()
+        with precision.update_attention(model):
+            assert model.config._attn_implementation == "eager"
+            eager = scored()
+        assert model.config._attn_implementation == "sdpa"
+        with pytest.raises(RuntimeError), precision.update_attention(model):
+            raise RuntimeError("an update that fails")
+        assert model.config._attn_implementation == "sdpa"
+    assert (eager - fused).abs().max() < 0.01  # bf16 rounding (~0.002); 3 prompt tokens fewer move it by >1
+
+
 def test_a_lora_base_stored_in_bf16_trains_its_fp32_adapter_and_keeps_other_adapters():
     pytest.importorskip("peft")
     from node.learn.lora import LoraBase, LoraSettings
