@@ -196,12 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         join_errors = (TransportError,)
 
     if cfg.require_peers and cfg.peers:  # strict: said before the model loads, not seconds later
-        from p2p.membership import PROBE_TIMEOUT_S, none_answer
+        from p2p.membership import PROBE_TIMEOUT_S, no_peer_answered, none_answer
 
         why = asyncio.run(none_answer(cfg.peers, PROBE_TIMEOUT_S))
         if why is not None:
-            log.error("none of the initial peers answered: %s", why)
-            return fail(f"cannot join the swarm: none of the initial peers answered ({why}); {join_fix(why)}", 1)
+            log.error("%s", no_peer_answered(why))
+            return fail(f"cannot join the swarm: {no_peer_answered(why)}; {join_fix(why)}", 1)
     missing = missing_device(cfg.device)
     if missing:
         return fail(missing)

@@ -122,6 +122,12 @@ async def none_answer(peers: list[str], timeout: float) -> str | None:
     return "; ".join(f"{m}: {why}" for m, why in zip(peers, answers)) if all(answers) else None
 
 
+def no_peer_answered(why: str) -> str:
+    """The one wording of a strict start (`--require-peers`) that no initial peer answered, with `none_answer`'s
+    reasons: the library's error and the command line's early probe say it alike."""
+    return f"none of the initial peers answered ({why})"
+
+
 class Membership:
     """Keeps `transport` in its swarm (module docstring). `joined` and `state` are read by the exchange."""
 
@@ -191,7 +197,7 @@ class Membership:
         if self.require_peers:  # strict: no answer is an error, as before this module
             why = await none_answer(self.peers, self.probe_timeout_s)
             if why is not None:  # said in a probe's time, not after the DHT's own bootstrap timeouts
-                raise TransportError(f"none of the initial peers answered ({why})")
+                raise TransportError(no_peer_answered(why))
             await self.transport.start()
             self._set(JOINED)
             return
