@@ -77,8 +77,9 @@ def main() -> int:
             return adapter.model
 
         mixed = mode == "bf16"
-        reference = with_adapter(copy.deepcopy(model) if mixed and args.fp32 else model, torch.float32)
-        model = with_adapter(model, torch.bfloat16) if mixed else reference
+        fp32_base = copy.deepcopy(model) if mixed and args.fp32 else None  # before PEFT wraps `model` in place
+        model = with_adapter(model, torch.bfloat16 if mixed else torch.float32)
+        reference = model if fp32_base is None else with_adapter(fp32_base, torch.float32)
     mix = resolve_mix(args.tasks)
     tasks = eval_tasks(mix, args.size) + eval_tasks(mix, args.size, unseen=True)
     prompter = Prompter(tok, mix)
