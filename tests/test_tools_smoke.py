@@ -68,6 +68,33 @@ def test_round_benchmark(tmp_path):
     assert "## 3. training step" in out
 
 
+def test_round_variants_start_each_repeat_from_the_same_weights():
+    """The variants of one repeat are compared on the same weights: the update one variant made is undone
+    (parameters and Adam state) before the next one samples."""
+    import torch
+
+    from node.learn.model_io import load_model
+    from node.learn.sampling import Sequence
+    from node.learn.trainer import TrainConfig, Trainer
+    from scripts.bench.round import _restore, _snapshot
+
+    model, tok = load_model("tiny-random", torch.device("cpu"))
+    trainer = Trainer(model, tok.pad_token_id, TrainConfig(lr=1e-2, micro_batch_size=2))
+    seqs = lambda: [Sequence([5, 6, 7], [8, 9], a) for a in (1.0, -1.0)]  # noqa: E731
+    trainer.step(seqs())  # Adam has state to restore
+    before = [p.detach().clone() for p in trainer.params]
+    snap = _snapshot(trainer)
+    trainer.step(seqs())
+    assert any(not torch.equal(p, b) for p, b in zip(trainer.params, before))
+    _restore(trainer, snap)
+    assert all(torch.equal(p, b) for p, b in zip(trainer.params, before))
+    state = trainer.optimizer.state_dict()["state"]
+    assert all(torch.equal(state[k]["exp_avg"], snap[1]["state"][k]["exp_avg"]) for k in state)
+    trainer.step(seqs())  # restoring twice from one snapshot: the snapshot itself is not moved by a step
+    _restore(trainer, snap)
+    assert all(torch.equal(p, b) for p, b in zip(trainer.params, before))
+
+
 def test_eval_benchmark(tmp_path):
     out = tool(
         "bench.eval", *TINY, "--size", "4", "--batches", "4", "--repeats", "1", "--json", str(tmp_path / "e.json")

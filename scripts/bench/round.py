@@ -3,10 +3,11 @@
 Prints these figures (measured side by side in this run, same batch, same seed):
   0. with --variants: one round's phases (sync, generate, train) for today's path (torch sampler, full
      fine-tuning, fp32) vs bf16 mixed precision alone vs the llama.cpp engine vs LoRA vs engine + LoRA
-     (the last three under --mixed-precision), same tasks and seeds, interleaved, for each
-     --variant-threads setting; rewards forced to carry a signal so every variant trains the same 32
-     sequences. Wall and process-CPU seconds (on a shared machine read the CPU ones: one thread's CPU
-     seconds are what an idle machine's wall clock would show)
+     (the last three under --mixed-precision), same tasks and seeds, interleaved, each repeat's variants
+     starting from the same weights and optimizer state, for each --variant-threads setting; rewards forced
+     to carry a signal so every variant trains the same 32 sequences. Wall and process-CPU seconds (on a
+     shared machine read the CPU ones: one thread's CPU seconds are what an idle machine's wall clock
+     would show)
   1. per-phase seconds of N solo rounds (generate, score, train, ...), from the node's own metrics
   2. generation throughput of the node's sampler (behaviour log-probs recorded) / bare model.generate
      (target >= 0.95), and the sampler's seconds with each prompt prefilled once per group vs once per
@@ -191,9 +192,11 @@ def variants_section(args, model, tok, mix, max_new) -> dict:
         for i in range(0 if n_setting else -1, args.variant_repeats):  # -1: warm-up (first setting), not counted
             tasks = sampler.sample(args.num_local)
             prompts = [prompter(t) for t in tasks]
+            start = {lora: _snapshot(t) for lora, t in trainers.items()}
             for name, (m, a, eng, trainer, _, mode) in setups.items():  # interleaved: load hits all alike
                 if a is not None:
                     a.activate()
+                _restore(trainer, start[a is not None])  # every variant samples from the same weights
                 with precision.autocast(mode, torch.device("cpu")):  # as the node's model thread runs it
                     t0, c0 = time.perf_counter(), time.process_time()
                     if eng.name != "torch":
@@ -243,6 +246,19 @@ def variants_section(args, model, tok, mix, max_new) -> dict:
     for _, _, eng, _, _, _ in setups.values():
         eng.close()
     return out
+
+
+def _snapshot(trainer: Trainer) -> tuple[list[torch.Tensor], dict]:
+    """What a trainer's update changes: its parameters and its optimizer's state."""
+    return [p.detach().clone() for p in trainer.params], copy.deepcopy(trainer.optimizer.state_dict())
+
+
+def _restore(trainer: Trainer, snapshot: tuple[list[torch.Tensor], dict]) -> None:
+    params, optimizer = snapshot
+    with torch.no_grad():
+        for p, saved in zip(trainer.params, params):
+            p.copy_(saved)
+    trainer.optimizer.load_state_dict(copy.deepcopy(optimizer))
 
 
 def generation_section(args, model, tok, prompts, scfg, max_new, device) -> dict:
