@@ -26,7 +26,6 @@ attend exactly as full attention; an update with a longer one runs plain.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -93,36 +92,18 @@ def plan_units(seqs: list[Sequence], budget: int) -> list[Unit]:
     return units
 
 
-PASS_COST_TOKENS = 16  # what one more forward/backward pass costs, in padded completion tokens (measured: BENCHMARKS)
-
-
-def split_completions(lengths: list[int], budget: int, pass_cost: int = PASS_COST_TOKENS) -> list[int]:
-    """Sizes of consecutive micro-batches of completions with these lengths (longest first), each at most
-    `budget` padded tokens (at least one completion each), cut where padding costs more than a pass.
-
-    A micro-batch runs every completion to its longest one's length, so a group with answers of 32 and of 10
-    tokens wastes a third of its positions on padding in one pass. The cut is the cheapest by dynamic
-    programming over padded tokens plus `pass_cost` a pass; with lengths sorted longest first, consecutive
-    runs are the best partitions."""
-    n = len(lengths)
-    best = [0.0] + [math.inf] * n  # best[j]: cheapest split of lengths[:j]
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        longest = 0
-        for i in range(j - 1, -1, -1):  # the last micro-batch is lengths[i:j]
-            longest = max(longest, lengths[i])
-            padded = (j - i) * longest
-            if j - i > 1 and padded > budget:
-                break
-            cost = best[i] + padded + pass_cost
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
+def split_completions(lengths: list[int], budget: int) -> list[int]:
+    """Sizes of consecutive micro-batches of completions with these lengths, each at most `budget` padded
+    tokens (at least one completion each)."""
     sizes: list[int] = []
-    j = n
-    while j > 0:
-        sizes.append(j - cut[j])
-        j = cut[j]
-    return sizes[::-1]
+    start = 0
+    for end in range(1, len(lengths) + 1):
+        if end - start > 1 and (end - start) * max(lengths[start:end]) > budget:
+            sizes.append(end - 1 - start)
+            start = end - 1
+    if start < len(lengths):
+        sizes.append(len(lengths) - start)
+    return sizes
 
 
 class SharedPrefix:

@@ -98,12 +98,6 @@ def test_units_keep_groups_whole_and_split_big_ones():
     assert units[0].members == [[0, 2, 5, 6, 7]] and units[1].members == [[1, 4], [3]]
     assert split_completions([1, 1, 5, 1], 6) == [2, 1, 1]  # padded: 3 x 5 > 6
     assert split_completions([7], 6) == [1]  # one completion always runs, even past the budget
-    # a pass costs 16 tokens: 3 x 32 + 3 x 10 + 2 passes (158) beats 6 x 32 + 1 pass (208)
-    assert split_completions([32, 32, 30, 10, 10, 8], 1000) == [3, 3]
-    assert split_completions([32, 32, 30, 10, 10, 8], 1000, pass_cost=10**6) == [6]
-    assert split_completions([32, 32, 30, 28], 1000) == [4]  # little padding: not worth a pass
-    assert split_completions([32, 32, 30, 10, 10, 8], 100) == [3, 3]  # and never past the budget
-    assert split_completions([], 100) == []
 
     seqs = [Sequence(p, [9] * (3 if p is a else 1), 0.0) for p in (a, b, a, c, b, a, a, a)]
     assert token_budget(seqs, 2) == 10  # two plain sequences of the longest: 2 x (2 + 3)
