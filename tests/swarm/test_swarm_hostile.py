@@ -93,7 +93,17 @@ async def _store_all(_dht, node, path: str) -> list[bool]:
     with open(path, "rb") as f:
         items = pickle.load(f)
     os.unlink(path)
-    return list(await asyncio.gather(*(node.store(k, v, e, subkey=s) for k, s, v, e in items)))
+    done = [False] * len(items)
+    for _ in range(3):  # hundreds of stores at once: on a loaded machine a few time out, and are sent again
+        todo = [i for i, ok in enumerate(done) if not ok]
+        if not todo:
+            break
+        results = await asyncio.gather(
+            *(node.store(items[i][0], items[i][2], items[i][3], subkey=items[i][1]) for i in todo)
+        )
+        for i, ok in zip(todo, results):
+            done[i] = bool(ok)
+    return done
 
 
 async def store_all(dht: hivemind.DHT, items: list[tuple[str, bytes, bytes, float]]) -> list[bool]:
