@@ -481,8 +481,8 @@ async def test_batches_over_the_verify_budget_are_offered_again_over_the_dht_not
 
     peers = [Identity.generate() for _ in range(6)]
     records = [FetchedRecord(p.public_key_bytes, 1, useless_batch(p)) for p in peers]
-    # sizes differ by a few bytes (created_at's digits): any two records reach the budget, no single one does
     transport = ListedTransport(Identity.generate(), records)
+    # sizes differ by a few bytes (created_at's digits): any two records reach the budget, no single one does
     ex = DhtExchange(
         transport, MIX, VerifyConfig(swarm="s", budget_bytes=2 * min(len(r.data) for r in records), budget_s=1e9), "m"
     )

@@ -98,9 +98,8 @@ async def _store_all(_dht, node, path: str) -> list[bool]:
         todo = [i for i, ok in enumerate(done) if not ok]
         if not todo:
             break
-        results = await asyncio.gather(
-            *(node.store(items[i][0], items[i][2], items[i][3], subkey=items[i][1]) for i in todo)
-        )
+        sent = [items[i] for i in todo]
+        results = await asyncio.gather(*(node.store(k, v, e, subkey=s) for k, s, v, e in sent))
         for i, ok in zip(todo, results):
             done[i] = bool(ok)
     return done
