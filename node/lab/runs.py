@@ -47,6 +47,8 @@ class PeerSeries:
     external_sources: dict[str, int] = field(default_factory=dict)  # publisher -> groups trained on, all rounds
     final_eval: EvalSummary | None = None  # its last held-out evaluation, as the collapse guard reads it
     evaluator: str | None = None  # what decoded its held-out answers (eval_engine; torch before it was logged)
+    tokens_generated: np.ndarray = field(default_factory=lambda: np.array([]))  # completion tokens it sampled
+    start_acc: float = float("nan")  # held-out accuracy of its starting weights (round 0's start_accuracy)
 
 
 @dataclass
@@ -163,6 +165,10 @@ def _read_metrics(path: Path, peer: str) -> tuple[PeerSeries | None, int, int]:
     def col(key: str) -> np.ndarray:
         return np.array([_num(o.get(key)) for o in recs], dtype=float)
 
+    def first(key: str) -> float:
+        values = col(key)
+        return float(values[np.isfinite(values)][0]) if np.isfinite(values).any() else float("nan")
+
     def largest(key: str) -> float:
         values = col(key)
         return float(np.nanmax(values)) if np.isfinite(values).any() else float("nan")
@@ -192,6 +198,8 @@ def _read_metrics(path: Path, peer: str) -> tuple[PeerSeries | None, int, int]:
             signal_frac=np.where(np.isnan(sf := col("signal_frac")), col("local_signal_frac"), sf),
             final_eval=(last_evaluation(recs) or (None, None))[0],
             evaluator=evaluator_of(recs),
+            tokens_generated=col("tokens_generated"),
+            start_acc=first("start_accuracy"),
         ),
         bad,
         dup,

@@ -148,6 +148,7 @@ def learning_health(rs: Sequence[Run]) -> dict:
                     f"{prefix}_{key}_std": _fstd(list(by_seed.values())),
                 }
             )
+    out.update(token_cost(rs, out["eval_final_by_seed"]))
     peers = [p for r in rs for p in r.peers]
     finals = [p.final_eval for p in peers if p.final_eval is not None]
     reward = {r.seed: reward_per_agent_round(r) for r in rs}
@@ -163,6 +164,30 @@ def learning_health(rs: Sequence[Run]) -> dict:
         "entropy_mean": _tail_mean([p.entropy for p in peers], 1.0),
         "entropy_last_quarter": _tail_mean([p.entropy for p in peers]),
     }
+
+
+def token_cost(rs: Sequence[Run], final_by_seed: dict[str, float]) -> dict:
+    """What a configuration's held-out gain cost in sampling, per seed: the completion tokens a peer generated
+    over the run (the mean over its peers; a 2/2 peer samples half the local groups of a 4/0 peer), the gain
+    of the mean peer's final held-out accuracy over its starting weights', and that gain per 100 000 tokens a
+    peer generated. Runs that logged no tokens (or no start evaluation) leave the seed out."""
+    tokens, gain, per_100k = {}, {}, {}
+    for r in rs:
+        totals = [float(np.nansum(p.tokens_generated)) for p in r.peers if np.isfinite(p.tokens_generated).any()]
+        starts = [p.start_acc for p in r.peers if math.isfinite(p.start_acc)]
+        if not totals:
+            continue
+        tokens[r.seed] = float(np.mean(totals))
+        if starts and r.seed in final_by_seed:
+            gain[r.seed] = final_by_seed[r.seed] - float(np.mean(starts))
+            if tokens[r.seed] > 0:
+                per_100k[r.seed] = gain[r.seed] / (tokens[r.seed] / 1e5)
+    out: dict = {}
+    for key, by_seed in (("tokens", tokens), ("gain", gain), ("gain_per_100k", per_100k)):
+        out[f"{key}_by_seed"] = by_seed
+        out[f"{key}_mean"] = _fmean(list(by_seed.values()))
+        out[f"{key}_std"] = _fstd(list(by_seed.values()))
+    return out
 
 
 def compare_heldout(d: dict, base: dict, n_boot: int, boot_seed: int) -> None:
@@ -372,6 +397,7 @@ def summarize(
             (p.eval_baseline for r in runs for p in r.peers if math.isfinite(p.eval_baseline)), math.nan
         ),
         "has_unseen": any(d["unseen_final_by_seed"] for d in per.values()),
+        "has_tokens": any(d["tokens_by_seed"] for d in per.values()),
         "unseen_baseline": next(
             (p.unseen_baseline for r in runs for p in r.peers if math.isfinite(p.unseen_baseline)), math.nan
         ),

@@ -123,6 +123,46 @@ def heldout_section(summary: dict) -> list[str]:
     return L
 
 
+def tokens_section(summary: dict) -> list[str]:
+    """The held-out gain beside what it cost in sampling: a 2/2 peer samples half the local groups of a 4/0
+    peer, so an arm can trail in accuracy and lead per generated token."""
+    if not summary.get("has_tokens"):
+        return []
+    per, base = summary["per_config"], summary["baseline"]
+    base_tokens = per[base]["tokens_mean"] if base is not None else math.nan
+    L = ["## Generated tokens\n"]
+    L.append(
+        "Completion tokens a peer sampled over its run (`tokens_generated`, summed over rounds; the mean over "
+        "peers, then over seeds ± std), and the gain of the mean peer's final held-out accuracy over its "
+        "starting weights' (`start_accuracy`), per 100 000 tokens a peer generated (per seed, then the mean). "
+        "Descriptive, not tested.\n"
+    )
+    rows = []
+    for c in summary["configs"]:
+        d = per[c]
+        ratio = d["tokens_mean"] / base_tokens if math.isfinite(base_tokens) and base_tokens > 0 else math.nan
+        rows.append(
+            [
+                c,
+                f"{num(d['tokens_mean'] / 1e3, '.1f')} ± {num(d['tokens_std'] / 1e3, '.1f')}",
+                "—" if c == base or not math.isfinite(ratio) else f"{ratio:.2f}×",
+                f"{num(d['gain_mean'], '+.3f')} ± {num(d['gain_std'], '.3f')}",
+                num(d["gain_per_100k_mean"], "+.3f"),
+            ]
+        )
+    L += md_table(
+        [
+            "config",
+            "thousand tokens a peer generated",
+            "vs baseline",
+            "final held-out − start",
+            "… per 100k tokens",
+        ],
+        rows,
+    )
+    return L
+
+
 def collapsed_cell(d: dict) -> str:
     """ "k of n" agents collapsed at their last evaluation; a dash where none evaluated."""
     return f"{d['collapsed_final']} of {d['evaluated_peers']}" if d.get("evaluated_peers") else "—"

@@ -28,7 +28,12 @@ UNSEEN_BASE = {"4/0": 0.10, "2/2": 0.15}
 ENTROPY = {"4/0": 2.0, "2/2": 1.5}
 
 
-def write_exp(root, *, corrupt=True, held_out=False, unseen=False):
+# completion tokens a peer samples per round, and the starting weights' held-out accuracy (round 0's line)
+TOKENS = {"4/0": 400, "2/2": 200}
+START = 0.15
+
+
+def write_exp(root, *, corrupt=True, held_out=False, unseen=False, tokens=False):
     for cfg in BASE:
         i, j = map(int, cfg.split("/"))
         for s in SEEDS:
@@ -62,6 +67,10 @@ def write_exp(root, *, corrupt=True, held_out=False, unseen=False):
                     }
                     if j:
                         rec.update(external_accepted=3, external_rejected=1)
+                    if tokens:
+                        rec.update(tokens_generated=TOKENS[cfg] + 10 * p)  # peers differ: their mean counts
+                        if t == 0:
+                            rec.update(start_accuracy=START + 0.01 * p)
                     if held_out:
                         rec.update(signal_frac=1.0 - 0.1 * t, entropy_mean=ENTROPY[cfg] - 0.1 * t)
                         if t % 5 == 0 or t == ROUNDS - 1:
@@ -88,6 +97,15 @@ def write_exp(root, *, corrupt=True, held_out=False, unseen=False):
                     lines.append('{"round": 10, "reward_me')  # truncated last line
                 (pd / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return root
+
+
+def held_out_report(tmp_path, **logged):
+    """(summary.json, report.md) of sapo-report over an experiment whose lines carry held-out accuracy and
+    what `logged` adds (write_exp's flags)."""
+    exp = write_exp(tmp_path / "exp", corrupt=False, held_out=True, **logged)
+    out = tmp_path / "out"
+    assert main([str(exp), "--out", str(out)]) == 0
+    return json.loads((out / "summary.json").read_text()), (out / "report.md").read_text()
 
 
 def test_report_end_to_end(tmp_path, capsys):
@@ -159,11 +177,25 @@ def test_report_leads_with_held_out_accuracy(tmp_path, capsys):
     assert "unseen" not in printed and "Unseen" not in md and not b["unseen_final_by_seed"]  # not logged
 
 
+def test_report_sets_the_held_out_gain_beside_the_tokens_generated(tmp_path, capsys):
+    s, md = held_out_report(tmp_path, tokens=True)
+    d, b = s["per_config"]["2/2"], s["per_config"]["4/0"]
+    # a peer's tokens: 10 rounds x (TOKENS + 10 p), mean over peers 0 and 1 -> 10 x (TOKENS + 5)
+    assert b["tokens_mean"] == pytest.approx(4050) and d["tokens_mean"] == pytest.approx(2050)
+    # gain = final (EVAL_BASE + 0.09 + 0.01 s) - mean start (0.155): 2/2 seed 1 -> 0.40 - 0.155 = 0.245
+    assert d["gain_by_seed"]["1"] == pytest.approx(0.245) and b["gain_mean"] == pytest.approx(0.145)
+    assert d["gain_per_100k_by_seed"]["1"] == pytest.approx(0.245 / 0.0205)
+    assert md.index("## Held-out accuracy") < md.index("## Generated tokens") < md.index("## Cumulative reward")
+    assert "| 2/2 | 2.0 ± 0.0 | 0.51× | +0.245 ± 0.010 | " in md and "| 4/0 | 4.0 ± 0.0 | — |" in md
+
+
+def test_report_without_token_counts_has_no_token_section(tmp_path, capsys):
+    s, md = held_out_report(tmp_path)
+    assert "## Generated tokens" not in md and not s["per_config"]["2/2"]["tokens_by_seed"]
+
+
 def test_report_compares_the_unseen_set_too(tmp_path, capsys):
-    exp = write_exp(tmp_path / "exp", corrupt=False, held_out=True, unseen=True)
-    out = tmp_path / "out"
-    assert main([str(exp), "--out", str(out)]) == 0
-    s = json.loads((out / "summary.json").read_text())
+    s, md = held_out_report(tmp_path, unseen=True)
     d, b = s["per_config"]["2/2"], s["per_config"]["4/0"]
     assert s["has_unseen"] and s["unseen_baseline"] == pytest.approx(0.17)
     # final = value at round 9: 4/0 0.145 + 0.01 s -> mean 0.155; 2/2 -> 0.205
@@ -172,7 +204,6 @@ def test_report_compares_the_unseen_set_too(tmp_path, capsys):
     assert d["unseen_final_vs_base"]["ci_low"] == pytest.approx(0.05) == d["unseen_final_vs_base"]["ci_high"]
     assert d["unseen_area_mean"] == pytest.approx(0.15 + 0.0225 + 0.01)  # the value at round 4.5
     assert d["eval_final_mean"] == pytest.approx(0.40)  # the in-distribution figures are unchanged
-    md = (out / "report.md").read_text()
     assert md.index("## Held-out accuracy") < md.index("## Unseen held-out accuracy") < md.index("## Collapse")
     assert "Constant-answer baseline of the unseen set: **0.1700**" in md
     assert f"| 2/2 | 0.2050 ± 0.0100 | {100 * (0.205 / 0.155 - 1):+.2f}% |" in md
