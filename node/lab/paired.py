@@ -89,3 +89,15 @@ def paired_effect(cfg: dict[str, float], base: dict[str, float]) -> dict[str, fl
         "p_perm": p,
         "n": n,
     }
+
+
+def holm(pvalues: dict[str, float]) -> dict[str, float]:
+    """Holm's step-down adjustment: the k-th smallest of m p-values times (m - k + 1), never below the one
+    before it, at most 1. NaN stays NaN and does not count toward m."""
+    ranked = sorted((p, k) for k, p in pvalues.items() if math.isfinite(p))
+    out = {k: math.nan for k in pvalues}
+    running = 0.0
+    for i, (p, k) in enumerate(ranked):
+        running = max(running, min(1.0, p * (len(ranked) - i)))
+        out[k] = running
+    return out

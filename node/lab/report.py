@@ -59,6 +59,8 @@ Definitions (also written into the report):
   A configuration whose runs have another number of agents than the baseline's (a newcomer's swarm of 5
   against its silo of 1) gets its means shown, marked "other agents", and not tested against the
   baseline's: a mean over other agents is no paired measure (``--focus-peer`` pairs one agent).
+  ``--holm CONFIG ...`` names a design's family of tests (its arms against the silo): their held-out final
+  and area permutation p-values get a Holm-corrected column.
   Lines that carry ``eval_unseen_accuracy`` (a task mix split by content) get the same for the
   unseen set, questions whose content training never draws.
 * per model family (when a run's peers ran different models: the ``model`` of their metrics lines, else
@@ -333,6 +335,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default 2000)")
     ap.add_argument("--boot-seed", type=int, default=0, help="bootstrap RNG seed (default 0)")
     ap.add_argument(
+        "--holm",
+        nargs="+",
+        default=[],
+        metavar="CONFIG",
+        help="configurations whose held-out comparisons with the baseline form one family of tests (a design's "
+        "arms): their permutation p-values are Holm-corrected",
+    )
+    ap.add_argument(
         "--focus-peer",
         default=None,
         metavar="P",
@@ -365,6 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             drop=a.drop,
             n_boot=a.bootstrap,
             boot_seed=a.boot_seed,
+            holm_family=a.holm,
         )
         summary["families"] = family_summary(runs, summary)
         if a.focus_peer is not None:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from node.lab.paired import bootstrap_improvement, paired_effect, paired_sign_test
+from node.lab.paired import bootstrap_improvement, holm, paired_effect, paired_sign_test
 from node.lab.runs import IJ_RE, PeerSeries, Run, config_sort_key, seed_sort_key
 from node.learn.guard import collapsed
 
@@ -119,6 +119,7 @@ def _tail_mean(series: Sequence[np.ndarray], frac: float = 0.25) -> float:
 
 
 HELD_OUT_SETS = {"eval": "eval_acc", "unseen": "unseen_acc"}  # summary key prefix -> PeerSeries attribute
+HOLM_KEYS = ("eval_final", "eval_area")  # the held-out measures Holm-corrected across a family of tests
 
 
 def reward_per_agent_round(run: Run) -> float:
@@ -210,6 +211,23 @@ def compare_heldout(d: dict, base: dict, n_boot: int, boot_seed: int) -> None:
         }
 
 
+def holm_across(per: dict[str, dict], base: str | None, family: Sequence[str]) -> None:
+    """Holm-corrects the held-out comparisons (HOLM_KEYS) of the `family` configurations with the baseline: a
+    design that tests several arms against one silo controls its error rate over them."""
+    if not family:
+        return
+    unknown = [c for c in family if c not in per]
+    if unknown or base is None or base in family:
+        raise ValueError(
+            f"--holm needs configurations compared with a baseline: {', '.join(unknown or family)} "
+            f"(configurations: {', '.join(per)}; baseline: {base})"
+        )
+    for key in HOLM_KEYS:
+        tests = {c: per[c][f"{key}_vs_base"] for c in family if f"{key}_vs_base" in per[c]}
+        for c, p in holm({c: t.get("p_perm", math.nan) for c, t in tests.items()}).items():
+            tests[c]["p_holm"] = p
+
+
 def _pick_baseline(by_cfg: dict[str, list[Run]], requested: str | None) -> tuple[str | None, str]:
     if requested is not None:
         if requested not in by_cfg:
@@ -234,8 +252,12 @@ def summarize(
     drop: float | None = None,
     n_boot: int = 2000,
     boot_seed: int = 0,
+    holm_family: Sequence[str] = (),
 ) -> dict:
     """Core numbers per configuration (see the module docstring for definitions).
+
+    `holm_family`: configurations whose held-out comparisons with the baseline form one family of tests (a
+    design's arms): their permutation p-values get a Holm-corrected `p_holm`.
 
     Returns a JSON-safe-ish dict (NaN where undefined) with keys: configs, baseline,
     baseline_reason, threshold, threshold_source, drop, drop_source, window, n_boot, boot_seed,
@@ -366,6 +388,7 @@ def summarize(
                     )
                 )
 
+    holm_across(per, base_name, holm_family)
     evaluators = sorted({e for d in per.values() for e in d["evaluators"]})
     if len(evaluators) > 1:
         warnings.append(
@@ -398,6 +421,7 @@ def summarize(
         ),
         "has_unseen": any(d["unseen_final_by_seed"] for d in per.values()),
         "has_tokens": any(d["tokens_by_seed"] for d in per.values()),
+        "holm_family": list(holm_family),
         "unseen_baseline": next(
             (p.unseen_baseline for r in runs for p in r.peers if math.isfinite(p.unseen_baseline)), math.nan
         ),

@@ -204,13 +204,18 @@ def heldout_comparison(summary: dict, prefix: str = "eval", figure: bool = True)
             f" ± {num(d[f'{prefix}_area_std'], '.4f')} | " + " | ".join(vs_cells(d, f"{prefix}_area", c == base)) + " |"
         )
     L.append("")
+    family = summary.get("holm_family") if prefix == "eval" else None
+    holm_note = f"; Holm p: corrected across {', '.join(family)} (the family named with --holm)" if family else ""
     L.append(
         "Paired effect over seeds (config − baseline, same seeds): mean difference in accuracy points "
         "with its 95% bootstrap CI over seeds, Cohen's d_z (mean / sd of the differences) and the "
-        "two-sided exact permutation p.\n"
+        f"two-sided exact permutation p{holm_note}.\n"
     )
-    L.append("| config | final: mean diff | 95% CI | d_z | p | area: mean diff | 95% CI | d_z | p |")
-    L.append("|---|---|---|---|---|---|---|---|---|")
+    per_key = ["mean diff", "95% CI", "d_z", "p"] + (["Holm p"] if family else [])
+    header = ["config"] + [
+        f"{key}: {col}" if i == 0 else col for key in ("final", "area") for i, col in enumerate(per_key)
+    ]
+    rows = []
     for c in summary["configs"]:
         cells = []
         for key in (f"{prefix}_final", f"{prefix}_area"):
@@ -223,11 +228,12 @@ def heldout_comparison(summary: dict, prefix: str = "eval", figure: bool = True)
                     num(v.get("d_z", math.nan), "+.2f"),
                     num(v.get("p_perm", math.nan), ".3f"),
                 ]
+                + ([num(v["p_holm"], ".3f") if "p_holm" in v else "—"] if family else [])
                 if v
-                else [vs_cells(per[c], key, c == base)[0]] + ["—"] * 3
+                else [vs_cells(per[c], key, c == base)[0]] + ["—"] * (len(per_key) - 1)
             )
-        L.append(f"| {c} | " + " | ".join(cells) + " |")
-    L.append("")
+        rows.append([c, *cells])
+    L += md_table(header, rows)
     if prefix == "eval" and figure:
         L.append(f"![held-out accuracy per seed, one line per seed]({FIGURES['paired']})\n")
     return L

@@ -10,19 +10,17 @@ tests, and either one alone would be read at the wrong level.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
 
-from node.lab.paired import paired_effect, paired_sign_test
+from node.lab.paired import holm, paired_effect, paired_sign_test
 from node.lab.runs import PeerSeries, Run
-from node.lab.stats import compare_heldout, eval_curve, learning_health
+from node.lab.stats import HOLM_KEYS, compare_heldout, eval_curve, learning_health
 
 _PEER_INDEX = re.compile(r"^peer[-_]?(\d+)$", re.IGNORECASE)
-HOLM_KEYS = ("eval_final", "eval_area")  # the measures corrected across families
 
 
 def peer_model(run: Run, peer: PeerSeries) -> str:
@@ -72,18 +70,6 @@ def heldout_view(runs: Sequence[Run], summary: dict) -> dict[str, dict]:
                     **paired_effect(d["reward_by_seed"], per[base]["reward_by_seed"]),
                 }
     return per
-
-
-def holm(pvalues: dict[str, float]) -> dict[str, float]:
-    """Holm's step-down adjustment: the k-th smallest of m p-values times (m - k + 1), never below the one
-    before it, at most 1. NaN stays NaN and does not count toward m."""
-    ranked = sorted((p, k) for k, p in pvalues.items() if math.isfinite(p))
-    out = {k: math.nan for k in pvalues}
-    running = 0.0
-    for i, (p, k) in enumerate(ranked):
-        running = max(running, min(1.0, p * (len(ranked) - i)))
-        out[k] = running
-    return out
 
 
 def family_summary(runs: Sequence[Run], summary: dict) -> dict:

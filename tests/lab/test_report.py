@@ -7,7 +7,7 @@ import pytest
 from node.lab.paired import bootstrap_improvement, paired_sign_test
 from node.lab.report import main
 from node.lab.runs import load_runs
-from node.lab.stats import moving_average, summarize
+from node.lab.stats import holm_across, moving_average, summarize
 
 # reward(config, seed, peer, round t) = BASE[config] + 0.02 * t + 0.01 * seed  (same for both peers)
 BASE = {"4/0": 0.10, "2/2": 0.25}
@@ -99,12 +99,12 @@ def write_exp(root, *, corrupt=True, held_out=False, unseen=False, tokens=False)
     return root
 
 
-def held_out_report(tmp_path, **logged):
+def held_out_report(tmp_path, holm=(), **logged):
     """(summary.json, report.md) of sapo-report over an experiment whose lines carry held-out accuracy and
-    what `logged` adds (write_exp's flags)."""
+    what `logged` adds (write_exp's flags); `holm`: its --holm family."""
     exp = write_exp(tmp_path / "exp", corrupt=False, held_out=True, **logged)
     out = tmp_path / "out"
-    assert main([str(exp), "--out", str(out)]) == 0
+    assert main([str(exp), "--out", str(out), *(["--holm", *holm] if holm else [])]) == 0
     return json.loads((out / "summary.json").read_text()), (out / "report.md").read_text()
 
 
@@ -192,6 +192,32 @@ def test_report_sets_the_held_out_gain_beside_the_tokens_generated(tmp_path, cap
 def test_report_without_token_counts_has_no_token_section(tmp_path, capsys):
     s, md = held_out_report(tmp_path)
     assert "## Generated tokens" not in md and not s["per_config"]["2/2"]["tokens_by_seed"]
+
+
+def test_holm_corrects_the_named_arms_comparisons_with_the_silo_only(tmp_path):
+    per = {
+        "4/0": {},
+        "2/2 a": {"eval_final_vs_base": {"p_perm": 0.01}, "eval_area_vs_base": {"p_perm": 0.03}},
+        "2/2 b": {"eval_final_vs_base": {"p_perm": 0.04}, "eval_area_vs_base": {"p_perm": 0.02}},
+        "2/2 c": {"eval_final_vs_base": {"p_perm": 0.001}, "eval_area_vs_base": {"p_perm": 0.001}},
+    }
+    holm_across(per, "4/0", ["2/2 a", "2/2 b"])  # c is reported, not in the family
+    assert [per[c]["eval_area_vs_base"]["p_holm"] for c in ("2/2 a", "2/2 b")] == pytest.approx([0.04, 0.04])
+    assert [per[c]["eval_final_vs_base"]["p_holm"] for c in ("2/2 a", "2/2 b")] == pytest.approx([0.02, 0.04])
+    assert "p_holm" not in per["2/2 c"]["eval_area_vs_base"]
+    for bad in (["4/0"], ["2/2 z"]):  # the baseline itself, an unknown arm
+        with pytest.raises(ValueError, match="--holm"):
+            holm_across(per, "4/0", bad)
+
+
+def test_report_names_the_holm_family_in_its_paired_table(tmp_path, capsys):
+    s, md = held_out_report(tmp_path, holm=["2/2"])
+    area = s["per_config"]["2/2"]["eval_area_vs_base"]
+    assert area["p_holm"] == pytest.approx(area["p_perm"])  # a family of one
+    assert "| config | final: mean diff | 95% CI | d_z | p | Holm p | area: mean diff |" in md
+    assert "corrected across 2/2 (the family named with --holm)" in md
+    assert main([str(tmp_path / "exp"), "--out", str(tmp_path / "o2"), "--holm", "1/3"]) == 2
+    assert "--holm needs configurations" in capsys.readouterr().err
 
 
 def test_report_compares_the_unseen_set_too(tmp_path, capsys):

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
+from node.lab.paired import holm
 from node.lab.report import main
 from node.lab.tables import vs_cells
-from node.lab.views import holm
 
 SEEDS = (0, 1, 2, 3)
 EVAL_ROUNDS = (0, 5, 10, 15, 20, 25, 29)
