@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from fake_cells import committed_cell
 
 from conftest import REPO, node_env, run_node, run_python
 
@@ -332,15 +333,6 @@ def test_sharing_pays_lists_its_cells():
     assert 0 <= committed <= total == 16
 
 
-def fake_cell(data: Path, config: str, seed: int, curve: list[float]) -> None:
-    """A committed cell of one peer evaluated at rounds 0, 5, 10, ... with these held-out accuracies."""
-    run = data / config.replace("/", "-").replace(" ", "-") / f"seed{seed}"
-    (run / "peer0").mkdir(parents=True)
-    (run / "run.json").write_text(json.dumps({"config_name": config, "seed": seed, "status": "complete"}))
-    rows = [{"round": 5 * i, "reward_mean": 0.0, "eval_accuracy": a} for i, a in enumerate(curve)]
-    (run / "peer0" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
 def test_offpolicy_pick_applies_the_written_rules(tmp_path):
     """The largest mean paired area difference wins, a difference within 0.005 of it goes to the simpler rule
     (positive, ftis, is), sapo is never picked, and the sizing is n = (2.8 s / max(d, 0.03))^2, at least 8."""
@@ -352,9 +344,9 @@ def test_offpolicy_pick_applies_the_written_rules(tmp_path):
     for case, arms in gains.items():
         data = tmp_path / case
         for i, (seed, silo) in enumerate(((100, 0.1), (101, 0.2))):
-            fake_cell(data, "4/0", seed, [silo, silo])
+            committed_cell(data, "4/0", seed, [silo, silo])
             for rule, by_seed in arms.items():
-                fake_cell(data, f"2/2 {rule}", seed, [silo + by_seed[i], silo + by_seed[i]])
+                committed_cell(data, f"2/2 {rule}", seed, [silo + by_seed[i], silo + by_seed[i]])
         out = tool("research.offpolicy_pick", str(data), "--json", str(data / "pick.json"), "--seeds", "100", "101")
         picks[case] = json.loads((data / "pick.json").read_text())
         assert "(all cells in)" in out
@@ -362,7 +354,7 @@ def test_offpolicy_pick_applies_the_written_rules(tmp_path):
     assert clear["chosen"] == "positive" and abs(clear["arms"]["positive"]["mean"] - 0.04) < 1e-9
     assert clear["needed_seeds"] == 1 and clear["seeds"] == 8  # (2.8 * 0.01414 / 0.04)^2 = 0.98
     assert picks["tie"]["chosen"] == "ftis"  # 0.040 is within 0.005 of is's 0.043, and ftis is simpler
-    fake_cell(tmp_path / "tie", "2/2 is", 102, [0.9, 0.9])  # a seed without its silo: paired with nothing
+    committed_cell(tmp_path / "tie", "2/2 is", 102, [0.9, 0.9])  # a seed without its silo: paired with nothing
     out = tool("research.offpolicy_pick", str(tmp_path / "tie"))  # the pilot's seeds: 102 is missing
     assert "pick: ftis (NOT all cells in yet: provisional)" in out
 

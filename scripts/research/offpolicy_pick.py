@@ -21,7 +21,6 @@ from pathlib import Path
 
 from node.lab.runs import load_runs
 from node.lab.stats import eval_area, eval_curve
-from scripts.research.sharing_pays import PILOT_SEEDS
 
 SILO = "4/0"
 REFERENCE = "sapo"  # the paper's rule: reported, never picked
@@ -30,6 +29,7 @@ TIE = 0.005
 MIN_EFFECT = 0.03
 Z_SUM = 2.8  # z(0.975) + z(0.80)
 MIN_SEEDS = 8
+PILOT_SEEDS = [100, 101, 102]  # the confirmatory run's seeds are 0-7
 
 
 def areas_by_config(data: Path) -> dict[str, dict[str, float]]:
@@ -73,6 +73,19 @@ def pick(areas: dict[str, dict[str, float]], seeds: list[int]) -> dict:
         "seeds": max(MIN_SEEDS, n) if n is not None else MIN_SEEDS,
         "complete": complete,
     }
+
+
+def confirmatory_arms(data: Path, seeds: list[int] = PILOT_SEEDS) -> list[str]:
+    """The confirmatory run's arms (docs/experiments/off-policy-sharing.md, part 3): the silo, the loss this
+    rule picks from the pilot's committed cells, and the paper's rule; ValueError until every pilot cell is in."""
+    areas = areas_by_config(data)
+    result = pick(areas, seeds) if SILO in areas else {"chosen": None, "complete": False}
+    if result["chosen"] is None or not result["complete"]:
+        raise ValueError(
+            f"the off-policy pilot is not finished in {data} (every arm needs seeds {', '.join(map(str, seeds))}): "
+            "its pick chooses the confirmatory run's loss; run --experiment offpolicy-pilot first"
+        )
+    return ["silo", result["chosen"], REFERENCE]
 
 
 def main(argv: list[str] | None = None) -> int:

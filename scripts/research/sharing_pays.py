@@ -2,7 +2,8 @@
 docs/data/<experiment>/: the CPU recipe's validation (docs/experiments/cpu-recipe.md: 8 seeds at 4/0 and at
 2/2; its 100-round solo runs are 8a's veterans) and the experiments where sharing should pay (section 8): a
 newcomer among veterans (8a) and two model families in one swarm (8b); and the off-policy sharing pilot
-(docs/experiments/off-policy-sharing.md: 15 cells, 5 arms x seeds 100-102, on the cpu-sparse preset).
+(docs/experiments/off-policy-sharing.md: 15 cells, 5 arms x seeds 100-102, on the cpu-sparse preset) and its
+confirmatory run (24 cells: the silo, the loss the pilot picks and sapo x seeds 0-7, 60 rounds).
 
     python -m scripts.research.sharing_pays run --experiment validation [--part 0/2]   # section 7: 16 cells, seeds 0-7
 
@@ -11,6 +12,7 @@ newcomer among veterans (8a) and two model families in one swarm (8b); and the o
                                                # --part i/n: every n-th seed, all its arms
     python -m scripts.research.sharing_pays run --experiment families [--part 1/2]
     python -m scripts.research.sharing_pays run --experiment offpolicy-pilot [--part 0/2]
+    python -m scripts.research.sharing_pays run --experiment offpolicy-confirm [--part 0/2]   # after the pilot
     python -m scripts.research.sharing_pays commands --experiment newcomer    # print the cells' commands
     python -m scripts.research.sharing_pays status --experiment validation    # cells committed, cells left
     ... run ... --finish-by 22:15 [--cell-minutes 40]   # start no cell that would not finish by then
@@ -39,9 +41,11 @@ from pathlib import Path
 
 from node.lab.cells import ADAPTER, Cell, add_deadline_args, cell_status, deadline_of, part_of, run_cells
 from node.lab.runspec import slug
+from node.learn.choices import EXTERNAL_LOSSES
 from node.learn.packaged import PACKAGED, is_installed
 from node.ops.checkpoint import PREFIX
 from node.ops.config import RECIPES, NodeConfig
+from scripts.research.offpolicy_pick import PILOT_SEEDS, confirmatory_arms
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,7 +55,21 @@ VETERAN_ROUNDS = 100
 VETERAN_SEEDS = [0, 1, 2, 3]  # solo runs; veteran p (peer p of a swarm cell) starts from VETERAN_SEEDS[p - 1]
 FAMILY_MODELS = "default,default,default,gemma3-270m,gemma3-270m"
 SPARSE = ["--tasks", "cpu-sparse", "--peers", "5"]
-PILOT_SEEDS = [100, 101, 102]  # the confirmatory run's seeds are 0-7
+CONFIRM_ROUNDS = 60
+# the held-out set (128 tasks) after rounds 0, 10, ..., 50, 59 and of the starting weights, as many points as the
+# pilot's; the unseen set only at 0, 20, 40, 59 and the start (--eval-at's points read the held-out set alone)
+CONFIRM_EVAL = ["--eval-every", "20", "--node-arg=--eval-at=10,30,50", "--eval-engine", "torch"]
+
+
+def offpolicy_arms(rounds: int, evaluation: list[str]) -> dict[str, tuple[str, list[str]]]:
+    """The silo and a 2/2 arm per external loss on the sparse preset, each 2/2 arm under its own name."""
+    common = [*SPARSE, "--rounds", str(rounds), *evaluation]
+    arms = {"silo": ("4/0", common)}
+    for rule in EXTERNAL_LOSSES:
+        arms[rule] = ("2/2", [*common, "--label", f"2/2 {rule}", f"--node-arg=--external-loss={rule}"])
+    return arms
+
+
 ARMS = {  # experiment -> arm -> (sapo-experiment configuration, its own flags)
     "validation": {
         "shares": ("2/2", ["--rounds", str(ROUNDS), "--eval-every", "10"]),
@@ -70,25 +88,8 @@ ARMS = {  # experiment -> arm -> (sapo-experiment configuration, its own flags)
     },
     "families": {"shares": ("2/2", ["--models", FAMILY_MODELS]), "silo": ("4/0", ["--models", FAMILY_MODELS])},
     # off-policy sharing where a peer's own successes are scarce (docs/experiments/off-policy-sharing.md)
-    "offpolicy-pilot": {
-        "silo": ("4/0", [*SPARSE, "--rounds", str(ROUNDS), "--eval-every", "5"]),
-        **{
-            rule: (
-                "2/2",
-                [
-                    *SPARSE,
-                    "--rounds",
-                    str(ROUNDS),
-                    "--eval-every",
-                    "5",
-                    "--label",
-                    f"2/2 {rule}",
-                    f"--node-arg=--external-loss={rule}",
-                ],
-            )
-            for rule in ("sapo", "positive", "is", "ftis")
-        },
-    },
+    "offpolicy-pilot": offpolicy_arms(ROUNDS, ["--eval-every", "5"]),
+    "offpolicy-confirm": offpolicy_arms(CONFIRM_ROUNDS, CONFIRM_EVAL),
 }
 DATA_DIRS = {"veterans": "newcomer-veterans", "validation": "recipe-validation"}  # else the experiment's name
 DEFAULT_ARMS = {
@@ -97,7 +98,15 @@ DEFAULT_ARMS = {
     "newcomer": ["shares", "silo"],
     "families": ["shares", "silo"],
     "offpolicy-pilot": ["silo", "positive", "sapo", "ftis", "is"],
-}
+}  # offpolicy-confirm: the silo, the loss the pilot picks and sapo (`default_arms`)
+
+
+def default_arms(experiment: str, data: Path) -> list[str]:
+    """An experiment's arms when --arms names none. The off-policy confirmatory run's follow from the pilot's
+    committed cells by its written rule (ValueError while the pilot is unfinished)."""
+    if experiment == "offpolicy-confirm":
+        return confirmatory_arms(data / "offpolicy-pilot")
+    return DEFAULT_ARMS[experiment]
 
 
 def recipe_flags(engine: str, tasks: str | None = None) -> list[str]:
@@ -181,7 +190,7 @@ def cells(args: argparse.Namespace) -> list[Cell]:
     data = Path(args.data) / DATA_DIRS.get(args.experiment, args.experiment)
     out = []
     for seed in part_of(seeds, args.part):  # a process takes whole seeds, all arms: each pair completes in one
-        for arm in args.arms or DEFAULT_ARMS[args.experiment]:
+        for arm in args.arms or default_arms(args.experiment, Path(args.data)):
             config, flags = ARMS[args.experiment][arm]
             config = flags[flags.index("--label") + 1] if "--label" in flags else config  # its run dir's name
             run_dir = Path(args.runs) / args.experiment / slug(config) / f"seed{seed}"
@@ -230,7 +239,11 @@ def main() -> int:
     unknown = [a for a in args.arms or [] if a not in ARMS[args.experiment]]
     if unknown:
         parser.error(f"arms of {args.experiment}: {', '.join(ARMS[args.experiment])} (got {', '.join(unknown)})")
-    todo = cells(args)
+    try:
+        todo = cells(args)
+    except ValueError as e:  # the confirmatory run's arms before its pilot has finished
+        print(f"sharing_pays: {e}", file=sys.stderr)
+        return 2
     if args.cmd == "status":
         print(cell_status(todo))
         return 0

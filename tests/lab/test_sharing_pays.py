@@ -9,13 +9,17 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from fake_cells import committed_cell
 
 from node.lab.cells import Cell, Deadline, cell_status, clock_time, done_fraction, run_cells, unfinished
 from node.lab.experiment import build_parser
 from node.lab.runspec import peer_plan
+from node.learn.evaluate import HeldOutEval
+from node.learn.tasks import resolve_mix
 from node.ops import config
 from node.ops.checkpoint import load_from
 from scripts.research import sharing_pays as pays
+from scripts.research.offpolicy_pick import PILOT_SEEDS
 
 
 def cells_of(experiment, **kw):
@@ -91,6 +95,33 @@ def test_offpolicy_pilot_cells_run_each_external_loss_on_the_sparse_preset_under
         assert (f"--external-loss={loss}" in args.node_arg) == (loss is not None)
         assert args.label == ("" if loss is None else f"2/2 {loss}")
     assert [c.label.split()[-1] for c in cells_of("offpolicy-pilot")][::5] == ["100", "101", "102"]
+
+
+def test_offpolicy_confirmatory_cells_take_the_pilots_pick_over_60_rounds_with_the_written_evaluations(tmp_path):
+    pilot = tmp_path / "data" / "offpolicy-pilot"
+    gains = {"sapo": 0.05, "positive": 0.01, "ftis": 0.03, "is": 0.02}
+    for seed in PILOT_SEEDS[:2]:
+        committed_cell(pilot, "4/0", seed, [0.1, 0.1])
+        for rule, gain in gains.items():
+            committed_cell(pilot, f"2/2 {rule}", seed, [0.1 + gain, 0.1 + gain])
+    with pytest.raises(ValueError, match="not finished"):  # seed 102 missing: no arms, no cells
+        cells_of("offpolicy-confirm", data=str(tmp_path / "data"))
+    for rule, gain in {"silo": 0.0, **gains}.items():
+        committed_cell(pilot, "4/0" if rule == "silo" else f"2/2 {rule}", PILOT_SEEDS[2], [0.1 + gain, 0.1 + gain])
+    cells = cells_of("offpolicy-confirm", data=str(tmp_path / "data"), part="1/2")
+    assert [c.label for c in cells[:3]] == [f"offpolicy-confirm {arm} seed 1" for arm in ("silo", "ftis", "sapo")]
+    assert [int(c.label.split()[-1]) for c in cells] == [1, 1, 1, 3, 3, 3, 5, 5, 5, 7, 7, 7]  # whole seeds
+    assert cells[1].dest == tmp_path / "data/offpolicy-confirm/2-2_ftis/seed1"
+    for cell in cells[:3]:
+        args, (counts, _, _) = parsed(cell)
+        assert args.tasks == "cpu-sparse" and args.rounds == 60 and list(counts.values()) == [5]
+        assert args.eval_engine == "torch" and args.eval_size == 128
+        node = config.load_config(
+            ["--rounds", str(args.rounds), "--eval-every", str(args.eval_every), *args.node_arg], {}
+        )
+        schedule = HeldOutEval(resolve_mix("cpu-sparse"), 128, node.eval_every, node.rounds, at=node.eval_rounds)
+        assert [r for r in range(60) if schedule.due(r)] == [0, 10, 20, 30, 40, 50, 59]
+        assert [r for r in range(60) if schedule.due(r) and schedule.unseen_due(r)] == [0, 20, 40, 59]
 
 
 def test_validation_cells_run_the_recipe_at_both_configurations_on_every_seed(monkeypatch):
