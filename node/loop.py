@@ -34,7 +34,7 @@ import torch
 
 from node.evaluation import NodeEvaluation
 from node.learn import precision
-from node.learn.engines import RolloutEngine
+from node.learn.engines import RolloutEngine, engine_label
 from node.learn.evaluate import EvalResult, HeldOutEval
 from node.learn.groups import Group, Prompter, local_group, select_groups, to_sequences
 from node.learn.guard import CollapseGuard
@@ -214,6 +214,7 @@ class SapoNode:
         self.totals.add(selection, tokens)
         record = round_record(r, timer, local, external, selection, (num_local, num_external), stats, tokens)
         record |= round_context(self.exchange.stats, peak_memory_mb(self.device), self.cfg, self.publisher)
+        record["rollout_engine"] = engine_label(self.engine)
         if await self.evaluation.after_round(r, timer, record, self.stop_requested):
             self.engine_stale = True  # the collapse guard put other weights back
         self.ij.update(RoundObservation.of(r, local, selection))

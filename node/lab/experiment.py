@@ -41,7 +41,7 @@ from pathlib import Path
 
 from node import __version__
 from node.cli import REPEAT_WINDOW_S
-from node.lab.runs import read_run_json, run_evaluators
+from node.lab.runs import read_run_json, run_evaluators, run_rollout_engines
 from node.lab.runspec import PRESETS, RunSpec, node_learning_settings, peer_plan, recipe_env, slug
 from node.learn.choices import EVAL_ENGINES
 from node.learn.stop import RoundAbandoned, StopRequest
@@ -135,7 +135,7 @@ def write_run_json(path: Path, spec: RunSpec, status: str, prov: dict) -> None:
     """`prov` is taken once when the runner starts: the code that runs is the code loaded then, even if
     the checkout moves on while a long experiment is going. `git_commits` lists every commit that ran a
     part of the run (a resumed run may span several); `evaluators` what decoded its peers' held-out answers
-    so far (their records' eval_engine: torch or llama)."""
+    so far (their records' eval_engine: torch or llama), `rollout_engines` what sampled their completions."""
     earlier = read_run_json(path).get("git_commits", [])
     commits = earlier + [prov.get("git_commit")] if prov.get("git_commit") not in earlier else earlier
     data = {
@@ -145,6 +145,7 @@ def write_run_json(path: Path, spec: RunSpec, status: str, prov: dict) -> None:
         **prov,
         "git_commits": commits,
         "evaluators": run_evaluators(path.parent),
+        "rollout_engines": run_rollout_engines(path.parent),
     }
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))

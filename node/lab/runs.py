@@ -216,17 +216,29 @@ def evaluator_of(recs: Sequence[dict]) -> str | None:
     return None
 
 
-def run_evaluators(run_dir: Path) -> list[str]:
-    """What decoded the held-out answers of a run's peers (run_dir/peer*/metrics.jsonl), sorted."""
-    found = set()
+def _peer_records(run_dir: Path) -> list[list[dict]]:
+    """Each peer's valid records of a run (run_dir/peer*/metrics.jsonl); unreadable files are left out."""
+    out = []
     for path in sorted(run_dir.glob("peer*/metrics.jsonl")):
         try:
             lines = path.read_bytes().splitlines()
         except OSError:
             continue
-        recs = [obj for obj in map(_parse_line, lines) if obj is not None]
-        found.add(evaluator_of(recs))
-    return sorted(e for e in found if e)
+        out.append([obj for obj in map(_parse_line, lines) if obj is not None])
+    return out
+
+
+def run_evaluators(run_dir: Path) -> list[str]:
+    """What decoded the held-out answers of a run's peers, sorted."""
+    return sorted({e for recs in _peer_records(run_dir) if (e := evaluator_of(recs))})
+
+
+def run_rollout_engines(run_dir: Path) -> list[str]:
+    """What sampled the completions of a run's peers (their records' `rollout_engine`), sorted; empty for runs
+    logged before the key existed."""
+    return sorted(
+        {e for recs in _peer_records(run_dir) for rec in recs if isinstance(e := rec.get("rollout_engine"), str)}
+    )
 
 
 def _sum_sources(recs: list[dict]) -> dict[str, int]:

@@ -223,9 +223,12 @@ def holm_across(per: dict[str, dict], base: str | None, family: Sequence[str]) -
             f"(configurations: {', '.join(per)}; baseline: {base})"
         )
     for key in HOLM_KEYS:
-        tests = {c: per[c][f"{key}_vs_base"] for c in family if f"{key}_vs_base" in per[c]}
-        for c, p in holm({c: t.get("p_perm", math.nan) for c, t in tests.items()}).items():
-            tests[c]["p_holm"] = p
+        tests = {c: per[c].get(f"{key}_vs_base", {}) for c in family}
+        # a member without a test (no paired seed, other agents) counts as p = 1: the family never shrinks
+        p_values = {c: t.get("p_perm", math.nan) for c, t in tests.items()}
+        for c, p in holm({c: p if math.isfinite(p) else 1.0 for c, p in p_values.items()}).items():
+            if tests[c]:
+                tests[c]["p_holm"] = p
 
 
 def _pick_baseline(by_cfg: dict[str, list[Run]], requested: str | None) -> tuple[str | None, str]:

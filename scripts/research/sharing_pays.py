@@ -98,15 +98,23 @@ DEFAULT_ARMS = {
     "newcomer": ["shares", "silo"],
     "families": ["shares", "silo"],
     "offpolicy-pilot": ["silo", "positive", "sapo", "ftis", "is"],
-}  # offpolicy-confirm: the silo, the loss the pilot picks and sapo (`default_arms`)
+}  # offpolicy-confirm: the silo, the loss the pilot picks and sapo (`arms_of`)
 
 
-def default_arms(experiment: str, data: Path) -> list[str]:
-    """An experiment's arms when --arms names none. The off-policy confirmatory run's follow from the pilot's
-    committed cells by its written rule (ValueError while the pilot is unfinished)."""
-    if experiment == "offpolicy-confirm":
-        return confirmatory_arms(data / "offpolicy-pilot")
-    return DEFAULT_ARMS[experiment]
+def arms_of(experiment: str, requested: list[str] | None, data: Path) -> list[str]:
+    """The arms to run: those named (--arms), else the experiment's. The off-policy confirmatory run's follow
+    from the pilot's committed cells by its written rule: only the silo and sapo, which do not depend on it,
+    run before the pilot has finished (ValueError), and no other loss than the pick ever runs."""
+    if experiment != "offpolicy-confirm":
+        return requested or DEFAULT_ARMS[experiment]
+    if requested and set(requested) <= {"silo", "sapo"}:
+        return requested
+    arms = confirmatory_arms(data / "offpolicy-pilot")
+    if requested and (other := [a for a in requested if a not in arms]):
+        raise ValueError(
+            f"the confirmatory run's arms are {', '.join(arms)} (the pilot's pick), not {', '.join(other)}"
+        )
+    return requested or arms
 
 
 def recipe_flags(engine: str, tasks: str | None = None) -> list[str]:
@@ -190,7 +198,7 @@ def cells(args: argparse.Namespace) -> list[Cell]:
     data = Path(args.data) / DATA_DIRS.get(args.experiment, args.experiment)
     out = []
     for seed in part_of(seeds, args.part):  # a process takes whole seeds, all arms: each pair completes in one
-        for arm in args.arms or default_arms(args.experiment, Path(args.data)):
+        for arm in arms_of(args.experiment, args.arms, Path(args.data)):
             config, flags = ARMS[args.experiment][arm]
             config = flags[flags.index("--label") + 1] if "--label" in flags else config  # its run dir's name
             run_dir = Path(args.runs) / args.experiment / slug(config) / f"seed{seed}"

@@ -120,6 +120,7 @@ def test_memory_mode_comparison_then_report(tmp_path):
     meta = json.loads((exp / "2-2" / "seed0" / "run.json").read_text())
     assert meta["mode"] == "memory"
     assert meta["eval_engine"] == "auto" and meta["evaluators"] == ["torch"]  # tiny-random: llama.cpp cannot serve it
+    assert meta["rollout_engines"] == ["torch"]  # and sampled with torch, every peer's records say so
     # what tells runs of one seed on two machines apart: the CPU (llama.cpp's kernels) and the engines' versions
     assert set(meta["cpu"]) == {"name", "simd"} and set(meta["cpu"]["simd"]) <= set(SIMD_FLAGS)
     assert {"ik-llama-cpp-python", "llama-cpp-python", "torch"} <= set(meta["versions"])

@@ -205,6 +205,11 @@ def test_holm_corrects_the_named_arms_comparisons_with_the_silo_only(tmp_path):
     assert [per[c]["eval_area_vs_base"]["p_holm"] for c in ("2/2 a", "2/2 b")] == pytest.approx([0.04, 0.04])
     assert [per[c]["eval_final_vs_base"]["p_holm"] for c in ("2/2 a", "2/2 b")] == pytest.approx([0.02, 0.04])
     assert "p_holm" not in per["2/2 c"]["eval_area_vs_base"]
+    del per["2/2 b"]["eval_area_vs_base"]  # a member without a test still counts: m stays 2
+    per["2/2 b"]["eval_final_vs_base"]["p_perm"] = math.nan
+    holm_across(per, "4/0", ["2/2 a", "2/2 b"])
+    assert per["2/2 a"]["eval_area_vs_base"]["p_holm"] == pytest.approx(0.06)
+    assert per["2/2 a"]["eval_final_vs_base"]["p_holm"] == pytest.approx(0.02)
     for bad in (["4/0"], ["2/2 z"]):  # the baseline itself, an unknown arm
         with pytest.raises(ValueError, match="--holm"):
             holm_across(per, "4/0", bad)

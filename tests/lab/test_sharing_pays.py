@@ -106,8 +106,14 @@ def test_offpolicy_confirmatory_cells_take_the_pilots_pick_over_60_rounds_with_t
             committed_cell(pilot, f"2/2 {rule}", seed, [0.1 + gain, 0.1 + gain])
     with pytest.raises(ValueError, match="not finished"):  # seed 102 missing: no arms, no cells
         cells_of("offpolicy-confirm", data=str(tmp_path / "data"))
+    with pytest.raises(ValueError, match="not finished"):  # nor a loss named before the pick
+        cells_of("offpolicy-confirm", data=str(tmp_path / "data"), arms=["silo", "ftis"])
+    early = cells_of("offpolicy-confirm", data=str(tmp_path / "data"), arms=["silo", "sapo"], seeds=[0])
+    assert [c.label for c in early] == ["offpolicy-confirm silo seed 0", "offpolicy-confirm sapo seed 0"]
     for rule, gain in {"silo": 0.0, **gains}.items():
         committed_cell(pilot, "4/0" if rule == "silo" else f"2/2 {rule}", PILOT_SEEDS[2], [0.1 + gain, 0.1 + gain])
+    with pytest.raises(ValueError, match="not is"):  # the pick is ftis: no other loss runs
+        cells_of("offpolicy-confirm", data=str(tmp_path / "data"), arms=["is"])
     cells = cells_of("offpolicy-confirm", data=str(tmp_path / "data"), part="1/2")
     assert [c.label for c in cells[:3]] == [f"offpolicy-confirm {arm} seed 1" for arm in ("silo", "ftis", "sapo")]
     assert [int(c.label.split()[-1]) for c in cells] == [1, 1, 1, 3, 3, 3, 5, 5, 5, 7, 7, 7]  # whole seeds

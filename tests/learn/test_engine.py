@@ -17,7 +17,7 @@ import torch
 import node.learn.trainer as trainer_mod
 from conftest import BINDINGS, small_silo_node
 from conftest import need_llama as need
-from node.learn.engines import make_engine
+from node.learn.engines import engine_label, make_engine
 from node.learn.engines.torch import TorchEngine
 from node.learn.groups import Prompter, local_group, to_sequences
 from node.learn.model_io import load_model
@@ -44,7 +44,9 @@ def test_torch_engine_is_todays_sampler(smol):
     torch.manual_seed(11)
     expected = sample_groups(model, tok, prompts, 4, cfg)
     torch.manual_seed(11)
-    got = make_engine("torch", model, tok).sample(prompts, 4, cfg)
+    engine = make_engine("torch", model, tok)
+    assert engine_label(engine) == "torch"
+    got = engine.sample(prompts, 4, cfg)
     assert [g.completion_ids for g in got] == [g.completion_ids for g in expected]
     assert [g.behaviour_logp for g in got] == [g.behaviour_logp for g in expected]
     assert all(g.logp_exact for g in got)
@@ -162,6 +164,9 @@ def llama(smol, request):
     model, tok, *_ = smol
     engine = make_engine("llama", model, tok, "tiny-random-smol", llama_binding=request.param)
     assert engine.name == "llama" and engine.api.name == request.param
+    # the records name the binding: the wheel and a source build differ in kernels and speed
+    label = engine_label(engine)
+    assert label == f"llama: {engine.api.label}" and label.endswith(("(wheel)", "(built from source)"))
     yield engine
     engine.close()
 

@@ -102,6 +102,14 @@ def make_engine(
         return TorchEngine(model, tokenizer, logp_exact)
 
 
+def engine_label(engine: RolloutEngine) -> str:
+    """What samples a node's completions, for its records: the engine's name, and for llama.cpp the binding
+    and its version ("llama: ik-llama-cpp-python 0.1.5 (wheel)"), since the two bindings differ in speed and
+    kernels; an experiment states what sampled its cells by it."""
+    binding: str = getattr(getattr(engine, "api", None), "label", "")
+    return f"{engine.name}: {binding}" if binding else engine.name
+
+
 def eval_engine(choice: str, engine: RolloutEngine, precision: str = "off") -> RolloutEngine | None:
     """What decodes the held-out evaluation's greedy answers, said in one log line: None (torch, the training
     model itself) or `engine`. `torch`: torch. `engine`: the rollout engine where it decodes greedily
