@@ -19,7 +19,7 @@ import signal
 import statistics
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -38,6 +38,8 @@ class Cell:
     run_dir: Path  # where sapo-experiment writes the run (EXP/<config>/seed<k>)
     dest: Path  # where its run.json and peer*/metrics.jsonl are committed
     adapter: Path | None = None  # a checkpoint of the run whose weights are kept too (DEST/adapter)
+    # what else its run.json must say to count as a result (a design's pinned engines): the problems, or none
+    check: Callable[[dict], list[str]] | None = None
 
     @property
     def committed(self) -> bool:
@@ -50,15 +52,16 @@ class Cell:
 ADAPTER = "adapter"  # under a cell's data dir: the weights later cells start from
 
 
-def unfinished(run_dir: Path) -> list[str]:
-    """Why a cell's run is not a result yet (empty when it is): its run.json must say complete, and each of
-    its peers must have every round and, where the cell evaluates, the evaluation after its last round
-    (the one every summary reads)."""
+def unfinished(run_dir: Path, check: Callable[[dict], list[str]] | None = None) -> list[str]:
+    """Why a cell's run is not a result yet (empty when it is): its run.json must say complete (and pass
+    `check`, where the cell has one), and each of its peers must have every round and, where the cell
+    evaluates, the evaluation after its last round (the one every summary reads)."""
     try:
         meta = json.loads((run_dir / "run.json").read_text())
     except (OSError, ValueError) as exc:
         return [f"no readable run.json ({exc})"]
     problems = [] if meta.get("status") == "complete" else [f"run.json says {meta.get('status')!r}"]
+    problems += check(meta) if check is not None else []
     rounds, peers = int(meta.get("rounds", 0)), int(meta.get("peers", 0))
     for p in range(peers):
         path = run_dir / f"peer{p}" / "metrics.jsonl"
@@ -268,7 +271,7 @@ def run_cells(cells: Sequence[Cell], cwd: Path, tag: str, deadline: Deadline | N
         if rc != 0:
             print(f"[{tag}] {cell.label}: sapo-experiment exited {rc}; stopping", flush=True)
             return rc
-        problems = unfinished(cell.run_dir)
+        problems = unfinished(cell.run_dir, cell.check)
         if problems:
             print(f"[{tag}] {cell.label}: not copied, the run is not a result: {'; '.join(problems)}", flush=True)
             return 1

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from node import __version__
 from node.cli import REPEAT_WINDOW_S
-from node.lab.runs import read_run_json, run_evaluators, run_rollout_engines
+from node.lab.runs import read_run_json, run_engines
 from node.lab.runspec import PRESETS, RunSpec, node_learning_settings, peer_plan, recipe_env, slug
 from node.learn.choices import EVAL_ENGINES
 from node.learn.stop import RoundAbandoned, StopRequest
@@ -144,8 +144,7 @@ def write_run_json(path: Path, spec: RunSpec, status: str, prov: dict) -> None:
         "updated_at": time.time(),
         **prov,
         "git_commits": commits,
-        "evaluators": run_evaluators(path.parent),
-        "rollout_engines": run_rollout_engines(path.parent),
+        **run_engines(path.parent),
     }
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))

@@ -93,11 +93,13 @@ def paired_effect(cfg: dict[str, float], base: dict[str, float]) -> dict[str, fl
 
 def holm(pvalues: dict[str, float]) -> dict[str, float]:
     """Holm's step-down adjustment: the k-th smallest of m p-values times (m - k + 1), never below the one
-    before it, at most 1. NaN stays NaN and does not count toward m."""
+    before it, at most 1. A member without a p-value (NaN: no test) still counts toward m, as if its p were
+    1, so a family never shrinks to make the others look stronger; its own adjusted p stays NaN."""
     ranked = sorted((p, k) for k, p in pvalues.items() if math.isfinite(p))
+    m = len(pvalues)
     out = {k: math.nan for k in pvalues}
     running = 0.0
     for i, (p, k) in enumerate(ranked):
-        running = max(running, min(1.0, p * (len(ranked) - i)))
+        running = max(running, min(1.0, p * (m - i)))
         out[k] = running
     return out

@@ -228,17 +228,21 @@ def _peer_records(run_dir: Path) -> list[list[dict]]:
     return out
 
 
+def run_engines(run_dir: Path) -> dict[str, list[str]]:
+    """What a run's peers used, sorted, from their records in one pass: `evaluators` decoded their held-out
+    answers, `rollout_engines` sampled their completions ("unrecorded" for records older than the key, so a run
+    resumed across it shows the stretch nobody named)."""
+    evaluators: set[str | None] = set()
+    engines: set[str] = set()
+    for recs in _peer_records(run_dir):
+        evaluators.add(evaluator_of(recs))
+        engines.update(e if isinstance(e := rec.get("rollout_engine"), str) else "unrecorded" for rec in recs)
+    return {"evaluators": sorted(e for e in evaluators if e), "rollout_engines": sorted(engines)}
+
+
 def run_evaluators(run_dir: Path) -> list[str]:
     """What decoded the held-out answers of a run's peers, sorted."""
-    return sorted({e for recs in _peer_records(run_dir) if (e := evaluator_of(recs))})
-
-
-def run_rollout_engines(run_dir: Path) -> list[str]:
-    """What sampled the completions of a run's peers (their records' `rollout_engine`), sorted; empty for runs
-    logged before the key existed."""
-    return sorted(
-        {e for recs in _peer_records(run_dir) for rec in recs if isinstance(e := rec.get("rollout_engine"), str)}
-    )
+    return run_engines(run_dir)["evaluators"]
 
 
 def _sum_sources(recs: list[dict]) -> dict[str, int]:

@@ -149,7 +149,7 @@ def learning_health(rs: Sequence[Run]) -> dict:
                     f"{prefix}_{key}_std": _fstd(list(by_seed.values())),
                 }
             )
-    out.update(token_cost(rs, out["eval_final_by_seed"]))
+    out.update(token_cost(rs))
     peers = [p for r in rs for p in r.peers]
     finals = [p.final_eval for p in peers if p.final_eval is not None]
     reward = {r.seed: reward_per_agent_round(r) for r in rs}
@@ -167,22 +167,26 @@ def learning_health(rs: Sequence[Run]) -> dict:
     }
 
 
-def token_cost(rs: Sequence[Run], final_by_seed: dict[str, float]) -> dict:
+def token_cost(rs: Sequence[Run]) -> dict:
     """What a configuration's held-out gain cost in sampling, per seed: the completion tokens a peer generated
-    over the run (the mean over its peers; a 2/2 peer samples half the local groups of a 4/0 peer), the gain
-    of the mean peer's final held-out accuracy over its starting weights', and that gain per 100 000 tokens a
-    peer generated. Runs that logged no tokens (or no start evaluation) leave the seed out."""
+    over the run (the mean over its peers; a 2/2 peer samples half the local groups of a 4/0 peer), the mean
+    gain of a peer's last held-out accuracy over its starting weights' (over the peers that logged both), and
+    that gain per 100 000 tokens a peer generated. A seed without token counts, or without a peer that logged
+    its start, is left out of that measure."""
     tokens, gain, per_100k = {}, {}, {}
     for r in rs:
         totals = [float(np.nansum(p.tokens_generated)) for p in r.peers if np.isfinite(p.tokens_generated).any()]
-        starts = [p.start_acc for p in r.peers if math.isfinite(p.start_acc)]
-        if not totals:
-            continue
-        tokens[r.seed] = float(np.mean(totals))
-        if starts and r.seed in final_by_seed:
-            gain[r.seed] = final_by_seed[r.seed] - float(np.mean(starts))
-            if tokens[r.seed] > 0:
-                per_100k[r.seed] = gain[r.seed] / (tokens[r.seed] / 1e5)
+        gains = [
+            float(p.eval_acc[np.isfinite(p.eval_acc)][-1]) - p.start_acc
+            for p in r.peers
+            if math.isfinite(p.start_acc) and np.isfinite(p.eval_acc).any()
+        ]
+        if totals:
+            tokens[r.seed] = float(np.mean(totals))
+        if gains:
+            gain[r.seed] = float(np.mean(gains))
+        if totals and gains and tokens[r.seed] > 0:
+            per_100k[r.seed] = gain[r.seed] / (tokens[r.seed] / 1e5)
     out: dict = {}
     for key, by_seed in (("tokens", tokens), ("gain", gain), ("gain_per_100k", per_100k)):
         out[f"{key}_by_seed"] = by_seed
@@ -222,11 +226,9 @@ def holm_across(per: dict[str, dict], base: str | None, family: Sequence[str]) -
             f"--holm needs configurations compared with a baseline: {', '.join(unknown or family)} "
             f"(configurations: {', '.join(per)}; baseline: {base})"
         )
-    for key in HOLM_KEYS:
-        tests = {c: per[c].get(f"{key}_vs_base", {}) for c in family}
-        # a member without a test (no paired seed, other agents) counts as p = 1: the family never shrinks
-        p_values = {c: t.get("p_perm", math.nan) for c, t in tests.items()}
-        for c, p in holm({c: p if math.isfinite(p) else 1.0 for c, p in p_values.items()}).items():
+    for key in HOLM_KEYS:  # a member without a test (no paired seed, other agents) still counts toward m
+        tests = {c: per[c].get(f"{key}_vs_base", {}) for c in dict.fromkeys(family)}
+        for c, p in holm({c: t.get("p_perm", math.nan) for c, t in tests.items()}).items():
             if tests[c]:
                 tests[c]["p_holm"] = p
 
@@ -424,7 +426,7 @@ def summarize(
         ),
         "has_unseen": any(d["unseen_final_by_seed"] for d in per.values()),
         "has_tokens": any(d["tokens_by_seed"] for d in per.values()),
-        "holm_family": list(holm_family),
+        "holm_family": list(dict.fromkeys(holm_family)),
         "unseen_baseline": next(
             (p.unseen_baseline for r in runs for p in r.peers if math.isfinite(p.unseen_baseline)), math.nan
         ),

@@ -133,9 +133,17 @@ def tokens_section(summary: dict) -> list[str]:
     L = ["## Generated tokens\n"]
     L.append(
         "Completion tokens a peer sampled over its run (`tokens_generated`, summed over rounds; the mean over "
-        "peers, then over seeds ± std), and the gain of the mean peer's final held-out accuracy over its "
-        "starting weights' (`start_accuracy`), per 100 000 tokens a peer generated (per seed, then the mean). "
-        "Descriptive, not tested.\n"
+        "peers, then over seeds ± std), and the gain of a peer's last held-out accuracy over its starting "
+        "weights' (`start_accuracy`; the mean over the peers that logged both), per 100 000 tokens a peer "
+        "generated (per seed, then the mean). "
+        "Descriptive, not tested."
+        + (
+            ""
+            if any(per[c]["gain_by_seed"] for c in summary["configs"])
+            else " No run logged its starting weights' accuracy (the collapse guard's start evaluation does): "
+            "no gain is shown."
+        )
+        + "\n"
     )
     rows = []
     for c in summary["configs"]:

@@ -42,6 +42,7 @@ from pathlib import Path
 from node.lab.cells import ADAPTER, Cell, add_deadline_args, cell_status, deadline_of, part_of, run_cells
 from node.lab.runspec import slug
 from node.learn.choices import EXTERNAL_LOSSES
+from node.learn.engines import llama_api
 from node.learn.packaged import PACKAGED, is_installed
 from node.ops.checkpoint import PREFIX
 from node.ops.config import RECIPES, NodeConfig
@@ -115,6 +116,27 @@ def arms_of(experiment: str, requested: list[str] | None, data: Path) -> list[st
             f"the confirmatory run's arms are {', '.join(arms)} (the pilot's pick), not {', '.join(other)}"
         )
     return requested or arms
+
+
+def wheel_and_torch(meta: dict) -> list[str]:
+    """The off-policy confirmatory design's engines, from a cell's run.json: sampled by the llama.cpp wheel
+    (not a source build, not torch after a failed load), answers decoded by torch; else it is run again."""
+    problems = []
+    engines = meta.get("rollout_engines") or ["an unrecorded engine"]
+    if not all(e.startswith("llama: ") and e.endswith("(wheel)") for e in engines):
+        problems.append(f"sampled by {', '.join(engines)}, not the llama.cpp wheel the design names")
+    if meta.get("evaluators") != ["torch"]:
+        problems.append(f"held-out answers decoded by {meta.get('evaluators')}, not torch as the design names")
+    return problems
+
+
+def wheel_binding() -> str:
+    """Which llama.cpp binding a node's `--rollout-engine auto` takes in this python (a source build before
+    the wheel), as its records will name it."""
+    try:
+        return llama_api.binding("auto").label
+    except ImportError:
+        return "no llama.cpp binding"
 
 
 def recipe_flags(engine: str, tasks: str | None = None) -> list[str]:
@@ -196,9 +218,11 @@ def cells(args: argparse.Namespace) -> list[Cell]:
     default_seeds = {"veterans": VETERAN_SEEDS, "offpolicy-pilot": PILOT_SEEDS}.get(args.experiment, SEEDS)
     seeds = args.seeds if args.seeds is not None else default_seeds
     data = Path(args.data) / DATA_DIRS.get(args.experiment, args.experiment)
+    arms = arms_of(args.experiment, args.arms, Path(args.data))
+    check = wheel_and_torch if args.experiment == "offpolicy-confirm" else None
     out = []
     for seed in part_of(seeds, args.part):  # a process takes whole seeds, all arms: each pair completes in one
-        for arm in arms_of(args.experiment, args.arms, Path(args.data)):
+        for arm in arms:
             config, flags = ARMS[args.experiment][arm]
             config = flags[flags.index("--label") + 1] if "--label" in flags else config  # its run dir's name
             run_dir = Path(args.runs) / args.experiment / slug(config) / f"seed{seed}"
@@ -210,6 +234,7 @@ def cells(args: argparse.Namespace) -> list[Cell]:
                     run_dir,
                     data / slug(config) / f"seed{seed}",
                     adapter,
+                    check,
                 )
             )
     return out
@@ -250,8 +275,12 @@ def main() -> int:
     try:
         todo = cells(args)
     except ValueError as e:  # the confirmatory run's arms before its pilot has finished
-        print(f"sharing_pays: {e}", file=sys.stderr)
-        return 2
+        if args.cmd != "status" or args.arms:
+            print(f"sharing_pays: {e}", file=sys.stderr)
+            return 2
+        print(f"({e}; the arms that do not depend on the pick:)")
+        args.arms = ["silo", "sapo"]
+        todo = cells(args)
     if args.cmd == "status":
         print(cell_status(todo))
         return 0
@@ -259,6 +288,9 @@ def main() -> int:
         for cell in todo:
             print(shlex.join(["sapo-experiment", *cell.command[3:]]))
         return 0
+    if args.experiment == "offpolicy-confirm" and not (binding := wheel_binding()).endswith("(wheel)"):
+        print(f"sharing_pays: the design samples with the llama.cpp wheel; this python has {binding}", file=sys.stderr)
+        return 2
     absent = sorted({m for m in FAMILY_MODELS.split(",") if m in PACKAGED and not is_installed(m)})
     if args.experiment == "families" and absent:
         print(

@@ -33,7 +33,7 @@ TOKENS = {"4/0": 400, "2/2": 200}
 START = 0.15
 
 
-def write_exp(root, *, corrupt=True, held_out=False, unseen=False, tokens=False):
+def write_exp(root, *, corrupt=True, held_out=False, unseen=False, tokens=False, start=True):
     for cfg in BASE:
         i, j = map(int, cfg.split("/"))
         for s in SEEDS:
@@ -69,7 +69,7 @@ def write_exp(root, *, corrupt=True, held_out=False, unseen=False, tokens=False)
                         rec.update(external_accepted=3, external_rejected=1)
                     if tokens:
                         rec.update(tokens_generated=TOKENS[cfg] + 10 * p)  # peers differ: their mean counts
-                        if t == 0:
+                        if t == 0 and start:  # the collapse guard's start evaluation
                             rec.update(start_accuracy=START + 0.01 * p)
                     if held_out:
                         rec.update(signal_frac=1.0 - 0.1 * t, entropy_mean=ENTROPY[cfg] - 0.1 * t)
@@ -182,7 +182,8 @@ def test_report_sets_the_held_out_gain_beside_the_tokens_generated(tmp_path, cap
     d, b = s["per_config"]["2/2"], s["per_config"]["4/0"]
     # a peer's tokens: 10 rounds x (TOKENS + 10 p), mean over peers 0 and 1 -> 10 x (TOKENS + 5)
     assert b["tokens_mean"] == pytest.approx(4050) and d["tokens_mean"] == pytest.approx(2050)
-    # gain = final (EVAL_BASE + 0.09 + 0.01 s) - mean start (0.155): 2/2 seed 1 -> 0.40 - 0.155 = 0.245
+    # gain = a peer's final (EVAL_BASE + 0.09 + 0.01 s) - its start (0.15 + 0.01 p), mean over peers:
+    # 2/2 seed 1 -> 0.40 - 0.155 = 0.245
     assert d["gain_by_seed"]["1"] == pytest.approx(0.245) and b["gain_mean"] == pytest.approx(0.145)
     assert d["gain_per_100k_by_seed"]["1"] == pytest.approx(0.245 / 0.0205)
     assert md.index("## Held-out accuracy") < md.index("## Generated tokens") < md.index("## Cumulative reward")
@@ -192,6 +193,12 @@ def test_report_sets_the_held_out_gain_beside_the_tokens_generated(tmp_path, cap
 def test_report_without_token_counts_has_no_token_section(tmp_path, capsys):
     s, md = held_out_report(tmp_path)
     assert "## Generated tokens" not in md and not s["per_config"]["2/2"]["tokens_by_seed"]
+
+
+def test_report_says_when_no_start_was_logged_to_measure_a_gain_from(tmp_path):
+    s, md = held_out_report(tmp_path, tokens=True, start=False)
+    assert s["per_config"]["2/2"]["tokens_mean"] == pytest.approx(2050) and not s["per_config"]["2/2"]["gain_by_seed"]
+    assert "No run logged its starting weights' accuracy" in md
 
 
 def test_holm_corrects_the_named_arms_comparisons_with_the_silo_only(tmp_path):
@@ -210,13 +217,14 @@ def test_holm_corrects_the_named_arms_comparisons_with_the_silo_only(tmp_path):
     holm_across(per, "4/0", ["2/2 a", "2/2 b"])
     assert per["2/2 a"]["eval_area_vs_base"]["p_holm"] == pytest.approx(0.06)
     assert per["2/2 a"]["eval_final_vs_base"]["p_holm"] == pytest.approx(0.02)
+    assert math.isnan(per["2/2 b"]["eval_final_vs_base"]["p_holm"])  # no p of its own: none adjusted
     for bad in (["4/0"], ["2/2 z"]):  # the baseline itself, an unknown arm
         with pytest.raises(ValueError, match="--holm"):
             holm_across(per, "4/0", bad)
 
 
 def test_report_names_the_holm_family_in_its_paired_table(tmp_path, capsys):
-    s, md = held_out_report(tmp_path, holm=["2/2"])
+    s, md = held_out_report(tmp_path, holm=["2/2", "2/2"])  # named twice: one member
     area = s["per_config"]["2/2"]["eval_area_vs_base"]
     assert area["p_holm"] == pytest.approx(area["p_perm"])  # a family of one
     assert "| config | final: mean diff | 95% CI | d_z | p | Holm p | area: mean diff |" in md
@@ -453,7 +461,7 @@ def test_held_out_plot_draws_the_constant_answer_baseline(tmp_path, monkeypatch)
 def test_the_report_and_run_json_name_the_evaluator(tmp_path, capsys):
     """Which evaluator decoded the held-out answers (eval_engine; torch in records from before the key): the
     report names it, and warns when the runs it compares were decoded by different ones."""
-    from node.lab.runs import run_evaluators
+    from node.lab.runs import run_engines, run_evaluators
 
     exp = write_exp(tmp_path / "exp", corrupt=False, held_out=True)
     for path in (exp / "2-2").glob("seed*/peer*/metrics.jsonl"):
@@ -462,6 +470,13 @@ def test_the_report_and_run_json_name_the_evaluator(tmp_path, capsys):
             "".join(json.dumps({**r, "eval_engine": "llama"} if "eval_accuracy" in r else r) + "\n" for r in recs)
         )
     assert run_evaluators(exp / "2-2" / "seed0") == ["llama"] and run_evaluators(exp / "4-0" / "seed0") == ["torch"]
+    # what sampled: the records' rollout_engine; a stretch logged before the key is named too
+    path = exp / "2-2" / "seed1" / "peer0" / "metrics.jsonl"
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    wheel = "llama: ik-llama-cpp-python 0.1.5 (wheel)"
+    path.write_text("".join(json.dumps({**r, "rollout_engine": wheel} if r["round"] > 3 else r) + "\n" for r in recs))
+    assert run_engines(exp / "2-2" / "seed1")["rollout_engines"] == [wheel, "unrecorded"]
+    assert run_engines(exp / "4-0" / "seed1") == {"evaluators": ["torch"], "rollout_engines": ["unrecorded"]}
     summary = summarize(load_runs([exp]))
     assert summary["evaluators"] == ["llama", "torch"]
     assert summary["per_config"]["2/2"]["evaluators"] == ["llama"]

@@ -72,11 +72,12 @@ def family_reward(cfg, seed):
     return lambda model: 0.3 if cfg == "4/0" else (0.2 if model == "fam-a" else 0.3 + 0.01 * (seed - 1.5))
 
 
-def test_holm_adjusts_step_down_and_keeps_nan_out():
-    got = holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": math.nan})
+def test_holm_adjusts_step_down_and_a_member_without_a_test_still_counts():
+    got = holm({"a": 0.01, "b": 0.04, "c": 0.03})
     assert got["a"] == pytest.approx(0.03) and got["c"] == pytest.approx(0.06)
     assert got["b"] == pytest.approx(0.06)  # 0.04 x 1, raised to the step before it
-    assert math.isnan(got["d"])
+    got = holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": math.nan})  # d untested: m is still 4
+    assert [got[k] for k in "acb"] == pytest.approx([0.04, 0.09, 0.09]) and math.isnan(got["d"])
     assert holm({"a": 0.6, "b": 0.7}) == {"a": 1.0, "b": 1.0}
 
 

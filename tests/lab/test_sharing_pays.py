@@ -130,6 +130,24 @@ def test_offpolicy_confirmatory_cells_take_the_pilots_pick_over_60_rounds_with_t
         assert [r for r in range(60) if schedule.due(r) and schedule.unseen_due(r)] == [0, 20, 40, 59]
 
 
+def test_confirmatory_cells_count_only_when_sampled_by_the_wheel_and_decoded_by_torch(tmp_path, monkeypatch):
+    wheel, source = "llama: ik-llama-cpp-python 0.1.5 (wheel)", "llama: llama-cpp-python 0.3.36 (built from source)"
+    ok = {"rollout_engines": [wheel], "evaluators": ["torch"]}
+    assert pays.wheel_and_torch(ok) == []
+    for engines in ([source], ["torch"], [wheel, "unrecorded"], None):  # a source build, a fallback, unnamed
+        assert "not the llama.cpp wheel" in " ".join(pays.wheel_and_torch({**ok, "rollout_engines": engines}))
+    assert "not torch" in " ".join(pays.wheel_and_torch({**ok, "evaluators": ["llama"]}))
+    (tmp_path / "run.json").write_text(json.dumps({**ok, "rollout_engines": [source], "status": "complete"}))
+    assert unfinished(tmp_path) == [] and unfinished(tmp_path, pays.wheel_and_torch) != []  # not copied
+    confirm = cells_of("offpolicy-confirm", arms=["silo"], seeds=[0])[0]
+    assert confirm.check is pays.wheel_and_torch and cells_of("offpolicy-pilot", seeds=[100])[0].check is None
+    # before the pilot's pick, naming its loss ends the command (status falls back to silo and sapo)
+    monkeypatch.setattr(sys, "argv", ["sharing_pays", "run", "--experiment", "offpolicy-confirm", "--arms", "is"])
+    monkeypatch.setattr(pays, "REPO", tmp_path)  # its docs/data has no pilot
+    monkeypatch.chdir(tmp_path)  # main moves to REPO: the test's own directory comes back afterwards
+    assert pays.main() == 2
+
+
 def test_validation_cells_run_the_recipe_at_both_configurations_on_every_seed(monkeypatch):
     monkeypatch.setitem(config.RECIPES, "cpu", {**config.RECIPES["cpu"], "lr": 5e-5})
     cells = cells_of("validation", part="0/2")
