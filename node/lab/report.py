@@ -82,9 +82,10 @@ Definitions (also written into the report):
   ``local_signal_frac``) and ``entropy_mean`` (token entropy of the samples), all rounds and the
   last quarter of each agent's rounds.
 * generated tokens (lines that carry ``tokens_generated``): the completion tokens a peer sampled over its run
-  (the mean over the run's peers), the gain of the mean peer's final held-out accuracy over the starting
-  weights' (round 0's ``start_accuracy``), and that gain per 100 000 tokens a peer generated; per seed, then
-  the mean ± std over seeds; shown, not tested (a 2/2 peer samples half the local groups of a 4/0 peer).
+  (the mean over the run's peers), the gain of a peer's last held-out accuracy over its starting weights'
+  (round 0's ``start_accuracy``; the mean over the peers that logged both), and that gain per 100 000 tokens
+  a peer generated; per seed, then the mean ± std over seeds; shown, not tested (a 2/2 peer samples half the
+  local groups of a 4/0 peer).
 """
 
 from __future__ import annotations

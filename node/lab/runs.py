@@ -240,11 +240,6 @@ def run_engines(run_dir: Path) -> dict[str, list[str]]:
     return {"evaluators": sorted(e for e in evaluators if e), "rollout_engines": sorted(engines)}
 
 
-def run_evaluators(run_dir: Path) -> list[str]:
-    """What decoded the held-out answers of a run's peers, sorted."""
-    return run_engines(run_dir)["evaluators"]
-
-
 def _sum_sources(recs: list[dict]) -> dict[str, int]:
     total: dict[str, int] = {}
     for rec in recs:

@@ -100,6 +100,7 @@ DEFAULT_ARMS = {
     "families": ["shares", "silo"],
     "offpolicy-pilot": ["silo", "positive", "sapo", "ftis", "is"],
 }  # offpolicy-confirm: the silo, the loss the pilot picks and sapo (`arms_of`)
+PICK_FREE_ARMS = ["silo", "sapo"]  # the confirmatory arms that do not depend on the pilot's pick
 
 
 def arms_of(experiment: str, requested: list[str] | None, data: Path) -> list[str]:
@@ -108,7 +109,7 @@ def arms_of(experiment: str, requested: list[str] | None, data: Path) -> list[st
     run before the pilot has finished (ValueError), and no other loss than the pick ever runs."""
     if experiment != "offpolicy-confirm":
         return requested or DEFAULT_ARMS[experiment]
-    if requested and set(requested) <= {"silo", "sapo"}:
+    if requested and set(requested) <= set(PICK_FREE_ARMS):
         return requested
     arms = confirmatory_arms(data / "offpolicy-pilot")
     if requested and (other := [a for a in requested if a not in arms]):
@@ -279,7 +280,7 @@ def main() -> int:
             print(f"sharing_pays: {e}", file=sys.stderr)
             return 2
         print(f"({e}; the arms that do not depend on the pick:)")
-        args.arms = ["silo", "sapo"]
+        args.arms = PICK_FREE_ARMS
         todo = cells(args)
     if args.cmd == "status":
         print(cell_status(todo))

@@ -461,7 +461,7 @@ def test_held_out_plot_draws_the_constant_answer_baseline(tmp_path, monkeypatch)
 def test_the_report_and_run_json_name_the_evaluator(tmp_path, capsys):
     """Which evaluator decoded the held-out answers (eval_engine; torch in records from before the key): the
     report names it, and warns when the runs it compares were decoded by different ones."""
-    from node.lab.runs import run_engines, run_evaluators
+    from node.lab.runs import run_engines
 
     exp = write_exp(tmp_path / "exp", corrupt=False, held_out=True)
     for path in (exp / "2-2").glob("seed*/peer*/metrics.jsonl"):
@@ -469,7 +469,8 @@ def test_the_report_and_run_json_name_the_evaluator(tmp_path, capsys):
         path.write_text(
             "".join(json.dumps({**r, "eval_engine": "llama"} if "eval_accuracy" in r else r) + "\n" for r in recs)
         )
-    assert run_evaluators(exp / "2-2" / "seed0") == ["llama"] and run_evaluators(exp / "4-0" / "seed0") == ["torch"]
+    assert run_engines(exp / "2-2" / "seed0")["evaluators"] == ["llama"]
+    assert run_engines(exp / "4-0" / "seed0")["evaluators"] == ["torch"]
     # what sampled: the records' rollout_engine; a stretch logged before the key is named too
     path = exp / "2-2" / "seed1" / "peer0" / "metrics.jsonl"
     recs = [json.loads(x) for x in path.read_text().splitlines()]
