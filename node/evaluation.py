@@ -10,6 +10,7 @@ algorithm: `SapoNode.run_round` calls `after_round`, and learns whether the weig
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from node.learn.evaluate import EvalResult, HeldOutEval
-from node.learn.guard import START_ROUND, CollapseGuard, EvalSummary, weights_name
+from node.learn.guard import START_ROUND, CollapseGuard, EvalSummary, round_name, weights_name
 from node.learn.stop import RoundAbandoned
 from node.learn.trainer import Trainer
 from node.ops.checkpoint import CheckpointError
@@ -46,6 +47,25 @@ class NodeEvaluation:
     def __post_init__(self) -> None:
         self.start_eval: dict = {}  # the starting weights' evaluation (start_* keys), for round 0's record
         self.restore_tried = False  # the guard tried to load other weights (the caller clears it per round)
+        self.loads = 0  # restore points the guard has tried to load: each may have changed the weights
+        self._last: tuple[tuple[int, int], int, bool, EvalResult] | None = None  # weights, round, unseen, result
+
+    def _weights(self) -> tuple[int, int]:
+        """What names the weights as they are: the optimizer steps taken and the restores tried."""
+        return self.trainer.steps_taken, self.loads
+
+    async def _measure(self, r: int, unseen: bool) -> tuple[EvalResult, int | None]:
+        """The weights' evaluation, and the round whose evaluation it repeats (None: evaluated now). Weights
+        that have not moved since the last evaluation (no optimizer step, no restore: a round with no group
+        with signal, common where successes are scarce) answer greedily as they did then, so that result is
+        taken again at no cost, when it covered the unseen set wherever this one must."""
+        last = self._last
+        if last is not None and last[0] == self._weights() and (last[2] or not unseen):
+            weights, then, _, result = last
+            return dataclasses.replace(result, seconds=0.0, unseen=result.unseen if unseen else None), then
+        result = await self.held_out_run(unseen)
+        self._last = (self._weights(), r, unseen, result)
+        return result, None
 
     def start_due(self, next_round: int) -> bool:
         """Whether the starting weights are evaluated before round 0 (a fresh start with the guard on)."""
@@ -58,7 +78,7 @@ class NodeEvaluation:
         guard replaced the weights."""
         self.live.phase = "eval"
         try:
-            result = await self.held_out_run(True)
+            result, _ = await self._measure(START_ROUND, True)
         except RoundAbandoned:
             log.info("held-out evaluation of the starting weights skipped: stop requested")
             return False
@@ -85,18 +105,23 @@ class NodeEvaluation:
         evaluation skips it (the round stays), it never abandons the round."""
         try:
             with timer("eval"):
-                result = await self.held_out_run(self.held_out.unseen_due(r))
+                result, repeats = await self._measure(r, self.held_out.unseen_due(r))
         except RoundAbandoned:
             log.info("held-out evaluation of round %d skipped: stop requested", r)
             return
         fields = result.to_record()
+        if repeats is not None:
+            fields["eval_repeats"] = repeats
         self.live.last_eval = {
             "round": r,
             **{k: v for k, v in fields.items() if not isinstance(v, list)},
         }  # per-task lists: metrics only
         record.update(fields, t_end=time.time(), round_s=round(time.time() - timer.t0, 4))
         record["phase_s"]["eval"] = round(timer.seconds["eval"], 4)
-        log.info("%s", result.log_line(r))
+        if repeats is None:
+            log.info("%s", result.log_line(r))
+        else:
+            log.info("%s; unchanged since %s's evaluation: its answers again", result.log_line(r), round_name(repeats))
 
     async def skipped_round(self, next_round: int) -> bool:
         """A stop after a round's update keeps the round but skips its due evaluation. The checkpoint holds
@@ -133,6 +158,7 @@ class NodeEvaluation:
             await self.in_worker(self.persistence.save_restore_point, r)
         elif verdict.action == "restore":
             self.restore_tried = True
+            self.loads += 1
             try:
                 await self.in_worker(self.persistence.load_restore_point, verdict.lr_scale, verdict.restored_to)
             except CheckpointError as exc:  # a node keeps training rather than die on its own bad file

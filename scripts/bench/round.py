@@ -114,7 +114,7 @@ def rounds_section(args, model, tok, mix, max_new, device) -> dict:
         "round_s": training_round,
         "phase_s": {p: statistics.median(r["phase_s"].get(p, 0.0) for r in records) for p in phases if p != "eval"},
     }
-    evals = [r["eval_s"] for r in records if "eval_s" in r]
+    evals = [r["eval_s"] for r in records if "eval_s" in r and "eval_repeats" not in r]  # repeats cost nothing
     if evals and args.eval_every:
         eval_s = statistics.median(evals)
         overhead = eval_s / (args.eval_every * training_round)
