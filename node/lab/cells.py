@@ -202,7 +202,7 @@ def cell_status(cells: Sequence[Cell]) -> str:
         if cell.committed:
             committed += 1
             state = "committed"
-        elif (done := done_fraction(cell.run_dir)) > 0:
+        elif (done := done_fraction(cell.run_dir)) > 0 or (cell.run_dir / "run.json").exists():
             state = f"{done:.0%} of its rounds done in {cell.run_dir} (running, or resumes here)"
         else:
             state = "to do" + (

@@ -287,11 +287,15 @@ def test_no_cell_starts_that_would_not_finish_by_the_deadline(tmp_path, capsys):
     (todo.run_dir / "peer0").mkdir(parents=True)
     (todo.run_dir / "run.json").write_text(json.dumps({"rounds": 4, "peers": 1}))
     (todo.run_dir / "peer0" / "metrics.jsonl").write_text('{"round": 0}\n')
-    assert cell_status([late, todo, vet]).splitlines() == [
+    begun = fake_cell(tmp_path, "begun")  # started, no round done by every peer yet: not "to do"
+    begun.run_dir.mkdir(parents=True)
+    (begun.run_dir / "run.json").write_text(json.dumps({"rounds": 4, "peers": 2}))
+    assert cell_status([late, todo, vet, begun]).splitlines() == [
         "late: committed",
         f"todo: 25% of its rounds done in {todo.run_dir} (running, or resumes here)",
         "vet: to do (its weights are not on this machine: runs again)",
-        "1 of 3 cells committed",
+        f"begun: 0% of its rounds done in {begun.run_dir} (running, or resumes here)",
+        "1 of 4 cells committed",
     ]
 
 
