@@ -60,8 +60,9 @@ class NodeEvaluation:
         with signal, common where successes are scarce) answer greedily as they did then, so that result is
         taken again at no cost, when it covered the unseen set wherever this one must."""
         last = self._last
-        if last is not None and last[0] == self._weights() and (last[2] or not unseen):
-            weights, then, _, result = last
+        needs_unseen = unseen and self.held_out.mix.has_unseen()  # a mix without a content split has none
+        if last is not None and last[0] == self._weights() and (last[2] or not needs_unseen):
+            _, then, _, result = last
             return dataclasses.replace(result, seconds=0.0, unseen=result.unseen if unseen else None), then
         result = await self.held_out_run(unseen)
         self._last = (self._weights(), r, unseen, result)
@@ -117,7 +118,7 @@ class NodeEvaluation:
             **{k: v for k, v in fields.items() if not isinstance(v, list)},
         }  # per-task lists: metrics only
         record.update(fields, t_end=time.time(), round_s=round(time.time() - timer.t0, 4))
-        record["phase_s"]["eval"] = round(timer.seconds["eval"], 4)
+        record["phase_s"]["eval"] = round(timer.seconds["eval"], 4) if repeats is None else 0.0
         if repeats is None:
             log.info("%s", result.log_line(r))
         else:

@@ -5,6 +5,7 @@ from dataclasses import replace
 from conftest import tiny_memory_node
 from node.learn.evaluate import EvalResult
 from node.learn.guard import START_ROUND
+from node.learn.tasks import PRESETS
 from node.ops.live import PhaseTimer
 
 
@@ -44,8 +45,13 @@ async def test_unchanged_weights_repeat_the_last_evaluation_and_a_step_or_restor
         assert len(calls) == 2 and "eval_repeats" not in second and second["eval_s"] > 0
         assert (await after(node, 2))["eval_repeats"] == 1  # still round 1's weights
 
-        node.evaluation.loads += 1  # as a restore does (tried or done): other weights may be in place
-        assert "eval_repeats" not in await after(node, 3) and len(calls) == 3
+        node.guard.state.best["accuracy"] = 0.9  # a collapse from a good restore point: the guard restores
+        collapsed = {"eval_accuracy": 0.0, "eval_baseline": 0.12, "eval_distinct_answers": 0.05}
+        assert await node.evaluation.judge(3, {**collapsed, "eval_distinct_gold": 0.35})
+        node.guard.state.best["accuracy"] = 0.0  # no second restore: the next rounds keep these weights
+        third = await after(node, 3)  # other weights are in place: evaluated again
+        assert "eval_repeats" not in third and len(calls) == 3 and third["phase_s"]["eval"] > 0
+        assert (await after(node, 4))["phase_s"]["eval"] == 0.0 and len(calls) == 3
     finally:
         node.worker.shutdown()
 
@@ -62,7 +68,9 @@ async def test_a_repeat_needs_the_unseen_set_when_the_round_is_due_one(tmp_path)
         return replace(held, unseen=EvalResult(accuracy=0.5, scores=[1.0, 0.0]) if unseen else None)
 
     node.evaluation.held_out_run = fake
+    node.evaluation.held_out.mix = PRESETS["cpu-learn"]  # a mix with a content split
     try:
+        assert PRESETS["cpu-learn"].has_unseen() and not PRESETS["smoke"].has_unseen()
         result, repeats = await node.evaluation._measure(0, False)
         assert (repeats, calls, result.unseen) == (None, [False], None)
         result, repeats = await node.evaluation._measure(1, True)
@@ -72,5 +80,10 @@ async def test_a_repeat_needs_the_unseen_set_when_the_round_is_due_one(tmp_path)
         again, repeats = await node.evaluation._measure(3, False)
         assert (repeats, calls, again.unseen) == (1, [False, True], None)
         assert again.scores == result.scores and again.seconds == 0.0 and result.seconds == 3.0
+
+        node.evaluation.held_out.mix = PRESETS["smoke"]  # no split: a result without the unseen set serves all
+        node.trainer.steps_taken += 1
+        assert (await node.evaluation._measure(4, False))[1] is None and calls[-1] is False
+        assert (await node.evaluation._measure(5, True))[1] == 4 and len(calls) == 3
     finally:
         node.worker.shutdown()
