@@ -304,7 +304,12 @@ def learning_health(m, snap: dict) -> None:
             num(ev.get(f"{key}_baseline")),
         )
     m.add("sapo_eval_round", "gauge", "Round of the last held-out evaluation.", num(ev.get("round")))
-    m.add("sapo_eval_duration_seconds", "gauge", "Seconds the last held-out evaluation took (0: it repeated an earlier result, the weights unchanged).", num(ev.get("eval_s")))
+    m.add(
+        "sapo_eval_duration_seconds",
+        "gauge",
+        "Seconds the last held-out evaluation took (0: it repeated an earlier result, the weights unchanged).",
+        num(ev.get("eval_s")),
+    )
     guard = as_dict(snap.get("guard"))
     m.add(
         "sapo_guard_restores_total",
