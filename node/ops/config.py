@@ -171,8 +171,8 @@ class NodeConfig:
     eval_engine: str = opt(
         "auto",
         "what decodes the held-out answers: auto (the rollout engine where it is not "
-        "torch: llama.cpp, synced first), torch (the training model), engine; each "
-        "record names it (eval_engine; docs/EVALUATION.md)",
+        "torch: llama.cpp, synced first, unless torch computes in bf16), torch (the training model), "
+        "engine; each record names it (eval_engine; docs/EVALUATION.md)",
     )
     # run dir, checkpoints, logs
     run_dir: str = opt("runs/node", "where metrics, logs, identity and checkpoints live")
