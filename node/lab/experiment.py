@@ -179,6 +179,13 @@ def settings_changed(path: Path, spec: RunSpec) -> list[str]:
     ]
 
 
+def shared_start_eval(root: Path) -> list[str]:
+    """Peers of a run that start from the same weights evaluate them once (node/learn/eval_share.py): the
+    same greedy answers, so the records are as if each had; peers that start apart (a veteran's adapter)
+    evaluate their own."""
+    return ["--eval-share", str(root / "shared-eval")]
+
+
 # --- memory mode: peers in this process ---------------------------------------------------------------
 
 
@@ -220,7 +227,7 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
         resume = (peer_dir / "checkpoints").exists()
         cfg = load_config(
             spec.node_args(p, peer_dir)
-            + ["--swarm", f"exp-{slug(spec.config_name)}"]
+            + ["--swarm", f"exp-{slug(spec.config_name)}", *shared_start_eval(root)]
             + (["--resume"] if resume else []),
             env=recipe_env(),
         )
@@ -300,6 +307,7 @@ def run_dht(spec: RunSpec, root: Path, poll_s: float = 1.0) -> bool:
             peer_dir = root / f"peer{p}"
             peer_dir.mkdir(parents=True, exist_ok=True)
             args = spec.node_args(p, peer_dir) + [
+                *shared_start_eval(root),
                 "--swarm",
                 f"exp-{slug(spec.config_name)}",
                 "--host-maddrs",

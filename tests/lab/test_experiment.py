@@ -137,6 +137,11 @@ def test_memory_mode_comparison_then_report(tmp_path):
     # every peer evaluated after rounds 0 and 2 (the last), and the report leads with it
     evaluated = [r["round"] for r in live_metrics(exp / "2-2" / "seed0" / "peer0") if "eval_accuracy" in r]
     assert evaluated == [0, 2]
+    # the peers start from the same weights: one evaluated them, the other read its result
+    starts = [live_metrics(exp / "2-2" / "seed0" / f"peer{p}")[0] for p in range(2)]
+    assert starts[0]["start_scores"] == starts[1]["start_scores"] and len(starts[0]["start_scores"]) == 6
+    assert len(list((exp / "2-2" / "seed0" / "shared-eval").glob("*.json"))) == 1
+    assert done.stderr.count("held-out evaluation of the starting weights: another peer's result") == 2  # per arm
     assert text.index("## Held-out accuracy") < text.index("## Cumulative reward")
     assert {p.name for p in (tmp_path / "report").glob("*.png")} >= {
         "per_agent_rewards.png",
