@@ -209,7 +209,24 @@ def cell_status(cells: Sequence[Cell]) -> str:
                 " (its weights are not on this machine: runs again)" if (cell.dest / "run.json").exists() else ""
             )
         lines.append(f"{cell.label}: {state}")
-    return "\n".join(lines + [f"{committed} of {len(cells)} cells committed"])
+    total = f"{committed} of {len(cells)} cells committed"
+    left = cell_time_left(cells)
+    if left is not None and committed < len(cells):
+        total += f"; about {left / 3600:.1f} h of cell time left (each as long as its arm's committed cells, else any)"
+    return "\n".join(lines + [total])
+
+
+def cell_time_left(cells: Sequence[Cell]) -> float | None:
+    """Seconds the uncommitted cells still need, one after another: each as long as the committed cells of its
+    configuration (median), else of any configuration, less the share its run dir has done; None before any
+    cell is committed."""
+    every = [w for c in cells if c.committed for w in [wall_seconds(c.dest)] if w is not None]
+    if not every:
+        return None
+    fallback, deadline = statistics.median(every), Deadline(at=0.0)
+    return sum(
+        (1.0 - done_fraction(c.run_dir)) * (deadline.estimate(c)[0] or fallback) for c in cells if not c.committed
+    )
 
 
 def add_deadline_args(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 from fake_cells import committed_cell
 
-from node.lab.cells import Cell, Deadline, cell_status, clock_time, done_fraction, run_cells, unfinished
+from node.lab.cells import (
+    Cell,
+    Deadline,
+    cell_status,
+    cell_time_left,
+    clock_time,
+    done_fraction,
+    run_cells,
+    unfinished,
+)
 from node.lab.experiment import build_parser
 from node.lab.runspec import peer_plan
 from node.learn.evaluate import HeldOutEval
@@ -245,6 +254,29 @@ def test_a_cell_that_later_cells_start_from_is_done_only_with_its_weights_commit
     assert run_cells([lost], tmp_path, "test") == 1
     assert "lost: not copied:" in capsys.readouterr().out and not lost.committed
     assert not (lost.dest / "run.json").exists()
+
+
+def test_the_status_says_how_much_cell_time_is_left(tmp_path):
+    """Each uncommitted cell is as long as the committed cells of its arm (median), else of any arm, less what its
+    run dir has done; nothing is said before a cell is committed."""
+
+    def cell(arm, seed):
+        return Cell(f"{arm} {seed}", [], tmp_path / "runs" / arm / seed, tmp_path / "data" / arm / seed)
+
+    done, half, other = cell("a", "seed0"), cell("a", "seed1"), cell("b", "seed0")
+    assert cell_time_left([done, half, other]) is None and "left" not in cell_status([done, half, other])
+    (done.dest / "peer0").mkdir(parents=True)
+    (done.dest / "peer0" / "metrics.jsonl").write_text(
+        '{"round": 0, "t_start": 0.0, "t_end": 1800.0}\n{"round": 1, "t_start": 1800.0, "t_end": 3600.0}\n'
+    )
+    (done.dest / "run.json").write_text("{}")
+    (half.run_dir / "peer0").mkdir(parents=True)
+    (half.run_dir / "run.json").write_text(json.dumps({"rounds": 2, "peers": 1}))
+    (half.run_dir / "peer0" / "metrics.jsonl").write_text('{"round": 0}\n')
+    assert cell_time_left([done, half, other]) == 1800.0 + 3600.0
+    assert cell_status([done, half, other]).endswith(
+        "1 of 3 cells committed; about 1.5 h of cell time left (each as long as its arm's committed cells, else any)"
+    )
 
 
 def test_clock_times_for_finish_by():
