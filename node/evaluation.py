@@ -46,12 +46,12 @@ class NodeEvaluation:
 
     def __post_init__(self) -> None:
         self.start_eval: dict = {}  # the starting weights' evaluation (start_* keys), for round 0's record
-        self.restore_tried = False  # the guard tried to load other weights (the caller clears it per round)
         self.loads = 0  # restore points the guard has tried to load: each may have changed the weights
         self._last: tuple[tuple[int, int], int, bool, EvalResult] | None = None  # weights, round, unseen, result
 
-    def _weights(self) -> tuple[int, int]:
-        """What names the weights as they are: the optimizer steps taken and the restores tried."""
+    def weights(self) -> tuple[int, int]:
+        """What names the weights as they are: the optimizer steps taken and the restores tried (the loop
+        compares it across a failed round: weights that moved cannot be rewound)."""
         return self.trainer.steps_taken, self.loads
 
     async def _measure(self, r: int, unseen: bool) -> tuple[EvalResult, int | None]:
@@ -61,11 +61,11 @@ class NodeEvaluation:
         taken again at no cost, when it covered the unseen set wherever this one must."""
         last = self._last
         needs_unseen = unseen and self.held_out.mix.has_unseen()  # a mix without a content split has none
-        if last is not None and last[0] == self._weights() and (last[2] or not needs_unseen):
+        if last is not None and last[0] == self.weights() and (last[2] or not needs_unseen):
             _, then, _, result = last
             return dataclasses.replace(result, seconds=0.0, unseen=result.unseen if unseen else None), then
         result = await self.held_out_run(unseen)
-        self._last = (self._weights(), r, unseen, result)
+        self._last = (self.weights(), r, unseen, result)
         return result, None
 
     def start_due(self, next_round: int) -> bool:
@@ -110,18 +110,17 @@ class NodeEvaluation:
         except RoundAbandoned:
             log.info("held-out evaluation of round %d skipped: stop requested", r)
             return
-        fields = result.to_record()
-        if repeats is not None:
-            fields["eval_repeats"] = repeats
+        fields = result.to_record() | ({} if repeats is None else {"eval_repeats": repeats})
         self.live.last_eval = {
             "round": r,
             **{k: v for k, v in fields.items() if not isinstance(v, list)},
         }  # per-task lists: metrics only
         record.update(fields, t_end=time.time(), round_s=round(time.time() - timer.t0, 4))
-        record["phase_s"]["eval"] = round(timer.seconds["eval"], 4) if repeats is None else 0.0
         if repeats is None:
+            record["phase_s"]["eval"] = round(timer.seconds["eval"], 4)
             log.info("%s", result.log_line(r))
         else:
+            record["phase_s"]["eval"] = 0.0
             log.info("%s; unchanged since %s's evaluation: its answers again", result.log_line(r), round_name(repeats))
 
     async def skipped_round(self, next_round: int) -> bool:
@@ -158,7 +157,6 @@ class NodeEvaluation:
         if verdict.action == "snapshot":
             await self.in_worker(self.persistence.save_restore_point, r)
         elif verdict.action == "restore":
-            self.restore_tried = True
             self.loads += 1
             try:
                 await self.in_worker(self.persistence.load_restore_point, verdict.lr_scale, verdict.restored_to)

@@ -160,14 +160,14 @@ class SapoNode:
             self.start_due = False
             self.engine_stale |= await self.evaluation.start()
         at_start = self.persistence.capture(self.next_round)
-        steps_before, self.evaluation.restore_tried = self.trainer.steps_taken, False
+        weights_before = self.evaluation.weights()
         try:
             result = await self.run_round(self.next_round)
         except RoundAbandoned:  # rewound after the worker has let go of the round
             self.next_round = await self._in_worker(self.persistence.rewind, at_start)
             raise
         except Exception:  # a bug, a failing disk, out of memory
-            if self.trainer.steps_taken != steps_before or self.evaluation.restore_tried:
+            if self.evaluation.weights() != weights_before:
                 self.mid_round_weights = True  # the weights cannot be rewound
             else:
                 self.next_round = await self._in_worker(self.persistence.rewind, at_start)

@@ -223,10 +223,11 @@ def cell_time_left(cells: Sequence[Cell]) -> float | None:
     every = [w for c in cells if c.committed for w in [wall_seconds(c.dest)] if w is not None]
     if not every:
         return None
-    fallback, deadline = statistics.median(every), Deadline(at=0.0)
-    return sum(
-        (1.0 - done_fraction(c.run_dir)) * (deadline.estimate(c)[0] or fallback) for c in cells if not c.committed
-    )
+    fallback, deadline, length = statistics.median(every), Deadline(at=0.0), {}
+    for c in cells:  # an arm's length once: each estimate reads its committed cells' metrics
+        if not c.committed and c.dest.parent not in length:
+            length[c.dest.parent] = deadline.estimate(c)[0] or fallback
+    return sum((1.0 - done_fraction(c.run_dir)) * length[c.dest.parent] for c in cells if not c.committed)
 
 
 def add_deadline_args(parser: argparse.ArgumentParser) -> None:
