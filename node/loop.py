@@ -36,7 +36,7 @@ from node.evaluation import NodeEvaluation
 from node.learn import precision
 from node.learn.engines import RolloutEngine, engine_label
 from node.learn.evaluate import EvalResult, HeldOutEval
-from node.learn.groups import Group, Prompter, local_group, select_groups, to_sequences
+from node.learn.groups import Group, Prompter, external_token_cap, local_group, select_groups, to_sequences
 from node.learn.guard import CollapseGuard
 from node.learn.lora import Adapter
 from node.learn.sampling import SamplingConfig
@@ -222,7 +222,8 @@ class SapoNode:
         return RoundResult(r, record)
 
     def train(self, groups: list[Group]) -> StepStats:
-        seqs = to_sequences(groups, self.tokenizer, self.prompter, self.cfg.scale_std, self.cfg.external_loss)
+        cap = external_token_cap(self.sampling.max_new_tokens)
+        seqs = to_sequences(groups, self.tokenizer, self.prompter, self.cfg.scale_std, self.cfg.external_loss, cap)
         return self.trainer.step(seqs)
 
     def _keep(self, record: dict) -> None:

@@ -7,6 +7,15 @@ import tempfile
 from pathlib import Path
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new name in directory `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_atomically(path: Path, text: str) -> None:
     """Write `text` to `path` so a reader or a crash sees the old file or the new one, never a mix: a
     private (0600) temp file beside it, fsync, rename over `path`, fsync of the directory. Creates the
@@ -23,8 +32,4 @@ def write_atomically(path: Path, text: str) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(path.parent)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from p2p.files import fsync_dir
 from p2p.pow import NONCE_LEN, POW_FILENAME, PowError, load_or_mint_pow, mint_pow
 
 KEY_FILENAME = "identity.ed25519"
@@ -95,17 +97,42 @@ class Identity:
         raw = key.private_bytes(
             serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
         )
-        # O_EXCL: never overwrite a key another process created meanwhile; 0600 from the first byte.
+        # Whole or not at all: written and fsynced under a temp name beside it (mkstemp: 0600 from the first
+        # byte), then hard-linked to the final name, which fails if that exists: never overwrites a key another
+        # process created meanwhile, and a crash or a full disk mid-write leaves no short key file behind.
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
+            with os.fdopen(fd, "wb") as f:
+                f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o600)  # umask may have narrowed it; make it exact (the link shares it)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise
+            except OSError:  # a file system without hard links: exclusive create of the final name instead
+                cls._write_exclusive(path, raw)
+            fsync_dir(path.parent)
+        except FileExistsError:  # another process created it meanwhile: that key is the one
             return cls._load_or_create_key(path, create=False)
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(path, 0o600)  # umask may have narrowed it; make it exact
+        finally:
+            Path(tmp).unlink(missing_ok=True)
         return cls(key)
+
+    @staticmethod
+    def _write_exclusive(path: Path, raw: bytes) -> None:
+        """The key straight into `path` (O_EXCL, 0600); a failed write removes the short file it made."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        os.chmod(path, 0o600)  # umask may have narrowed it; make it exact
 
     @property
     def public_key_bytes(self) -> bytes:

@@ -66,8 +66,9 @@ class EvalShare:
         result_path, lock = self.directory / f"{key}.json", self.directory / f"{key}.lock"
         deadline = time.monotonic() + self.wait_s
         waited = False
+        warned: set[Path] = set()
         while True:
-            cached = _read(result_path)
+            cached = _read(result_path, warned)
             if cached is not None:
                 log.info("held-out evaluation of the starting weights: another peer's result (same weights, same set)")
                 return cached
@@ -120,18 +121,61 @@ def _holder_alive(lock: Path) -> bool:
     return True
 
 
-def _read(path: Path) -> EvalResult | None:
+def _read(path: Path, warned: set[Path] | None = None) -> EvalResult | None:
+    """The result at `path`; None when there is none or it is not one (a malformed file is as good as absent:
+    this peer evaluates itself, and its result replaces the file). A malformed file is warned about once per
+    `warned` set (a waiter reads it on every poll)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+        text = path.read_text()
+    except OSError:
+        return None  # not there (yet)
     try:
-        return _result(data)
-    except (TypeError, KeyError):
-        log.warning("%s is not an evaluation result; ignored", path)
+        return _result(json.loads(text))
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+        if warned is None or path not in warned:
+            log.warning("%s is not an evaluation result (%s); ignored, evaluating here", path, exc)
+            if warned is not None:
+                warned.add(path)
         return None
 
 
-def _result(data: dict) -> EvalResult:
-    unseen = data.pop("unseen", None)
-    return EvalResult(**data, unseen=_result(unseen) if unseen is not None else None)
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _numbers_by_name(value: object) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and _number(v) for k, v in value.items())
+
+
+# What each field of a stored EvalResult may hold; anything else makes the file no result (ValueError).
+_CHECKS: dict[str, Callable[[object], bool]] = {
+    "accuracy": _number,
+    "by_dataset": _numbers_by_name,
+    "seconds": _number,
+    "size": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "baseline": lambda v: v is None or _number(v),
+    "scores": lambda v: isinstance(v, list) and all(_number(x) for x in v),
+    "answers": lambda v: isinstance(v, list) and all(x is None or isinstance(x, str) for x in v),
+    "datasets": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "distinct_gold": lambda v: v is None or _number(v),
+    "baseline_by_dataset": _numbers_by_name,
+    "unseen": lambda v: v is None or isinstance(v, dict),  # checked in full by its own _result
+    "engine": lambda v: isinstance(v, str),
+}
+
+
+def _result(data: object) -> EvalResult:
+    """An EvalResult from its JSON form (dataclasses.asdict); ValueError if `data` is not one."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    if "accuracy" not in data:
+        raise ValueError("no accuracy")
+    for name, value in data.items():
+        check = _CHECKS.get(name)
+        if check is None:
+            raise ValueError(f"unknown field {name!r}")
+        if not check(value):
+            raise ValueError(f"{name}: {value!r:.60} is not what an evaluation result holds")
+    fields = dict(data)
+    unseen = fields.pop("unseen", None)
+    return EvalResult(**fields, unseen=_result(unseen) if unseen is not None else None)

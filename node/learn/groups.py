@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
 
@@ -12,6 +13,14 @@ from node.learn.sampling import SampledGroup, Sequence, encode_completion, promp
 from node.learn.tasks import Task, TaskMix, build_messages, extract_answer, score
 
 LOCAL = "local"
+log = logging.getLogger("sapo.node")
+
+
+def external_token_cap(max_new_tokens: int) -> int:
+    """How many of our tokens of one external completion are trained on. The wire caps characters (8000), not
+    tokens: one such text can be 32,000 tokens of ours, and one row of logits for it several GB. A generous
+    multiple of our own generation length: another tokenizer, or a peer that generates longer, stays whole."""
+    return max(4 * max_new_tokens, 256)
 
 
 @dataclass
@@ -109,7 +118,12 @@ def mean_abs_advantage(groups: list[Group]) -> float:
 
 
 def to_sequences(
-    groups: list[Group], tokenizer, prompt_for, scale_std: bool, external_loss: str = "sapo"
+    groups: list[Group],
+    tokenizer,
+    prompt_for,
+    scale_std: bool,
+    external_loss: str = "sapo",
+    max_external_tokens: int | None = None,
 ) -> list[Sequence]:
     """Training sequences with group-relative advantages.
 
@@ -117,9 +131,11 @@ def to_sequences(
     model itself). External groups are re-encoded with our tokenizer and chat template; their pi_old, like
     that of a rollout engine's samples, is formed by the trainer with our own model. `external_loss` says
     which external completions enter the update and with what weight (node/learn/grpo.py): the advantages
-    are always those of the whole group.
+    are always those of the whole group. An external completion longer than `max_external_tokens` of ours is
+    trained on its first that many (without the EOS it never reached), and the cut is logged.
     """
     seqs: list[Sequence] = []
+    cut = 0
     for g in groups:
         adv = group_advantages(torch.tensor(g.rewards, dtype=torch.float64), scale_std=scale_std).tolist()
         if g.sampled is not None:
@@ -136,7 +152,12 @@ def to_sequences(
                 continue
             body = response[len(prefix) :] if prefix and response.startswith(prefix) else response
             prompt_ids, completion_ids = encode_completion(tokenizer, prompt, body)
+            if max_external_tokens is not None and len(completion_ids) > max_external_tokens:
+                completion_ids = completion_ids[:max_external_tokens]
+                cut += 1
             seqs.append(Sequence(prompt_ids, completion_ids, a, behaviour_mean_logp=None if mu is None else mu[i]))
+    if cut:
+        log.warning("%d external completions cut to their first %d tokens for training", cut, max_external_tokens)
     return seqs
 
 

@@ -9,9 +9,11 @@ registered only once its subpackage loads: look datasets up through `datasets()`
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from node.lazy import import_lazily, load_now
+from node.learn.answer_guard import EVAL_SCORER_MODULES, literal_eval
 
 DEFERRED = ("reasoning_gym.algebra", "reasoning_gym.games", "reasoning_gym.geometry")
 for _name in ("cellpylib", *DEFERRED):  # before reasoning_gym imports them
@@ -31,7 +33,19 @@ def is_dataset(name: str) -> bool:
 
 
 def create_dataset(name: str, **kwargs: Any):
-    """reasoning_gym.create_dataset; a composite dataset may name any other, so it sees them all."""
+    """reasoning_gym.create_dataset; a composite dataset may name any other, so it sees them all. No scorer of
+    a dataset made here evaluates its answer as Python (`guard_scorers`)."""
     if name == "composite" or name not in reasoning_gym.factory.DATASETS:
         datasets()
+    guard_scorers()
     return reasoning_gym.create_dataset(name, **kwargs)
+
+
+def guard_scorers() -> None:
+    """The scorers that `eval` an answer get `literal_eval` as their `eval` (a module's own name comes before
+    the builtin): a peer's completion is scored, never run (node/learn/answer_guard.py). Modules not imported
+    yet are guarded by the call that follows their import."""
+    for name in EVAL_SCORER_MODULES:
+        module = sys.modules.get(name)
+        if module is not None:
+            module.eval = literal_eval  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from node.learn import gym
+from node.learn import answer_guard, gym
 from node.learn.content import CONTENT_KEYS, is_reserved
 
 # Every dataset is created with this size; items depend only on (seed, index), so any index below it is
@@ -111,13 +111,16 @@ def read_answer(answer: str, rule: str) -> str:
 
 
 def score(task: Task, answer: str | None) -> float:
-    """reasoning-gym's own scorer on the extracted answer, read by the task's answer rule; no answer scores 0."""
+    """reasoning-gym's own scorer on the extracted answer, read by the task's answer rule; no answer scores 0,
+    nor one that the scorer would run as code or that is too long to score (node/learn/answer_guard.py)."""
     if answer is None:
         return 0.0
     answer = read_answer(answer, str(dict(task.spec.config).get(ANSWER_RULE, "exact")))
+    if not answer_guard.admits(answer_guard.scorer_dataset(task.spec.dataset, task.entry), answer):
+        return 0.0
     try:
         value = float(_dataset(task.spec.dataset, task.spec.config, task.spec.seed).score_answer(answer, task.entry))
-    except Exception:
+    except (Exception, SystemExit):  # SystemExit: a scorer's own eval of exit(); the guard should stop it first
         return 0.0
     return min(1.0, max(0.0, value))
 

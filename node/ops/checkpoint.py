@@ -3,6 +3,9 @@
 Layout: RUN_DIR/checkpoints/round-000012/{model.pt, optimizer.pt, state.json, MANIFEST.json}.
 MANIFEST.json (sha256 + size of every file) is written last, inside the temp dir, before the rename:
 a directory named round-* either is complete or fails verification and is skipped with a warning.
+Re-saving a round renames the old dir to .old-round-*-<pid>, then the temp dir into place: a crash between the
+two leaves that round only in .old-*, which load_latest and save put back (once it verifies); prune removes an
+.old-* whose round is in place again.
 It also carries the caller's `meta` (the node: which base model the weights belong to, and the LoRA
 settings when model.pt holds an adapter rather than the whole model), read back as `Checkpoint.meta`.
 """
@@ -65,7 +68,7 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:  # node/ops may not import p2p/ (p2p/files.py has its own)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -93,6 +96,7 @@ class CheckpointStore:
         meta: dict[str, Any] | None = None,
     ) -> Path:
         """`weights` and `optimizer` are state dicts (the whole model's, or only a LoRA adapter's)."""
+        self._recover_interrupted()  # first: a round that is only in .old-* is set aside or replaced like any other
         final = self.dir / dir_name(round_)
         tmp = self.dir / f".tmp-{dir_name(round_)}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -106,7 +110,7 @@ class CheckpointStore:
             files[name] = {"sha256": _sha256(tmp / name), "size": (tmp / name).stat().st_size}
         (tmp / "MANIFEST.json").write_text(json.dumps({"round": round_, "files": files, "meta": meta}))
         _fsync_file(tmp / "MANIFEST.json")
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # re-saving the same round (e.g. after a resume): replace it atomically
             old = self.dir / f".old-{final.name}-{os.getpid()}"
             final.rename(old)
@@ -114,7 +118,7 @@ class CheckpointStore:
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         self._set_aside_newer_than(round_)
         self._prune()
         return final
@@ -149,6 +153,37 @@ class CheckpointStore:
         for tmp in self.dir.glob(".tmp-*"):
             if not tmp.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(tmp, ignore_errors=True)
+        for old, final in self._old_dirs():
+            if final.exists():  # replaced (a crash or an error in the rmtree after the swap left it behind)
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _old_dirs(self) -> list[tuple[Path, Path]]:
+        """(.old-round-*-<pid>, the round-* dir it was renamed from), by name."""
+        pairs = []
+        for old in sorted(self.dir.glob(".old-*")):
+            name = old.name[len(".old-") :].rpartition("-")[0]
+            if old.is_dir() and round_of(Path(name)) is not None:
+                pairs.append((old, self.dir / name))
+        return pairs
+
+    def _recover_interrupted(self) -> None:
+        """A re-save that crashed between its two renames left its round only in .old-round-*-<pid>: put back
+        in place when it verifies (else left as it is, with a warning: never deleted)."""
+        for old, final in self._old_dirs():
+            if final.exists():
+                continue  # the swap completed: prune removes it
+            try:
+                self.verify(old)
+            except Exception as exc:  # corrupt in any way, as in load_latest
+                log.warning("%s (left by an interrupted re-save) does not verify; left in place: %s", old.name, exc)
+                continue
+            try:
+                old.rename(final)
+                fsync_dir(self.dir)
+            except OSError as exc:
+                log.warning("cannot restore %s from %s: %s", final.name, old.name, exc)
+                continue
+            log.warning("%s restored from %s (a re-save of it was interrupted)", final.name, old.name)
 
     @staticmethod
     def verify(path: Path) -> dict[str, Any]:
@@ -185,8 +220,11 @@ class CheckpointStore:
             meta=manifest.get("meta"),
         )
 
-    def load_latest(self, map_location: str | torch.device = "cpu") -> Checkpoint | None:
-        """Newest checkpoint that verifies and loads; older ones are the fallback. None if there is none."""
+    def load_latest(self, map_location: str | torch.device = "cpu", recover: bool = True) -> Checkpoint | None:
+        """Newest checkpoint that verifies and loads; older ones are the fallback. None if there is none.
+        `recover`: first put back a round an interrupted re-save left in .old-* (this run's own dir only)."""
+        if recover:
+            self._recover_interrupted()
         candidates = self._complete_dirs()
         errors = []
         for path in candidates:
@@ -228,7 +266,7 @@ def load_from(path: Path, map_location: str | torch.device = "cpu") -> Checkpoin
     if (path / "MANIFEST.json").exists():
         return CheckpointStore.load(path, map_location)
     if (path / "checkpoints").is_dir():
-        ckpt = CheckpointStore(path, keep=10**6).load_latest(map_location)
+        ckpt = CheckpointStore(path, keep=10**6).load_latest(map_location, recover=False)  # another run's: read only
         if ckpt is not None:
             return ckpt
     raise CheckpointError(

@@ -110,4 +110,5 @@ class DhtExchange(SignedExchange):
         return groups
 
     async def close(self) -> None:
+        self.close_verification()
         await self.membership.close()

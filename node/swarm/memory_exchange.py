@@ -54,4 +54,4 @@ class MemoryExchange(SignedExchange):
         )
 
     async def close(self) -> None:
-        return None
+        self.close_verification()

@@ -22,6 +22,7 @@ import math
 import random
 import time
 from collections import Counter, OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,7 @@ UNKNOWN_PEER = "unknown"
 REWARD_TOLERANCE = 1e-6
 MAX_JUDGED = 100_000
 MAX_PUBLISHERS = 8192  # publishers whose recent rounds are remembered (as the bandit's table)
+TIME_LIMIT_BUDGETS = 2  # a record begun within the round's time budget is cut short at twice the budget
 MAX_CONTENTS = 100_000  # group contents remembered (a window of rounds: ~100 rounds of 64 peers x 16 groups)
 
 
@@ -108,6 +110,11 @@ class Verifier:
         # publisher -> the rounds taken from it within the window (the newest is the newest accepted), LRU
         self.taken: OrderedDict[bytes, set[int]] = OrderedDict()
         self.judged: dict[str, None] = {}  # digests of every batch already judged (insertion-ordered)
+        # the round's hard time limit (set per round by the exchange; its own clock, tests replace it): a batch
+        # being judged then is cut short, its remaining groups `over_budget`; a scorer is never interrupted, so
+        # one completion can still run past it, for a time that answer_guard's length cap bounds
+        self.clock = time.monotonic
+        self.time_limit_at = math.inf
 
     def verify(self, data: bytes, now: float | None = None, hint: bytes | None = None) -> list[Group]:
         """Groups from one batch that passed every check (possibly none). Never raises on bad input.
@@ -237,6 +244,9 @@ class Verifier:
         return False
 
     def _group(self, publisher: bytes, wg: WireGroup) -> Group | None:
+        if self.clock() >= self.time_limit_at:
+            self.stats.reject(publisher.hex(), "over_budget")
+            return None
         spec = TaskSpec.make(wg.task.dataset, wg.task.config, wg.task.seed, wg.task.index)
         if not self.mix.allows(spec):
             self._offence(publisher, "task_not_allowed")
@@ -349,6 +359,9 @@ class SignedExchange:
         self.order_rng = random.Random(verify_cfg.seed)
         self.clock = time.monotonic  # the time budget's clock (tests replace it)
         self.unjudged: list[int] = []  # indices of the last _verify_all's records left over its budget
+        # one round's verification at a time, off the event loop: a round that gave up waiting on one (its
+        # net timeout) leaves it to finish before the next starts, so no state is shared by two at once
+        self._verifying = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sapo-verify")
 
     def identity_info(self) -> dict:
         return {"peer_id": self.identity.peer_name, "public_key": self.identity.public_key_hex, "maddrs": []}
@@ -362,12 +375,14 @@ class SignedExchange:
         The budget is checked before each record, so it is overrun by at most one record (whose size the
         wire caps bound). Records left over are not judged: they count `over_budget`, their indices are left
         in `unjudged`, and the exchange offers them again next round while they stay in the fetch window.
+        A record still being judged at twice the time budget is cut short (`Verifier.time_limit_at`).
         """
         cfg, stats = self.verifier.cfg, self.stats
         order = list(range(len(records)))
         self.order_rng.shuffle(order)
         order.sort(key=lambda i: self._rank(records[i][0]))  # stable: ties stay shuffled
         start = self.clock()
+        self.verifier.time_limit_at = self.verifier.clock() + TIME_LIMIT_BUDGETS * cfg.budget_s
         by_record: dict[int, list[Group]] = {}
         self.unjudged = []
         for i in order:
@@ -394,8 +409,12 @@ class SignedExchange:
         return self.reputation.tier(hint), -self.reputation.score(hint)
 
     async def verify(self, received: Received) -> list[Group]:
-        """The round's verification, off the event loop; first the round's counters start, with what the
-        bandit turned away before the fetch (banned) and the ghosts the fetch met."""
+        """The round's verification, in the verification thread (after any earlier one still running)."""
+        return await asyncio.wrap_future(self._verifying.submit(self._verify_round, received.records))
+
+    def _verify_round(self, records: list[tuple[bytes | None, bytes]]) -> list[Group]:
+        """First the round's counters start, with what the bandit turned away before the fetch (banned) and the
+        ghosts the fetch met; then the records."""
         self.stats.new_round()
         self.bandit.new_round()
         turned_away, ghosts = self.bandit.take_unfetched()
@@ -403,4 +422,8 @@ class SignedExchange:
             self.stats.reject(publisher.hex(), "banned")
         for publisher in ghosts:
             self.stats.reject(publisher.hex(), "ghost")
-        return await asyncio.get_running_loop().run_in_executor(None, self._verify_all, received.records)
+        return self._verify_all(records)
+
+    def close_verification(self) -> None:
+        """No verification after this; one running finishes in its thread (its time limit bounds it)."""
+        self._verifying.shutdown(wait=False, cancel_futures=True)

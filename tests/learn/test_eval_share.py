@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import subprocess
 import sys
 import threading
@@ -12,7 +15,7 @@ import pytest
 import torch
 
 from conftest import run_node
-from node.learn.eval_share import EvalShare, weights_digest
+from node.learn.eval_share import _CHECKS, EvalShare, _read, weights_digest
 from node.learn.evaluate import EvalResult
 from node.learn.lora import attach
 from node.learn.model_io import load_model
@@ -94,6 +97,54 @@ def test_a_dead_holder_is_taken_over_and_a_stop_ends_the_wait(tmp_path):
     done.write_text("not json")  # a broken result file is computed again, not trusted
     lock.unlink()
     assert share.evaluate(model, Counting(result(0.6)), None).accuracy == 0.6
+
+
+MALFORMED = [
+    {"unseen": 5},
+    "x",
+    [1],
+    None,
+    5,
+    {},
+    {"accuracy": "high"},
+    {"accuracy": True},
+    {"accuracy": 0.5, "scores": "abc"},
+    {"accuracy": 0.5, "by_dataset": [1]},
+    {"accuracy": 0.5, "size": 2.5},
+    {"accuracy": 0.5, "answers": [1]},
+    {"accuracy": 0.5, "unseen": {"accuracy": [1]}},
+    {"accuracy": 0.5, "unseen": "x"},
+    {"accuracy": 0.5, "extra": 1},
+]
+
+
+@pytest.mark.parametrize("content", MALFORMED, ids=[json.dumps(c) for c in MALFORMED])
+def test_a_result_file_of_the_wrong_shape_is_as_good_as_absent(tmp_path, caplog, content):
+    """Valid JSON that is no evaluation result: never raised, never trusted; the peer evaluates itself (its
+    result replaces the file), with a warning naming the file (once, though a waiter reads it every poll)."""
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(content))
+    with caplog.at_level(logging.WARNING, logger="node.learn.eval_share"):
+        assert _read(path) is None
+    assert str(path) in caplog.text
+    model = torch.nn.Linear(4, 3)
+    share = EvalShare(tmp_path / "share", "spec")
+    share.evaluate(model, Counting(result(0.1)), None)  # learn the file name
+    (done,) = (tmp_path / "share").glob("*.json")
+    done.write_text(json.dumps(content))
+    compute = Counting(result(0.7))
+    assert share.evaluate(model, compute, None) == result(0.7) and compute.calls == 1
+    assert share.evaluate(model, Counting(result(0.2)), None) == result(0.7)  # the file is whole again
+    warned: set = set()
+    path.write_text(json.dumps(content))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="node.learn.eval_share"):
+        assert _read(path, warned) is None and _read(path, warned) is None
+    assert caplog.text.count(str(path)) == 1
+
+
+def test_every_field_of_a_result_is_checked_when_read():
+    assert set(_CHECKS) == {f.name for f in dataclasses.fields(EvalResult)}
 
 
 @pytest.mark.slow

@@ -55,3 +55,55 @@ def test_a_checkpoint_newer_than_the_present_is_set_aside_not_preferred(tmp_path
     store.save(15, weights, {}, {})
     assert store.load_latest().round == 15
     assert (store.dir / "abandoned" / "round-000019" / "model.pt").exists()  # kept, out of the way
+
+
+def crashed_resave(store, round_):
+    """The state a re-save of `round_` leaves when killed between its two renames: the round only in .old-*."""
+    final = store.dir / f"round-{round_:06d}"
+    old = store.dir / f".old-{final.name}-4242"
+    final.rename(old)
+    return old
+
+
+def test_a_round_left_only_in_old_by_an_interrupted_resave_is_put_back(tmp_path, caplog):
+    store = CheckpointStore(tmp_path / "run", keep=3)
+    store.save(4, {"w": torch.zeros(2)}, {}, {})
+    store.save(5, {"w": torch.ones(2)}, {}, {})
+    old = crashed_resave(store, 5)
+    ckpt = CheckpointStore(tmp_path / "run", keep=3).load_latest()  # a restarted node: not round 4
+    assert ckpt.round == 5 and torch.equal(ckpt.model["w"], torch.ones(2))
+    assert not old.exists() and (store.dir / "round-000005" / "MANIFEST.json").exists()
+    assert "restored from .old-round-000005-4242" in caplog.text
+
+
+def test_an_old_dir_that_does_not_verify_is_kept_not_loaded(tmp_path):
+    store = CheckpointStore(tmp_path / "run", keep=3)
+    store.save(4, {"w": torch.zeros(2)}, {}, {})
+    store.save(5, {"w": torch.ones(2)}, {}, {})
+    old = crashed_resave(store, 5)
+    (old / "model.pt").write_bytes(b"garbage")
+    assert store.load_latest().round == 4
+    assert (old / "model.pt").read_bytes() == b"garbage"  # never deleted: recoverable by hand
+    store.save(6, {"w": torch.ones(2)}, {}, {})
+    assert old.exists()
+
+
+def test_a_round_left_only_in_old_is_put_back_before_a_save_sets_it_aside(tmp_path):
+    store = CheckpointStore(tmp_path / "run", keep=3)
+    store.save(4, {"w": torch.zeros(2)}, {}, {})
+    store.save(5, {"w": torch.ones(2)}, {}, {})
+    old = crashed_resave(store, 5)
+    store.save(3, {"w": torch.zeros(2)}, {}, {})  # a run that went back: round 5 set aside, not lost
+    assert not old.exists() and (store.dir / "abandoned" / "round-000005" / "model.pt").exists()
+
+
+def test_prune_removes_an_old_dir_whose_round_is_in_place(tmp_path):
+    store = CheckpointStore(tmp_path / "run", keep=3)
+    store.save(5, {"w": torch.ones(2)}, {}, {})
+    stale = store.dir / ".old-round-000005-4242"  # a completed swap whose rmtree was interrupted
+    stale.mkdir()
+    (stale / "model.pt").write_bytes(b"half")
+    unrelated = store.dir / ".old-notes"
+    unrelated.mkdir()
+    store.save(6, {"w": torch.ones(2)}, {}, {})
+    assert not stale.exists() and (store.dir / "round-000005").exists() and unrelated.exists()

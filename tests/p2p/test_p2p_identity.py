@@ -1,5 +1,6 @@
 """Identity: persistence, file mode, and loud failure instead of a silent new key."""
 
+import os
 import stat
 
 import pytest
@@ -53,3 +54,52 @@ def test_sign_verify():
 
 def test_libp2p_identity_path_is_next_to_key(tmp_path):
     assert libp2p_identity_path(tmp_path) == tmp_path / "p2p.identity"
+
+
+def test_a_write_that_fails_midway_leaves_no_key_file_and_a_retry_succeeds(tmp_path, monkeypatch):
+    """A crash or a full disk while writing the key must not leave a short key file that fails every later
+    start ('corrupt: got 0 bytes'): the final name appears only with the whole key behind it."""
+
+    path = tmp_path / "identity.ed25519"
+    real_fsync = os.fsync
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        Identity.load_or_create(path, create=True)
+    assert not path.exists()
+    assert list(tmp_path.iterdir()) == []  # no temp file left either
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    a = Identity.load_or_create(path, create=True)
+    assert len(path.read_bytes()) == 32 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert Identity.load_or_create(path, create=False).public_key_bytes == a.public_key_bytes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["identity.ed25519", "identity.pow"]
+
+
+def test_a_key_created_meanwhile_is_kept_not_overwritten(tmp_path, monkeypatch):
+    path = tmp_path / "identity.ed25519"
+    other = Identity.generate()
+    real_link = os.link
+
+    def racing_link(src, dst):  # another process's key lands between our check and our link
+        path.write_bytes(other.private_bytes())
+        real_link(src, dst)
+
+    monkeypatch.setattr(os, "link", racing_link)
+    got = Identity.load_or_create(path, create=True)
+    assert got.public_key_bytes == other.public_key_bytes and path.read_bytes() == other.private_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["identity.ed25519", "identity.pow"]
+
+
+def test_without_hard_links_the_key_is_still_created_whole(tmp_path, monkeypatch):
+    path = tmp_path / "identity.ed25519"
+
+    def no_links(src, dst):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    a = Identity.load_or_create(path, create=True)
+    assert len(path.read_bytes()) == 32 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert Identity.load_or_create(path, create=False).public_key_bytes == a.public_key_bytes

@@ -410,6 +410,51 @@ def test_time_budget_holds_under_a_flood_and_established_peers_go_first():
     assert ex.stats.round_verified == len(records) - 4 and not ex.stats.round_rejected["over_budget"]
 
 
+def test_a_batch_still_being_judged_at_the_time_limit_is_cut_short():
+    """A record begun within the time budget but slow to judge (a batch of many costly groups) stops at twice
+    the budget: the groups judged keep their verdicts, the rest count over_budget and are not charged."""
+    ex = exchange(budget_s=1.5)
+    peer = Identity.generate()
+    ex.verifier.clock = Tick()  # one second per group judged
+    ex.stats.new_round()
+    got = ex._verify_all([(peer.public_key_bytes, make_batch(peer, "s", 1, "m", groups(seed=5, n=4)))])
+    assert len(got) == 2  # the limit is set at 1 + 2 x 1.5: judged at 2 and 3, cut at 4 and 5
+    assert ex.stats.round_rejected["over_budget"] == 2
+    assert ex.reputation.score(peer.public_key_bytes) > 0, "cut groups cost the publisher nothing"
+
+
+def test_one_verification_at_a_time_even_after_a_round_gave_up_on_one():
+    """A round that stops waiting for its verification (the net timeout) leaves it running; the next round's
+    starts only once it has finished, so two never share the verifier's state."""
+    import asyncio
+    import threading
+
+    ex = exchange()
+    running, overlaps, order = [], [], []
+    lock = threading.Lock()
+
+    def slow(records):
+        with lock:
+            overlaps.append(len(running))
+            running.append(1)
+        time.sleep(0.3)
+        order.append(records[0][1])
+        with lock:
+            running.pop()
+        return []
+
+    ex._verify_all = slow
+
+    async def rounds():
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(ex.verify(Received([(None, b"first")])), timeout=0.05)
+        await ex.verify(Received([(None, b"second")]))
+
+    asyncio.run(rounds())
+    assert order == [b"first", b"second"] and overlaps == [0, 0]
+    ex.close_verification()
+
+
 def test_byte_budget_holds_and_the_order_among_newcomers_is_a_seeded_shuffle():
     records = [(p.public_key_bytes, useless_batch(p)) for p in (Identity.generate() for _ in range(60))]
     size = len(records[0][1])

@@ -242,3 +242,23 @@ async def test_a_three_times_slower_peer_gets_and_gives_groups(tmp_path, tiny_mo
     assert key[2] in used[0] and key[2] in used[1], "the fast peers train on the slow peer's groups"
     for node in nodes:
         node.worker.shutdown()
+
+
+def test_a_completion_that_is_code_is_scored_never_run(tmp_path):
+    """binary_matrix (the paper's mix) scores with eval: a signed batch whose completions are code, with the
+    rewards our scorer gives them (0), is verified without running them; exit() does not stop the node."""
+    mix = PRESETS["paper"]
+    me, peer = Identity.generate(), Identity.generate()
+    v = Verifier(me.public_key_bytes, mix, VerifyConfig(swarm="s", window=2), ExchangeStats())
+    marker = tmp_path / "ran"
+    task = regenerate(TaskSpec.make("binary_matrix", {}, 3, 0))
+    completions = [
+        f"<answer>{task.answer}</answer>",
+        f"<answer>__import__('pathlib').Path({str(marker)!r}).touch()</answer>",
+        "<answer>exit(3)</answer>",
+    ]
+    wire = WireGroup(TaskSpecWire(**task.spec.to_wire()), completions, [1.0, 0.0, 0.0])
+    batch = RolloutBatch(WIRE_VERSION, "s", 4, peer.public_key_bytes, time.time(), "m", [wire])
+    groups = v.verify(encode_signed(batch, peer))
+    assert not marker.exists()
+    assert [g.rewards for g in groups] == [[1.0, 0.0, 0.0]]
