@@ -10,7 +10,7 @@ import torch
 
 from node.learn.grpo import group_advantages, has_signal, keeps_external, weighs_external
 from node.learn.sampling import SampledGroup, Sequence, encode_completion, prompt_text
-from node.learn.tasks import Task, TaskMix, build_messages, extract_answer, score
+from node.learn.tasks import Task, TaskMix, build_messages, score_responses
 
 LOCAL = "local"
 log = logging.getLogger("sapo.node")
@@ -46,10 +46,6 @@ class Group:
         if self.sampled is None:
             return None
         return [sum(lp) / len(lp) if lp else 0.0 for lp in self.sampled.behaviour_logp]
-
-
-def score_responses(task: Task, responses: list[str]) -> list[float]:
-    return [score(task, extract_answer(r)) for r in responses]
 
 
 def right_and_wrong(rewards: list[float]) -> bool:

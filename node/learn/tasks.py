@@ -125,6 +125,11 @@ def score(task: Task, answer: str | None) -> float:
     return min(1.0, max(0.0, value))
 
 
+def score_responses(task: Task, responses: list[str]) -> list[float]:
+    """Each full response's reward: its extracted answer, scored."""
+    return [score(task, extract_answer(r)) for r in responses]
+
+
 # --- prompt and answer extraction ---------------------------------------------------------------------
 
 ANSWER_RE = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)

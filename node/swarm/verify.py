@@ -26,11 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from node.learn.groups import Group, has_signal, score_responses
+from node.learn.groups import Group, has_signal
 from node.learn.tasks import TaskError, TaskMix, TaskSpec, regenerate
 from node.swarm.bandit import PublisherBandit
 from node.swarm.exchange import ExchangeStats, Received
 from node.swarm.reputation import PENALTIES, Reputation, ReputationConfig
+from node.swarm.sandbox import GROUP_TIME_S, SANDBOX, group_time_limit
 from node.swarm.settings import SwarmSettings
 from p2p.identity import Identity, peer_name_of
 from p2p.wire import (
@@ -67,6 +68,7 @@ class VerifyConfig:
     caps: WireCaps = WireCaps()
     budget_s: float = 3.0  # verification time per round; the rest waits for the next round
     budget_bytes: int = 32 * 1024 * 1024  # bytes verified per round
+    score_time_s: float = GROUP_TIME_S  # a group's scoring time limit, plus PER_COMPLETION_S a completion
     seed: int = 0  # the verification order's shuffle
     pow_difficulty: int = 0  # proof-of-work bits a publisher key must carry (the swarm's setting)
     reputation: ReputationConfig = field(default_factory=ReputationConfig)
@@ -115,6 +117,7 @@ class Verifier:
         # one completion can still run past it, for a time that answer_guard's length cap bounds
         self.clock = time.monotonic
         self.time_limit_at = math.inf
+        self.sandbox = SANDBOX  # where other peers' completions are scored (a child process: node/swarm/sandbox.py)
 
     def verify(self, data: bytes, now: float | None = None, hint: bytes | None = None) -> list[Group]:
         """Groups from one batch that passed every check (possibly none). Never raises on bad input.
@@ -259,7 +262,13 @@ class Verifier:
         except TaskError:
             self._offence(publisher, "bad_task")
             return None
-        rewards = score_responses(task, wg.completions)  # our reward function, our ground truth
+        # our reward function, our ground truth, in the sandbox: a scorer that runs too long is stopped
+        rewards = self.sandbox.score(
+            spec.to_wire(), list(wg.completions), group_time_limit(len(wg.completions), self.cfg.score_time_s)
+        )
+        if rewards is None:
+            self.stats.reject(publisher.hex(), "unscored")  # not the publisher's provable fault: not charged
+            return None
         if len(wg.rewards) != len(rewards) or any(abs(a - b) > REWARD_TOLERANCE for a, b in zip(wg.rewards, rewards)):
             self._offence(publisher, "reward_mismatch")  # the sender lies, or scores differently: not trusted
             return None
@@ -425,5 +434,6 @@ class SignedExchange:
         return self._verify_all(records)
 
     def close_verification(self) -> None:
-        """No verification after this; one running finishes in its thread (its time limit bounds it)."""
+        """No verification after this; one running ends at once (its scoring child is stopped)."""
         self._verifying.shutdown(wait=False, cancel_futures=True)
+        self.verifier.sandbox.close()

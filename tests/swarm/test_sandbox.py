@@ -1,0 +1,88 @@
+"""Other peers' completions are scored in a child process that is stopped when a scorer runs too long."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from node.learn.tasks import PRESETS, TaskSpec, regenerate, score_responses
+from node.swarm.exchange import ExchangeStats
+from node.swarm.sandbox import ScoringSandbox
+from node.swarm.verify import Verifier, VerifyConfig
+from p2p.identity import Identity
+from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireGroup, encode_signed
+
+# propositional_logic (the paper's mix) builds every assignment of the variables an answer names: 2^24 of them
+BOMB = "<answer>" + "∧".join(a + b for a in "abcdef" for b in "abcd") + "</answer>"
+
+
+def logic_task(index: int = 0):
+    return regenerate(TaskSpec.make("propositional_logic", {}, 0, index))
+
+
+def test_the_sandbox_scores_as_the_node_does():
+    sandbox = ScoringSandbox()
+    try:
+        for name, answers in (
+            ("propositional_logic", ["<answer>P</answer>", "<answer>(P ∨ Q)</answer>", "no answer"]),
+            ("binary_matrix", ["<answer>1 0</answer>", "<answer>[[0, 1]]</answer>", "<answer>exit(3)</answer>"]),
+            ("basic_arithmetic", ["<answer>12</answer>", "<answer>-3</answer>"]),
+        ):
+            for index in range(3):
+                task = regenerate(TaskSpec.make(name, {}, 5, index))
+                responses = answers + [f"<answer>{task.answer}</answer>"]
+                assert sandbox.score(task.spec.to_wire(), responses, 10.0) == score_responses(task, responses)
+    finally:
+        sandbox.close()
+
+
+def test_a_scorer_that_runs_too_long_is_stopped_and_the_next_group_scores():
+    sandbox = ScoringSandbox()
+    task = logic_task()
+    honest = ["<answer>P</answer>", f"<answer>{task.answer}</answer>"]
+    try:
+        assert sandbox.score(task.spec.to_wire(), honest, 10.0) is not None  # the child is up
+        started = time.monotonic()
+        assert sandbox.score(task.spec.to_wire(), [BOMB, "x"], 1.0) is None
+        assert time.monotonic() - started < 3.0 and sandbox.kills == 1
+        assert sandbox.score(task.spec.to_wire(), honest, 10.0) == score_responses(task, honest)  # a fresh child
+    finally:
+        sandbox.close()
+
+
+def test_close_ends_a_scoring_in_progress_at_once():
+    sandbox = ScoringSandbox()
+    task = logic_task()
+    sandbox.score(task.spec.to_wire(), ["x", "y"], 10.0)
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(sandbox.score(task.spec.to_wire(), [BOMB, "x"], 60.0)))
+    worker.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    sandbox.close()
+    worker.join(timeout=10)
+    assert not worker.is_alive() and result == [None] and time.monotonic() - started < 2.0
+
+
+def test_a_batch_with_a_costly_answer_loses_that_group_only_and_costs_its_publisher_nothing():
+    """A real signed batch for the paper's mix: the group whose completion would take the scorer minutes (and
+    gigabytes) is dropped as `unscored` after its time limit; the publisher's honest group is accepted."""
+    me, peer = Identity.generate(), Identity.generate()
+    v = Verifier(me.public_key_bytes, PRESETS["paper"], VerifyConfig(swarm="s", score_time_s=1.0), ExchangeStats())
+    v.sandbox = ScoringSandbox()
+    bomb_task, honest_task = logic_task(0), logic_task(1)
+    honest = [f"<answer>{honest_task.answer}</answer>", "<answer>P</answer>"]
+    groups = [
+        WireGroup(TaskSpecWire(**bomb_task.spec.to_wire()), [BOMB, "<answer>P</answer>"], [0.0, 0.0]),
+        WireGroup(TaskSpecWire(**honest_task.spec.to_wire()), honest, score_responses(honest_task, honest)),
+    ]
+    batch = RolloutBatch(WIRE_VERSION, "s", 3, peer.public_key_bytes, time.time(), "m", groups)
+    try:
+        started = time.monotonic()
+        got = v.verify(encode_signed(batch, peer))
+        assert time.monotonic() - started < 5.0
+    finally:
+        v.sandbox.close()
+    assert [g.task.spec for g in got] == [honest_task.spec]
+    assert v.stats.rejected[peer.public_key_hex] == {"unscored": 1}
+    assert v.reputation.score(peer.public_key_bytes) >= 0
