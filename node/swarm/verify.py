@@ -113,8 +113,8 @@ class Verifier:
         self.taken: OrderedDict[bytes, set[int]] = OrderedDict()
         self.judged: dict[str, None] = {}  # digests of every batch already judged (insertion-ordered)
         # the round's hard time limit (set per round by the exchange; its own clock, tests replace it): a batch
-        # being judged then is cut short, its remaining groups `over_budget`; a scorer is never interrupted, so
-        # one completion can still run past it, for a time that answer_guard's length cap bounds
+        # being judged then is cut short, its remaining groups `over_budget`; a group being scored runs on, at
+        # most its own scoring time limit (the sandbox's)
         self.clock = time.monotonic
         self.time_limit_at = math.inf
         self.sandbox = SANDBOX  # where other peers' completions are scored (a child process: node/swarm/sandbox.py)
