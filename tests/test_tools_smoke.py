@@ -187,6 +187,12 @@ def test_engine_benchmark(tmp_path):
     assert len(figures["versus_torch"]["torch-bf16"]["ci95"]) == 2
 
 
+def test_sandbox_benchmark():
+    out = tool("bench.sandbox", "--groups", "5", "--completions", "3")
+    assert "rewards equal both ways" in out
+    assert number(out, r"ratio sandbox / in-process \(medians\): ([0-9.]+)x") > 0
+
+
 def test_stop_benchmark(tmp_path):
     out = tool(
         "bench.stop",

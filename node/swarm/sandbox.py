@@ -56,12 +56,16 @@ class ScoringSandbox:
                 line = _read_line(proc.stdout, deadline)
             except (OSError, ValueError):
                 line = None
-            if line is None:
+            try:
+                answer = json.loads(line) if line is not None else None
+            except ValueError:
+                answer = None
+            if not isinstance(answer, dict):  # no answer in time, the child's end, or not a reply of ours
                 self._stop()
                 self.kills += 1
                 return None
-        answer = json.loads(line)
-        return [float(r) for r in answer["rewards"]] if "rewards" in answer else None
+        rewards = answer.get("rewards")
+        return [float(r) for r in rewards] if isinstance(rewards, list) else None
 
     def close(self) -> None:
         """Stop the child now (a scorer it runs ends with it); the next `score` starts another."""
@@ -124,6 +128,10 @@ def _limit_memory() -> None:
 
 
 def serve() -> None:
+    # replies go to the original stdout; whatever a dataset or scorer prints (some do) goes to stderr
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     from node.learn.tasks import TaskError, TaskSpec, regenerate, score_responses
 
     _limit_memory()
@@ -134,8 +142,8 @@ def serve() -> None:
             answer: dict[str, Any] = {"rewards": score_responses(task, request["responses"])}
         except (TaskError, ValueError, KeyError, TypeError, MemoryError) as exc:
             answer = {"error": str(exc)[:200]}
-        sys.stdout.write(json.dumps(answer) + "\n")
-        sys.stdout.flush()
+        replies.write(json.dumps(answer) + "\n")
+        replies.flush()
 
 
 if __name__ == "__main__":
