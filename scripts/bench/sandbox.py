@@ -25,9 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     mix = resolve_mix(args.tasks)
     tasks = TaskSampler(mix, seed=1).sample(args.groups)
     wrong = ["<answer>0</answer>", "<answer>1 + 1 = 2</answer>", "no answer", "<answer>-7</answer>"]
-    groups = [
-        (t, ([f"<answer>{t.answer}</answer>"] + wrong * args.completions)[: args.completions]) for t in tasks
-    ]
+    groups = [(t, ([f"<answer>{t.answer}</answer>"] + wrong * args.completions)[: args.completions]) for t in tasks]
     sandbox = ScoringSandbox()
     started = time.perf_counter()
     sandbox.score(groups[0][0].spec.to_wire(), groups[0][1], 60.0)  # the child's start and first imports
