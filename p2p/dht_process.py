@@ -21,6 +21,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from p2p.identity import Identity, IdentityError
+from p2p.parent_death import die_with_parent as die_with_parent_here
 from p2p.pow import DEFAULT_POW_DIFFICULTY
 from p2p.validators import DEFAULT_PRESENCE_SHARDS, SapoRecordValidator, keep_valid_subkeys
 from p2p.wire import WireCaps
@@ -136,20 +137,7 @@ async def _die_with_parent(_dht: hivemind.DHT, node: Any, parent_pid: int) -> bo
     so a node killed with SIGKILL (or by the OOM killer) left it running: it kept serving the dead
     peer's records and kept the listen port, so a restart on the same port could not bind.
     """
-    import ctypes
-    import signal
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
-            return False
-    except (OSError, AttributeError):
-        return False
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os.kill(os.getpid(), signal.SIGKILL)
-    return True
+    return die_with_parent_here(parent_pid)
 
 
 def die_with_parent(dht: hivemind.DHT, timeout: float = 10.0) -> bool:

@@ -110,9 +110,11 @@ def read_answer(answer: str, rule: str) -> str:
     return answer
 
 
-def score(task: Task, answer: str | None) -> float:
+def score(task: Task, answer: str | None, memory_errors: bool = False) -> float:
     """reasoning-gym's own scorer on the extracted answer, read by the task's answer rule; no answer scores 0,
-    nor one that the scorer would run as code or that is too long to score (node/learn/answer_guard.py)."""
+    nor one that the scorer would run as code or that is too long to score (node/learn/answer_guard.py).
+    `memory_errors`: a scorer out of memory raises MemoryError rather than scoring 0 (the scoring sandbox,
+    whose memory is capped: no score, where the publisher had its machine's memory)."""
     if answer is None:
         return 0.0
     answer = read_answer(answer, str(dict(task.spec.config).get(ANSWER_RULE, "exact")))
@@ -120,14 +122,18 @@ def score(task: Task, answer: str | None) -> float:
         return 0.0
     try:
         value = float(_dataset(task.spec.dataset, task.spec.config, task.spec.seed).score_answer(answer, task.entry))
+    except MemoryError:
+        if memory_errors:
+            raise
+        return 0.0
     except (Exception, SystemExit):  # SystemExit: a scorer's own eval of exit(); the guard should stop it first
         return 0.0
     return min(1.0, max(0.0, value))
 
 
-def score_responses(task: Task, responses: list[str]) -> list[float]:
-    """Each full response's reward: its extracted answer, scored."""
-    return [score(task, extract_answer(r)) for r in responses]
+def score_responses(task: Task, responses: list[str], memory_errors: bool = False) -> list[float]:
+    """Each full response's reward: its extracted answer, scored (`memory_errors`: as `score`)."""
+    return [score(task, extract_answer(r), memory_errors) for r in responses]
 
 
 # --- prompt and answer extraction ---------------------------------------------------------------------

@@ -113,8 +113,8 @@ class Verifier:
         self.taken: OrderedDict[bytes, set[int]] = OrderedDict()
         self.judged: dict[str, None] = {}  # digests of every batch already judged (insertion-ordered)
         # the round's hard time limit (set per round by the exchange; its own clock, tests replace it): a batch
-        # being judged then is cut short, its remaining groups `over_budget`; a group being scored runs on, at
-        # most its own scoring time limit (the sandbox's)
+        # being judged then is cut short, its remaining groups `over_budget`; a group being scored then runs on
+        # for at most the base scoring time (cfg.score_time_s)
         self.clock = time.monotonic
         self.time_limit_at = math.inf
         self.sandbox = SANDBOX  # where other peers' completions are scored (a child process: node/swarm/sandbox.py)
@@ -247,7 +247,8 @@ class Verifier:
         return False
 
     def _group(self, publisher: bytes, wg: WireGroup) -> Group | None:
-        if self.clock() >= self.time_limit_at:
+        now = self.clock()
+        if now >= self.time_limit_at:
             self.stats.reject(publisher.hex(), "over_budget")
             return None
         spec = TaskSpec.make(wg.task.dataset, wg.task.config, wg.task.seed, wg.task.index)
@@ -262,12 +263,13 @@ class Verifier:
         except TaskError:
             self._offence(publisher, "bad_task")
             return None
-        # our reward function, our ground truth, in the sandbox: a scorer that runs too long is stopped
-        rewards = self.sandbox.score(
-            spec.to_wire(), list(wg.completions), group_time_limit(len(wg.completions), self.cfg.score_time_s)
-        )
-        if rewards is None:
-            self.stats.reject(publisher.hex(), "unscored")  # not the publisher's provable fault: not charged
+        # our reward function, our ground truth, in the sandbox: a scorer that runs too long is stopped. Near the
+        # round's time limit a group gets what is left of it (at least the base time): past it, over_budget
+        full = group_time_limit(len(wg.completions), self.cfg.score_time_s)
+        limit = min(full, max(self.cfg.score_time_s, self.time_limit_at - now))
+        rewards = self.sandbox.score(spec.to_wire(), list(wg.completions), limit)
+        if rewards is None:  # not the publisher's provable fault: not charged
+            self.stats.reject(publisher.hex(), "unscored" if limit == full else "over_budget")
             return None
         if len(wg.rewards) != len(rewards) or any(abs(a - b) > REWARD_TOLERANCE for a, b in zip(wg.rewards, rewards)):
             self._offence(publisher, "reward_mismatch")  # the sender lies, or scores differently: not trusted

@@ -101,3 +101,19 @@ def test_a_composite_task_is_guarded_as_its_source_dataset():
     assert answer_guard.scorer_dataset("composite", entry) == "countdown"
     assert answer_guard.scorer_dataset("countdown", {"metadata": {"source_dataset": "x"}}) == "countdown"
     assert answer_guard.scorer_dataset("composite", {"metadata": None}) == "composite"
+
+
+def test_out_of_memory_is_no_score_where_the_sandbox_asks(monkeypatch):
+    """In-process a scorer out of memory scores 0 as before; the scoring sandbox (memory capped) asks for the
+    MemoryError instead, so that the group is unscored rather than a mismatch charged to its publisher."""
+    from node.learn import tasks
+
+    class Greedy:
+        def score_answer(self, answer, entry):
+            raise MemoryError
+
+    task = regenerate(TaskSpec.make("basic_arithmetic", {}, 0, 0))
+    monkeypatch.setattr(tasks, "_dataset", lambda *_: Greedy())
+    assert score(task, "12") == 0.0
+    with pytest.raises(MemoryError):
+        score(task, "12", memory_errors=True)

@@ -87,3 +87,39 @@ def test_a_batch_with_a_costly_answer_loses_that_group_only_and_costs_its_publis
     assert [g.task.spec for g in got] == [honest_task.spec]
     assert v.stats.rejected[peer.public_key_hex] == {"unscored": 1}
     assert v.reputation.score(peer.public_key_bytes) >= 0
+
+
+def test_the_child_dies_with_a_node_killed_outright(tmp_path):
+    """SIGKILL (or the OOM killer) gives the node no chance to stop its scorer: the child goes with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    script = (
+        "import sys\n"
+        "from node.learn.tasks import TaskSpec, regenerate\n"
+        "from node.swarm.sandbox import ScoringSandbox\n"
+        "s = ScoringSandbox()\n"
+        "t = regenerate(TaskSpec.make('basic_arithmetic', {}, 0, 0))\n"
+        "s.score(t.spec.to_wire(), ['1', '2'], 30.0)\n"
+        "print(s._proc.pid, flush=True)\n"
+        "logic = regenerate(TaskSpec.make('propositional_logic', {}, 0, 0))\n"
+        f"s.score(logic.spec.to_wire(), [{BOMB!r}], 600.0)\n"  # busy: stdin's end alone would not stop it
+    )
+    node = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, cwd=REPO)
+    child = int(node.stdout.readline())
+    time.sleep(0.5)  # scoring the costly answer
+    os.kill(child, 0)  # alive
+    node.send_signal(signal.SIGKILL)
+    node.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the scoring child {child} outlived its node")
