@@ -56,6 +56,7 @@ REWARD_TOLERANCE = 1e-6
 MAX_JUDGED = 100_000
 MAX_PUBLISHERS = 8192  # publishers whose recent rounds are remembered (as the bandit's table)
 TIME_LIMIT_BUDGETS = 2  # a record begun within the round's time budget is cut short at twice the budget
+MIN_SCORE_TIME_S = 1.0  # a group begun just before that limit still gets this long (2/3 + 1 s < a 10 s net timeout)
 MAX_CONTENTS = 100_000  # group contents remembered (a window of rounds: ~100 rounds of 64 peers x 16 groups)
 
 
@@ -114,7 +115,7 @@ class Verifier:
         self.judged: dict[str, None] = {}  # digests of every batch already judged (insertion-ordered)
         # the round's hard time limit (set per round by the exchange; its own clock, tests replace it): a batch
         # being judged then is cut short, its remaining groups `over_budget`; a group being scored then runs on
-        # for at most the base scoring time (cfg.score_time_s)
+        # for at most MIN_SCORE_TIME_S more, so that a round's verification ends within its net timeout
         self.clock = time.monotonic
         self.time_limit_at = math.inf
         self.sandbox = SANDBOX  # where other peers' completions are scored (a child process: node/swarm/sandbox.py)
@@ -264,9 +265,9 @@ class Verifier:
             self._offence(publisher, "bad_task")
             return None
         # our reward function, our ground truth, in the sandbox: a scorer that runs too long is stopped. Near the
-        # round's time limit a group gets what is left of it (at least the base time): past it, over_budget
+        # round's time limit a group gets what is left of it (at least MIN_SCORE_TIME_S): past it, over_budget
         full = group_time_limit(len(wg.completions), self.cfg.score_time_s)
-        limit = min(full, max(self.cfg.score_time_s, self.time_limit_at - now))
+        limit = min(full, max(MIN_SCORE_TIME_S, self.time_limit_at - now))
         rewards = self.sandbox.score(spec.to_wire(), list(wg.completions), limit)
         if rewards is None:  # not the publisher's provable fault: not charged
             self.stats.reject(publisher.hex(), "unscored" if limit == full else "over_budget")

@@ -123,3 +123,38 @@ def test_the_child_dies_with_a_node_killed_outright(tmp_path):
             return
         time.sleep(0.05)
     raise AssertionError(f"the scoring child {child} outlived its node")
+
+
+def test_near_the_rounds_time_limit_a_group_gets_what_is_left_and_is_over_budget_past_it():
+    """A group begun 1.5 s before the round's hard limit may score for 1.5 s, not its own 6 s; one that needs
+    longer counts over_budget (offered again with its batch), not unscored. Far from the limit: its full time."""
+    from node.swarm.verify import MIN_SCORE_TIME_S
+
+    class Slow:
+        limits: list[float] = []
+
+        def score(self, spec, responses, time_limit_s):
+            self.limits.append(time_limit_s)
+            return None
+
+    me, peer = Identity.generate(), Identity.generate()
+    v = Verifier(me.public_key_bytes, PRESETS["paper"], VerifyConfig(swarm="s"), ExchangeStats())
+    v.sandbox = Slow()
+    v.clock = lambda: 100.0
+    task = logic_task(2)
+    completions = ["<answer>P</answer>", "x"]
+
+    def batch(round_):
+        wire = WireGroup(TaskSpecWire(**task.spec.to_wire()), completions, score_responses(task, completions))
+        return encode_signed(
+            RolloutBatch(WIRE_VERSION, "s", round_, peer.public_key_bytes, time.time(), "m", [wire]), peer
+        )
+
+    v.time_limit_at = 101.5
+    assert v.verify(batch(3)) == []
+    v.time_limit_at = 100.2
+    assert v.verify(batch(4)) == []
+    v.time_limit_at = 1000.0
+    assert v.verify(batch(5)) == []
+    assert Slow.limits == [1.5, MIN_SCORE_TIME_S, 6.0]
+    assert v.stats.rejected[peer.public_key_hex] == {"over_budget": 2, "unscored": 1}
