@@ -73,7 +73,7 @@ class ScoringSandbox:
                 pass
             answer = _reply(line)
             if answer is None:  # no answer in time, the child's end, or not a reply of ours
-                self._replace(proc, f"gave no reply within {time_limit_s:.1f} s", quiet=proc is self._closed)
+                self._replace(proc, f"gave no reply within {time_limit_s:.1f} s")
                 return None
         rewards = answer.get("rewards")
         return [float(r) for r in rewards] if isinstance(rewards, list) else None
@@ -93,7 +93,7 @@ class ScoringSandbox:
         if proc is not None and proc.poll() is None:
             return proc
         if proc is not None:
-            self._replace(proc, f"exited with code {proc.returncode}", quiet=proc is self._closed)
+            self._replace(proc, f"exited with code {proc.returncode}")
         proc = subprocess.Popen(
             [sys.executable, "-m", "node.swarm.sandbox", str(os.getpid())],
             stdin=subprocess.PIPE,
@@ -112,22 +112,21 @@ class ScoringSandbox:
         self._proc = proc
         return proc
 
-    def _replace(self, proc: subprocess.Popen | None, why: str, quiet: bool = False) -> None:
-        """Stop `proc` and forget it; unless `close` stopped it (`quiet`), count it and say so in node.log (at
-        most once a minute: a flood of costly answers would otherwise flood the log)."""
+    def _replace(self, proc: subprocess.Popen, why: str) -> None:
+        """Stop `proc` and forget it; unless `close` stopped it, count it and say so in node.log (at most once
+        a minute: a flood of costly answers would otherwise flood the log)."""
         if self._proc is proc:
             self._proc = None
-        if proc is not None:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            for stream in (proc.stdin, proc.stdout):
-                if stream is not None:
-                    try:
-                        stream.close()
-                    except OSError:
-                        pass
-        if quiet:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+        if proc is self._closed:
             return
         self.kills += 1
         if time.monotonic() - self._logged_at >= 60:
