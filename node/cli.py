@@ -1,4 +1,5 @@
-"""`sapo-node`: parse the config, build the node (node/build.py; swarm first: hivemind forks), run the round loop.
+"""`sapo-node`: parse the config, build the node (node/build.py: the swarm exchange and its key first, then the
+model), run the round loop (whose start joins the swarm: hivemind's DHT process forks then).
 
 Stopping (docs/OPERATING.md): SIGINT, SIGTERM, SIGHUP and losing the console (stderr's reader gone) all
 ask for a graceful stop: the round in progress is abandoned at the next safe point, the last completed
