@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 from node.learn.stop import StartupStopped, StopRequest, until_stopped
 from node.ops.config import ConfigError, NodeConfig, build_parser, load_config  # noqa: F401 (build_parser: the parser of sapo-node)
@@ -132,6 +133,29 @@ def configure_threads(cfg: NodeConfig) -> int:
     return threads
 
 
+def address_problem(cfg: NodeConfig) -> str | None:
+    """A multiaddr flag that does not parse, said before anything starts (hivemind would time out on it)."""
+    from p2p.maddr import first_problem
+
+    return (
+        first_problem("--peers", cfg.peers, need_peer_id=True)
+        or first_problem("--host-maddrs", cfg.host_maddrs, allow_peer_id=False)
+        or first_problem("--announce-maddrs", cfg.announce_maddrs)
+    )
+
+
+def run_evidence(run_dir: Path) -> str:
+    """What shows that `run_dir` holds a run that a fresh start would overwrite ("" if nothing): its metrics, or
+    a checkpoint (metrics.jsonl can be lost or deleted while the checkpoints are not)."""
+    if (run_dir / METRICS_FILE).exists():
+        return METRICS_FILE
+    from node.ops.checkpoint import CHECKPOINTS_DIR, round_of  # torch: after the flags' one-line errors
+
+    checkpoints = run_dir / CHECKPOINTS_DIR
+    found = sorted(p.name for p in checkpoints.iterdir() if round_of(p) is not None) if checkpoints.is_dir() else []
+    return f"{CHECKPOINTS_DIR}/{found[-1]}" if found else ""
+
+
 def missing_device(requested: str) -> str | None:
     """Why --device names a CUDA device this machine (or this torch build) lacks; None when it is here. Checked
     up front: moving the model there would end the node in a traceback."""
@@ -154,16 +178,18 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv)
     except ConfigError as exc:
         return fail(str(exc))
+    bad_address = address_problem(cfg)
+    if bad_address:
+        return fail(bad_address)
     run_dir = cfg.run_path
     lock = RunDirLock(run_dir)  # held until the process exits; before anything writes into the run dir
     try:
         lock.acquire()
     except (RunDirBusy, OSError) as exc:
         return fail(str(exc))
-    if (run_dir / METRICS_FILE).exists() and not cfg.resume:
-        return fail(
-            f"{run_dir} already holds a run ({METRICS_FILE}); pass --resume to continue it or choose another --run-dir"
-        )
+    held = run_evidence(run_dir)
+    if held and not cfg.resume:
+        return fail(f"{run_dir} already holds a run ({held}); pass --resume to continue it or choose another --run-dir")
     stop = StopRequest()
     signals = StopSignals(stop)
     signals.install_early()
@@ -241,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_serve(node, cfg, signals))
     except join_errors as exc:  # --require-peers with no answer, or this machine's side (a port in use)
         log_traceback("the swarm could not be joined")
-        return fail(f"cannot join the swarm: {exc}; {join_fix(str(exc))}", 1)
+        return fail(f"cannot join the swarm: {exc}; {join_fix(str(exc), bool(cfg.peers))}", 1)
     except Exception as exc:  # one clear line on the console, the traceback in node.log
         log_traceback("node stopped on an error")
         return fail(f"{type(exc).__name__}: {exc} (the traceback is in {run_dir / 'node.log'})", 1)
@@ -259,13 +285,15 @@ def stopped_in_start_up(stop: StopRequest, what: str) -> int:
     return 0
 
 
-def join_fix(message: str) -> str:
-    """What to do about a swarm that did not start, from what failed."""
+def join_fix(message: str, peers: bool = True) -> str:
+    """What to do about a swarm that did not start, from what failed (`peers`: --peers named some)."""
     low = message.lower()
     if "already in use" in low or "failed to listen" in low or "cannot assign" in low:
         return "another process holds that address: choose another port in --host-maddrs, or stop that process"
     if "already taken by another peer" in low:
         return "another node runs with this run dir's libp2p identity (p2p.identity): stop it or use another --run-dir"
+    if not peers:  # nothing to reach: the DHT peer itself did not come up
+        return "check --host-maddrs and --announce-maddrs, and node.log's last lines (debug level) for p2pd's error"
     return (
         "check that the peers in --peers run and are reachable from here (address, port, firewall), or leave "
         "out --require-peers to train in silo until one answers"

@@ -126,22 +126,24 @@ class CheckpointStore:
     def _set_aside_newer_than(self, round_: int) -> None:
         """Checkpoints numbered after the one just written belong to a timeline this run has left (it resumed
         from an older one: its newest was corrupt, or a restore point outlived a crash). Kept, they would be
-        loaded in place of the present and the present pruned. They are moved to abandoned/ (replacing an older
-        abandoned copy of the same round), not deleted: a newest checkpoint that failed to load only for a
-        passing reason (memory, I/O) can still be recovered from there by hand."""
+        loaded in place of the present and the present pruned."""
         for path in self._complete_dirs():
             if (round_of(path) or 0) <= round_:  # a complete dir's name always gives its round
                 break
-            dest = self.dir / ABANDONED_DIR / path.name
+            self._set_aside(path, f"it is newer than the {dir_name(round_)} just saved (this run went back past it)")
+
+    def _set_aside(self, path: Path, why: str) -> None:
+        """Into abandoned/ (replacing an older abandoned copy of the same round), never deleted: a checkpoint
+        that failed to load only for a passing reason (memory, I/O) can still be recovered from there by hand."""
+        dest = self.dir / ABANDONED_DIR / path.name
+        try:
             dest.parent.mkdir(exist_ok=True)
             shutil.rmtree(dest, ignore_errors=True)
             path.rename(dest)
-            log.warning(
-                "%s is newer than the %s just saved: moved to %s (this run went back past it)",
-                path.name,
-                dir_name(round_),
-                dest,
-            )
+        except OSError as exc:
+            log.warning("cannot move %s to %s: %s", path.name, dest, exc)
+            return
+        log.warning("%s moved to %s: %s", path.name, dest, why)
 
     def _complete_dirs(self) -> list[Path]:
         rounds = {p: r for p in self.dir.glob(f"{PREFIX}*") if p.is_dir() and (r := round_of(p)) is not None}
@@ -227,12 +229,17 @@ class CheckpointStore:
             self._recover_interrupted()
         candidates = self._complete_dirs()
         errors = []
-        for path in candidates:
+        for i, path in enumerate(candidates):
             try:
-                return self.load(path, map_location)
+                ckpt = self.load(path, map_location)
             except Exception as exc:  # corrupt in any way: say so, try the previous one
                 log.warning("skipping checkpoint %s: %s", path.name, exc)
                 errors.append(f"{path.name}: {exc}")
+                continue
+            if recover:  # the run goes on from `ckpt`: a re-save of a skipped round must not overwrite it
+                for skipped in candidates[:i]:
+                    self._set_aside(skipped, f"it did not load; this run resumes from {path.name}")
+            return ckpt
         if candidates:
             raise CheckpointError("no loadable checkpoint in " + str(self.dir) + ": " + "; ".join(errors))
         return None

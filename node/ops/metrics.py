@@ -57,7 +57,8 @@ class ConsoleHandler(logging.StreamHandler):
 
     def handleError(self, record: logging.LogRecord) -> None:
         exc = sys.exc_info()[1]
-        if not (isinstance(exc, OSError) and exc.errno in self.LOST or isinstance(exc, ValueError)):
+        closed = isinstance(exc, ValueError) and "closed file" in str(exc)  # io's "I/O operation on closed file"
+        if not (isinstance(exc, OSError) and exc.errno in self.LOST or closed):
             super().handleError(record)
             return
         self.lost = True
@@ -83,7 +84,8 @@ def setup_logging(
     """Console + RUN_DIR/node.log, so nothing a node says is lost when the terminal goes away.
     `on_console_lost` is called once (from any thread) if stderr's reader goes away."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    fmt = logging.Formatter(f"%(asctime)s %(levelname)s {name + ' ' if name else ''}%(name)s: %(message)s")
+    label = name.replace("%", "%%") + " " if name else ""  # a name is text, never a format field
+    fmt = logging.Formatter(f"%(asctime)s %(levelname)s {label}%(name)s: %(message)s")
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)

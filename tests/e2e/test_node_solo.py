@@ -131,6 +131,9 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, tiny_args):
         (["--tasks", "no_such_dataset"], "--tasks"),
         (["--loss-type", "ppo"], "--loss-type"),
         (["--peers", "localhost:1234"], "--peers"),
+        (["--peers", "/ip4/127.0.0.1/tcp/1"], "--peers: no peer id"),
+        (["--host-maddrs", "/ip4/999.0.0.1/tcp/0"], "--host-maddrs: /ip4/999.0.0.1 is not an IPv4 address"),
+        (["--swarm-start", "--announce-maddrs", "foo"], "--announce-maddrs: a multiaddr starts with '/'"),
     ],
 )
 def test_invalid_flags_exit_2_naming_the_flag(tmp_path, args, flag):

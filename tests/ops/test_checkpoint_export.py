@@ -57,6 +57,22 @@ def test_a_checkpoint_newer_than_the_present_is_set_aside_not_preferred(tmp_path
     assert (store.dir / "abandoned" / "round-000019" / "model.pt").exists()  # kept, out of the way
 
 
+def test_a_newest_checkpoint_that_does_not_load_is_set_aside_before_its_round_is_saved_again(tmp_path):
+    """A resume that falls back past a corrupt newest checkpoint re-saves that round later: the corrupt copy
+    goes to abandoned/ (recoverable by hand), never overwritten; another run's --lora-init moves nothing."""
+    store = CheckpointStore(tmp_path / "run", keep=3)
+    store.save(4, {"w": torch.zeros(2)}, {}, {})
+    store.save(5, {"w": torch.ones(2)}, {}, {})
+    (store.dir / "round-000005" / "model.pt").write_bytes(b"cut")
+    assert load_from(tmp_path / "run").round == 4  # read-only use: the run dir is left as it is
+    assert (store.dir / "round-000005").exists() and not (store.dir / "abandoned").exists()
+    assert store.load_latest().round == 4
+    assert (store.dir / "abandoned" / "round-000005" / "model.pt").read_bytes() == b"cut"
+    store.save(5, {"w": torch.full((2,), 2.0)}, {}, {})
+    assert (store.dir / "abandoned" / "round-000005" / "model.pt").read_bytes() == b"cut"
+    assert torch.equal(store.load_latest().model["w"], torch.full((2,), 2.0))
+
+
 def crashed_resave(store, round_):
     """The state a re-save of `round_` leaves when killed between its two renames: the round only in .old-*."""
     final = store.dir / f"round-{round_:06d}"

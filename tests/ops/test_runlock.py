@@ -40,3 +40,27 @@ def test_busy_run_dir_names_the_owner_and_a_dead_owner_does_not_block(tmp_path):
     lock = RunDirLock(run_dir)
     lock.acquire()
     assert (run_dir / "node.lock").read_text().strip() != str(owner.pid)
+
+
+def test_a_fresh_start_refuses_a_run_dir_whose_checkpoints_outlived_its_metrics(tmp_path):
+    """metrics.jsonl lost or deleted: the checkpoints still say a run is there; without --resume the node
+    would overwrite them. An empty checkpoints/ (a start stopped before round 0 ended) is no run."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from node.cli import run_evidence
+    from node.ops.checkpoint import CheckpointStore
+
+    run_dir = tmp_path / "run"
+    assert run_evidence(run_dir) == ""
+    store = CheckpointStore(run_dir)
+    assert run_evidence(run_dir) == ""
+    store.save(3, {"w": torch.zeros(1)}, {}, {})
+    assert run_evidence(run_dir) == "checkpoints/round-000003"
+    cmd = [sys.executable, "-m", "node.cli", "--run-dir", str(run_dir), "--rounds", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "already holds a run (checkpoints/round-000003); pass --resume" in done.stderr
+    assert (store.dir / "round-000003" / "model.pt").exists()
