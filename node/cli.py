@@ -185,15 +185,20 @@ def main(argv: list[str] | None = None) -> int:
     lock = RunDirLock(run_dir)  # held until the process exits; before anything writes into the run dir
     try:
         lock.acquire()
-    except (RunDirBusy, OSError) as exc:
+    except RunDirBusy as exc:
         return fail(str(exc))
+    except OSError as exc:  # a file where the run dir belongs, no permission
+        return fail(f"--run-dir {run_dir}: cannot hold a run there ({exc.strerror or exc}: {exc.filename or run_dir})")
     held = run_evidence(run_dir)
     if held and not cfg.resume:
         return fail(f"{run_dir} already holds a run ({held}); pass --resume to continue it or choose another --run-dir")
     stop = StopRequest()
     signals = StopSignals(stop)
     signals.install_early()
-    setup_logging(run_dir, cfg.log_level, cfg.name, on_console_lost=signals.console_lost)
+    try:
+        setup_logging(run_dir, cfg.log_level, cfg.name, on_console_lost=signals.console_lost)
+    except OSError as exc:  # node.log a directory, a read-only run dir
+        return fail(f"cannot write the run dir's log: {exc}", 1)
 
     from node.learn.tasks import TaskError, resolve_mix
 
@@ -242,7 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     except ModelLoadError as exc:
         return fail(str(exc), 1)
     signals.starting = "building the node"
-    node = build.build_node(cfg, mix, model, tokenizer, exchange, device, stop=stop)
+    try:
+        node = build.build_node(cfg, mix, model, tokenizer, exchange, device, stop=stop)
+    except Exception as exc:  # the run dir's files (a file where a directory belongs), --lora-init, --eval-share
+        log_traceback("the node could not be built")
+        return fail(
+            f"cannot build the node: {type(exc).__name__}: {exc} (the traceback is in {run_dir / 'node.log'})", 1
+        )
     if stop.is_set():
         node.engine.close()
         return stopped_in_start_up(stop, "building the node")
@@ -285,6 +296,10 @@ def stopped_in_start_up(stop: StopRequest, what: str) -> int:
     return 0
 
 
+class StatusUnavailable(RuntimeError):
+    """The status server could not listen where --status-host and --status-port say."""
+
+
 def join_fix(message: str, peers: bool = True) -> str:
     """What to do about a swarm that did not start, from what failed (`peers`: --peers named some)."""
     low = message.lower()
@@ -306,7 +321,10 @@ async def _serve(node, cfg: NodeConfig, signals: StopSignals) -> None:
     if cfg.status_port:
         from node.ops.status import start_status_server
 
-        status = await start_status_server(node.snapshot, host=cfg.status_host, port=cfg.status_port)
+        try:
+            status = await start_status_server(node.snapshot, host=cfg.status_host, port=cfg.status_port)
+        except OSError as exc:  # an address this machine lacks, a port in use
+            raise StatusUnavailable(f"--status-host/--status-port {cfg.status_host}:{cfg.status_port}: {exc}") from exc
         log.info("status on http://%s:%d/", cfg.status_host, status.port)
     try:
         done = await node.run()

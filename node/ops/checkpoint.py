@@ -41,6 +41,9 @@ def round_of(path: Path) -> int | None:
     return START_ROUND if suffix == START_NAME else int(suffix) if suffix.isdigit() else None
 
 
+REQUIRED_FILES = frozenset({"model.pt", "state.json"})  # optimizer.pt too, except in a weights-only export
+
+
 class CheckpointError(RuntimeError):
     pass
 
@@ -194,11 +197,17 @@ class CheckpointStore:
         try:
             manifest = json.loads(manifest_path.read_text())
             files = manifest["files"]
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{path}: missing or unreadable MANIFEST.json ({exc})") from exc
+        if not isinstance(files, dict) or not REQUIRED_FILES <= files.keys():
+            raise CheckpointError(f"{path}: MANIFEST.json does not list {' and '.join(sorted(REQUIRED_FILES))}")
         for name, entry in files.items():
             f = path / name
-            if not f.exists() or f.stat().st_size != entry["size"] or _sha256(f) != entry["sha256"]:
+            try:
+                size, digest = int(entry["size"]), str(entry["sha256"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise CheckpointError(f"{path}: MANIFEST.json's entry for {name} is malformed ({exc})") from exc
+            if "/" in name or not f.is_file() or f.stat().st_size != size or _sha256(f) != digest:
                 raise CheckpointError(f"{path}: {name} is missing, truncated or corrupt")
         return manifest
 
@@ -206,21 +215,21 @@ class CheckpointStore:
     def load(path: Path, map_location: str | torch.device = "cpu") -> Checkpoint:
         """One checkpoint directory, verified against its manifest (CheckpointError or a load error if not)."""
         manifest = CheckpointStore.verify(path)
-        state = json.loads((path / "state.json").read_text())
-        model = torch.load(path / "model.pt", map_location=map_location, weights_only=True)
-        optimizer = (
-            torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True)
-            if "optimizer.pt" in manifest["files"]
-            else None
-        )
-        return Checkpoint(
-            round=int(state["round"]),
-            path=path,
-            model=model,
-            optimizer=optimizer,
-            state=state,
-            meta=manifest.get("meta"),
-        )
+        try:  # files that match their manifest yet do not load: written so by hand, or by another program
+            state = json.loads((path / "state.json").read_text())
+            model = torch.load(path / "model.pt", map_location=map_location, weights_only=True)
+            optimizer = (
+                torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True)
+                if "optimizer.pt" in manifest["files"]
+                else None
+            )
+            round_ = int(state["round"])
+        except Exception as exc:  # torch.load's unpickler raises many kinds (struct.error, EOFError, ...)
+            raise CheckpointError(f"{path}: does not load ({type(exc).__name__}: {exc})") from exc
+        meta = manifest.get("meta")
+        if not isinstance(model, dict) or not isinstance(meta, (dict, type(None))):
+            raise CheckpointError(f"{path}: model.pt holds no state dict, or MANIFEST.json's meta is not a table")
+        return Checkpoint(round=round_, path=path, model=model, optimizer=optimizer, state=state, meta=meta)
 
     def load_latest(self, map_location: str | torch.device = "cpu", recover: bool = True) -> Checkpoint | None:
         """Newest checkpoint that verifies and loads; older ones are the fallback. None if there is none.

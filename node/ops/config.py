@@ -383,6 +383,10 @@ def validate(cfg: NodeConfig) -> None:
         raise bad("threads", "must be at most 4096 (0 = all cores)")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
         raise bad("device", "must be auto, cpu or cuda[:N]")
+    if not cfg.run_dir.strip():
+        raise bad("run_dir", "must name a directory (empty would write the run into the current one)")
+    if cfg.require_peers and not cfg.peers:
+        raise bad("require_peers", "needs --peers: the peers that must answer at start")
     for peer in cfg.peers:
         if not str(peer).startswith("/"):
             hint = (
@@ -398,6 +402,8 @@ def validate(cfg: NodeConfig) -> None:
 def _convert(name: str, kind: Any, raw: Any) -> Any:
     """Env vars and TOML values to the field's type, with an error that names the option."""
     try:
+        if isinstance(raw, dict) or isinstance(raw, list) and kind not in ("list", list):  # TOML tables, arrays
+            raise ValueError(raw)
         if kind in ("bool", bool):
             if isinstance(raw, bool):
                 return raw
@@ -409,6 +415,8 @@ def _convert(name: str, kind: Any, raw: Any) -> Any:
             raise ValueError(raw)
         if kind in ("list", list):
             if isinstance(raw, list):
+                if not all(isinstance(v, (str, int, float)) for v in raw):
+                    raise ValueError(raw)
                 return [str(v) for v in raw]
             return [v for v in str(raw).replace(",", " ").split() if v]
         if kind in ("int", int):
@@ -427,6 +435,7 @@ def _convert(name: str, kind: Any, raw: Any) -> Any:
 def build_parser(prog: str = "sapo-node") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
+        usage="%(prog)s [options]  (--help lists them)",  # a mistyped flag: one short line, not 80 lines of usage
         description="Run a SAPO swarm node: sample tasks, generate, share rollouts, train with GRPO.",
         argument_default=argparse.SUPPRESS,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -466,6 +475,9 @@ def load_config(argv: list[str] | None = None, env: Mapping[str, str] | None = N
             raise ConfigError(f"--config: cannot read {config_path}: {exc.strerror}") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"--config: {config_path} is not valid TOML: {exc}") from None
+        outside = sorted(k for k in data if k != "node") if "node" in data else []
+        if outside:  # a file with a [node] table and options above it: those would be ignored silently
+            raise ConfigError(f"--config: {', '.join(outside)} in {config_path} lie outside its [node] table")
         data = data.get("node", data)
         if not isinstance(data, dict):
             raise ConfigError(f"--config: [node] in {config_path} must be a table of options")

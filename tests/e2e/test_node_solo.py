@@ -134,6 +134,7 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, tiny_args):
         (["--peers", "/ip4/127.0.0.1/tcp/1"], "--peers: no peer id"),
         (["--host-maddrs", "/ip4/999.0.0.1/tcp/0"], "--host-maddrs: /ip4/999.0.0.1 is not an IPv4 address"),
         (["--swarm-start", "--announce-maddrs", "foo"], "--announce-maddrs: a multiaddr starts with '/'"),
+        (["--require-peers"], "--require-peers needs --peers"),
     ],
 )
 def test_invalid_flags_exit_2_naming_the_flag(tmp_path, args, flag):
@@ -156,3 +157,35 @@ def test_a_device_this_machine_lacks_is_one_clear_error(tmp_path):
     )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "--device" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_run_dir_entries_of_the_wrong_kind_are_one_clear_error(tmp_path):
+    """A file where the run dir's checkpoints/ belongs, a directory where node.log does: one line, exit 1,
+    nothing deleted; the traceback (if any) in node.log."""
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").write_text("mine")
+    result = run_node("--model", "tiny-random", "--rounds", "1", "--eval-every", "0", "--run-dir", str(run_dir))
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "cannot build the node: FileExistsError" in result.stderr and "Traceback" not in result.stderr
+    assert (run_dir / "checkpoints").read_text() == "mine"
+    other = tmp_path / "o"
+    (other / "node.log").mkdir(parents=True)
+    result = run_node("--model", "tiny-random", "--rounds", "1", "--run-dir", str(other))
+    assert result.returncode == 1 and "cannot write the run dir's log" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_a_run_dir_that_is_a_file_or_a_status_address_that_cannot_listen_is_one_line(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    result = run_node("--model", "tiny-random", "--rounds", "1", "--run-dir", str(afile))
+    assert result.returncode == 2 and f"--run-dir {afile}: cannot hold a run there" in result.stderr, result.stderr
+    assert afile.read_text() == "mine"
+    result = run_node(
+        "--model", "tiny-random", "--rounds", "1", "--eval-every", "0", "--status-port", "18080",
+        "--status-host", "999.1.1.1", "--run-dir", str(tmp_path / "r"),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "StatusUnavailable: --status-host/--status-port 999.1.1.1:18080" in result.stderr
+    assert "Traceback" not in result.stderr

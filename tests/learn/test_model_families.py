@@ -214,3 +214,15 @@ def test_the_default_model_is_converted_once_and_reloads_identically(tmp_path, m
     (first, *rest), (second, *rest2) = loads
     assert rest == rest2
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_a_model_path_that_is_not_a_model_says_so(tmp_path, monkeypatch):
+    """A missing path or a directory without config.json: what --model takes, not a repo-id parse error."""
+    with pytest.raises(ModelLoadError, match="no such file or directory; pass a transformers model directory"):
+        load_model(str(tmp_path / "nowhere"), torch.device("cpu"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="empty.*holds no config.json"):
+        load_model("empty", torch.device("cpu"))
+    with pytest.raises(ModelLoadError, match="cannot load model 'no-such-org/no-such-model'"):
+        load_model("no-such-org/no-such-model", torch.device("cpu"))  # a hub id: offline in tests, refused

@@ -78,3 +78,25 @@ def test_config_errors_name_the_option(tmp_path):
         load_config(["--top-p", "1.5"], env={})
     with pytest.raises(ConfigError, match="--window"):
         load_config([], env={"SAPO_WINDOW": "0"})
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('rounds = "x"\nbogus = 1\n[node]\nlr = 0.5\n', "bogus, rounds in .* lie outside its \\[node\\] table"),
+        ("[node]\nmodel = {a = 1}\n", "--model: invalid value"),
+        ("[node]\nrounds = [1, 2]\n", "--rounds: invalid value"),
+        ("[node]\npeers = [{a = 1}]\n", "--peers: invalid value"),
+    ],
+)
+def test_a_config_file_that_would_be_misread_is_refused(tmp_path, text, message):
+    """Options above a [node] table were ignored, and a table given for a text option became its text."""
+    path = tmp_path / "node.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(["--config", str(path)], env={})
+
+
+def test_an_empty_run_dir_is_refused():
+    with pytest.raises(ConfigError, match="--run-dir must name a directory"):
+        load_config(["--run-dir", ""], env={})

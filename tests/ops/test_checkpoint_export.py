@@ -1,6 +1,7 @@
 """Weights-only exports of a checkpoint (node/ops/checkpoint.py export_weights): what an experiment commits so
 that runs on other machines can start from it with --lora-init; they load, they verify, they never resume."""
 
+import hashlib
 import json
 
 import pytest
@@ -123,3 +124,31 @@ def test_prune_removes_an_old_dir_whose_round_is_in_place(tmp_path):
     unrelated.mkdir()
     store.save(6, {"w": torch.ones(2)}, {}, {})
     assert not stale.exists() and (store.dir / "round-000005").exists() and unrelated.exists()
+
+
+@pytest.mark.parametrize(
+    "manifest, message",
+    [
+        ({"round": 7, "files": {}}, "does not list model.pt and state.json"),
+        ({"round": 7, "files": []}, "does not list model.pt and state.json"),
+        ({"round": 7, "files": {"model.pt": "x", "state.json": {}}}, "entry for model.pt is malformed"),
+        ([1, 2], "missing or unreadable MANIFEST.json"),
+    ],
+)
+def test_a_crafted_manifest_is_a_checkpoint_error(tmp_path, manifest, message):
+    """--lora-init names any directory: what its manifest says is checked before a file is trusted."""
+    path, _ = saved(tmp_path)
+    (path / "MANIFEST.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=message):
+        load_from(path)
+
+
+def test_files_that_match_a_rewritten_manifest_but_do_not_load_are_a_checkpoint_error(tmp_path):
+    path, _ = saved(tmp_path)
+    manifest = json.loads((path / "MANIFEST.json").read_text())
+    for name, content in (("state.json", b"[1]"), ("model.pt", b"junk")):
+        (path / name).write_bytes(content)
+        manifest["files"][name] = {"size": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+    (path / "MANIFEST.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="does not load"):
+        load_from(path)
