@@ -152,7 +152,10 @@ def run_evidence(run_dir: Path) -> str:
     from node.ops.checkpoint import CHECKPOINTS_DIR, round_of  # torch: after the flags' one-line errors
 
     checkpoints = run_dir / CHECKPOINTS_DIR
-    found = sorted(p.name for p in checkpoints.iterdir() if round_of(p) is not None) if checkpoints.is_dir() else []
+    try:
+        found = sorted(p.name for p in checkpoints.iterdir() if round_of(p) is not None)
+    except OSError:  # none there (or a file of that name: the node's own start says so)
+        found = []
     return f"{CHECKPOINTS_DIR}/{found[-1]}" if found else ""
 
 
@@ -249,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     signals.starting = "building the node"
     try:
         node = build.build_node(cfg, mix, model, tokenizer, exchange, device, stop=stop)
+    except ConfigError as exc:  # flags that only the built parts refuse
+        return fail(str(exc))
     except Exception as exc:  # the run dir's files (a file where a directory belongs), --lora-init, --eval-share
         log_traceback("the node could not be built")
         return fail(

@@ -10,17 +10,24 @@ from __future__ import annotations
 import ipaddress
 import re
 
-PORT_PROTOCOLS = ("tcp", "udp")
+PORT_PROTOCOLS = ("tcp", "udp", "dccp", "sctp")
 HOST_PROTOCOLS = ("dns", "dns4", "dns6", "dnsaddr")
 PEER_PROTOCOLS = ("p2p", "ipfs")
-VALUELESS = ("quic", "quic-v1", "ws", "wss", "p2p-circuit", "tls", "noise", "webtransport", "webrtc", "webrtc-direct")
-VALUED = ("ip4", "ip6", *PORT_PROTOCOLS, *HOST_PROTOCOLS, *PEER_PROTOCOLS, "certhash", "sni")
+VALUELESS = (
+    "quic", "quic-v1", "ws", "wss", "p2p-circuit", "tls", "noise", "webtransport", "webrtc", "webrtc-direct",
+    "utp", "udt", "http", "https", "p2p-webrtc-star", "p2p-websocket-star", "p2p-stardust",
+)  # fmt: skip
+OTHER_VALUED = ("ip6zone", "ipcidr", "onion", "onion3", "garlic32", "garlic64", "certhash", "sni", "memory")
+VALUED = ("ip4", "ip6", *PORT_PROTOCOLS, *HOST_PROTOCOLS, *PEER_PROTOCOLS, *OTHER_VALUED)
 EXAMPLE = "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."
 
 _HOST = re.compile(
     r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"
 )
-_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{30,128}")  # base58btc: "12D3KooW..." (52), "Qm..." (46)
+_PEER_ID = re.compile(  # base58btc: "12D3KooW..." (52), "Qm..." (46); CIDv1 in base32 ("bafz...") or base36 ("k51...")
+    r"[1-9A-HJ-NP-Za-km-z]{30,128}|b[a-z2-7]{30,128}|k[0-9a-z]{30,128}"
+)
+_PORT = re.compile(r"[0-9]{1,5}")  # ASCII digits only: str.isdigit() takes '²', which int() refuses
 
 
 def problem(maddr: str, need_peer_id: bool = False, allow_peer_id: bool = True) -> str | None:
@@ -36,6 +43,11 @@ def problem(maddr: str, need_peer_id: bool = False, allow_peer_id: bool = True) 
             seen.append(proto)
             i += 1
             continue
+        if proto == "unix":  # a path: the rest of the address
+            if i + 1 >= len(parts):
+                return "/unix needs a path"
+            seen.append(proto)
+            break
         if proto not in VALUED:
             return f"unknown protocol {proto!r}"
         if i + 1 >= len(parts) or not parts[i + 1]:
@@ -60,7 +72,7 @@ def _value_problem(proto: str, value: str) -> str | None:
         except ValueError:
             return f"/{proto}/{value} is not an IPv{proto[-1]} address"
     elif proto in PORT_PROTOCOLS:
-        if not value.isdigit() or int(value) > 65535:
+        if not _PORT.fullmatch(value) or int(value) > 65535:
             return f"/{proto}/{value} is not a port (0-65535)"
     elif proto in HOST_PROTOCOLS:
         if not _HOST.fullmatch(value):

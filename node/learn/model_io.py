@@ -72,9 +72,9 @@ def load_model(name: str, device: torch.device) -> tuple[torch.nn.Module, PreTra
                 if converted is not None:  # de-quantised exactly: the same weights next time, loaded faster
                     _keep_converted(model, tokenizer, converted)
             else:
-                _check_local(name)
-                tokenizer = AutoTokenizer.from_pretrained(name)
-                model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+                source = _check_local(name)
+                tokenizer = AutoTokenizer.from_pretrained(source)
+                model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     except ModelLoadError:
         raise
     except Exception as exc:
@@ -93,17 +93,19 @@ def load_model(name: str, device: torch.device) -> tuple[torch.nn.Module, PreTra
     return model, tokenizer
 
 
-def _check_local(name: str) -> None:
-    """A name that is a local path (it exists, or is written as one) must be a transformers model directory;
-    anything else is a hub id. Said plainly here, before transformers reads a path as a malformed repo id."""
+def _check_local(name: str) -> str:
+    """What transformers should load: a name that is a local path (it exists, or is written as one) must be a
+    transformers model directory (returned with `~` expanded); anything else is a hub id, returned as it is.
+    Said plainly here, before transformers reads a path as a malformed repo id."""
     path = Path(name).expanduser()
     if not path.exists() and not name.startswith(("/", "./", "../", "~")):
-        return
+        return name
     what = "a transformers model directory (with config.json), a .gguf file, a hub id or " + ", ".join(PACKAGED)
     if not path.exists():
         raise ModelLoadError(f"--model {name!r}: no such file or directory; pass {what}")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"--model {name!r}: {path} holds no config.json; pass {what}")
+    return str(path)
 
 
 def _contiguous_lm_head_input(model: torch.nn.Module) -> None:

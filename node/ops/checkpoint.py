@@ -136,12 +136,16 @@ class CheckpointStore:
             self._set_aside(path, f"it is newer than the {dir_name(round_)} just saved (this run went back past it)")
 
     def _set_aside(self, path: Path, why: str) -> None:
-        """Into abandoned/ (replacing an older abandoned copy of the same round), never deleted: a checkpoint
-        that failed to load only for a passing reason (memory, I/O) can still be recovered from there by hand."""
+        """Into abandoned/, never deleted, nor any copy there: a checkpoint that failed to load only for a
+        passing reason (memory, I/O) can still be recovered from there by hand. A round set aside before keeps
+        its name; the later copy gets a suffix (round-000012.1, .2, ...)."""
         dest = self.dir / ABANDONED_DIR / path.name
+        n = 0
+        while dest.exists():
+            n += 1
+            dest = self.dir / ABANDONED_DIR / f"{path.name}.{n}"
         try:
             dest.parent.mkdir(exist_ok=True)
-            shutil.rmtree(dest, ignore_errors=True)
             path.rename(dest)
         except OSError as exc:
             log.warning("cannot move %s to %s: %s", path.name, dest, exc)

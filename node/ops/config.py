@@ -385,7 +385,7 @@ def validate(cfg: NodeConfig) -> None:
         raise bad("device", "must be auto, cpu or cuda[:N]")
     if not cfg.run_dir.strip():
         raise bad("run_dir", "must name a directory (empty would write the run into the current one)")
-    if cfg.require_peers and not cfg.peers:
+    if cfg.require_peers and not cfg.peers and not cfg.swarm_start:  # a swarm's first peer has none to wait for
         raise bad("require_peers", "needs --peers: the peers that must answer at start")
     for peer in cfg.peers:
         if not str(peer).startswith("/"):
@@ -475,8 +475,10 @@ def load_config(argv: list[str] | None = None, env: Mapping[str, str] | None = N
             raise ConfigError(f"--config: cannot read {config_path}: {exc.strerror}") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"--config: {config_path} is not valid TOML: {exc}") from None
-        outside = sorted(k for k in data if k != "node") if "node" in data else []
-        if outside:  # a file with a [node] table and options above it: those would be ignored silently
+        outside = (
+            sorted(k for k, v in data.items() if k != "node" and not isinstance(v, dict)) if "node" in data else []
+        )
+        if outside:  # options above a [node] table would be ignored silently; other tables ([bootstrap]) may be there
             raise ConfigError(f"--config: {', '.join(outside)} in {config_path} lie outside its [node] table")
         data = data.get("node", data)
         if not isinstance(data, dict):

@@ -226,3 +226,13 @@ def test_a_model_path_that_is_not_a_model_says_so(tmp_path, monkeypatch):
         load_model("empty", torch.device("cpu"))
     with pytest.raises(ModelLoadError, match="cannot load model 'no-such-org/no-such-model'"):
         load_model("no-such-org/no-such-model", torch.device("cpu"))  # a hub id: offline in tests, refused
+
+
+def test_a_home_relative_model_path_reaches_transformers_expanded(tmp_path, monkeypatch):
+    from node.learn.model_io import _check_local
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    assert _check_local("~/m") == str(tmp_path / "m")
+    assert _check_local("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"

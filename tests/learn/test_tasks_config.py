@@ -97,6 +97,13 @@ def test_a_config_file_that_would_be_misread_is_refused(tmp_path, text, message)
         load_config(["--config", str(path)], env={})
 
 
+def test_a_config_file_may_hold_other_tables_beside_node(tmp_path):
+    path = tmp_path / "swarm.toml"
+    path.write_text('[node]\nrounds = 7\n[bootstrap]\nhost = "x"\n')
+    assert load_config(["--config", str(path)], env={}).rounds == 7
+    assert load_config(["--swarm-start", "--require-peers"], env={}).require_peers  # a swarm's first peer
+
+
 def test_an_empty_run_dir_is_refused():
     with pytest.raises(ConfigError, match="--run-dir must name a directory"):
         load_config(["--run-dir", ""], env={})

@@ -152,3 +152,14 @@ def test_files_that_match_a_rewritten_manifest_but_do_not_load_are_a_checkpoint_
     (path / "MANIFEST.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="does not load"):
         load_from(path)
+
+
+def test_a_round_set_aside_twice_keeps_both_copies(tmp_path):
+    store = CheckpointStore(tmp_path / "run", keep=3)
+    for content in (b"first", b"second"):
+        store.save(4, {"w": torch.zeros(2)}, {}, {})
+        store.save(5, {"w": torch.ones(2)}, {}, {})
+        (store.dir / "round-000005" / "model.pt").write_bytes(content)
+        assert store.load_latest().round == 4
+    assert (store.dir / "abandoned" / "round-000005" / "model.pt").read_bytes() == b"first"
+    assert (store.dir / "abandoned" / "round-000005.1" / "model.pt").read_bytes() == b"second"

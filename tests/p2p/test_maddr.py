@@ -17,6 +17,9 @@ PEER = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
         "/dns/boot.example.org/tcp/31337/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN",
         "/ip4/1.2.3.4/udp/4001/quic-v1",
         f"/ip4/1.2.3.4/tcp/4001/p2p/{PEER}/p2p-circuit",
+        "/ip4/1.2.3.4/tcp/31337/p2p/bafzaajaiaejcal72gwuz2or47oyxxn6b3rkwdmmkrxgkjxzy3rqt5kczyn7lcm3l",  # CIDv1
+        "/ip6zone/eth0/ip6/fe80::1/tcp/31337",
+        "/unix/tmp/p2pd.sock",
     ],
 )
 def test_addresses_libp2p_takes_pass(maddr):
@@ -32,8 +35,10 @@ def test_addresses_libp2p_takes_pass(maddr):
         ("/ip6/1.2.3.4/tcp/0", "not an IPv6 address"),
         ("/ip4/1.2.3.4/tcp/70000", "not a port"),
         ("/ip4/1.2.3.4/tcp/x", "not a port"),
+        ("/ip4/1.2.3.4/tcp/\u00b2", "not a port"),  # a Unicode digit int() refuses
+        ("/ip4/1.2.3.4/tcp/" + "1" * 5000, "not a port"),
         ("/ip4/1.2.3.4/tcp", "/tcp needs a value"),
-        ("/ip4/1.2.3.4/sctp/5", "unknown protocol 'sctp'"),
+        ("/ip4/1.2.3.4/tcpp/5", "unknown protocol 'tcpp'"),
         ("/dns/-bad-/tcp/1", "not a host name"),
         ("/ip4/1.2.3.4/tcp/1/p2p/0OIl", "not a peer id"),
     ],
