@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -95,18 +96,26 @@ def serve_status(host: str, port: int, snapshot: Callable[[], dict[str, Any]]) -
     return start_status_server_in_thread(snapshot, host, port, kind="bootstrap")
 
 
+def usage_problem(args: argparse.Namespace) -> str | None:
+    """A flag refused up front (exit 2), before the DHT starts: not a traceback once it is up."""
+    if not 0 <= args.pow_difficulty <= MAX_POW_DIFFICULTY:
+        return f"--pow-difficulty must be in [0, {MAX_POW_DIFFICULTY}] (got {args.pow_difficulty})"
+    if args.status_port is not None and not 0 <= args.status_port <= 65535:  # bind() would raise OverflowError
+        return f"--status-port must be a TCP port in [0, 65535] (got {args.status_port})"
+    for name in ("start_timeout", "log_interval"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and 0 < value <= 86400):  # time.sleep and waits refuse inf; a day is plenty
+            return f"--{name.replace('_', '-')} must be seconds in (0, 86400] (got {value})"
+    if args.maddrs_file is not None and args.maddrs_file.is_dir():
+        return f"--maddrs-file {args.maddrs_file} is a directory; name a file"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not 0 <= args.pow_difficulty <= MAX_POW_DIFFICULTY:
-        print(
-            f"sapo-bootstrap: --pow-difficulty must be in [0, {MAX_POW_DIFFICULTY}] (got {args.pow_difficulty})",
-            file=sys.stderr,
-        )
-        return 2
-    if args.status_port is not None and not 0 <= args.status_port <= 65535:  # bind() would raise OverflowError
-        print(
-            f"sapo-bootstrap: --status-port must be a TCP port in [0, 65535] (got {args.status_port})", file=sys.stderr
-        )
+    problem = usage_problem(args)
+    if problem:
+        print(f"sapo-bootstrap: {problem}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -121,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             args.announce_maddrs,
             pow_difficulty=args.pow_difficulty,
         )
-    except IdentityError as e:
-        logger.error("%s", e)
-        return 2
+    except (IdentityError, OSError) as e:  # a corrupt key, --identity-dir a file or not writable
+        logger.error("cannot use the identity in %s: %s", args.identity_dir, e)
+        return 1
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -139,7 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     for m in maddrs:
         print(m, flush=True)
     if args.maddrs_file is not None:
-        write_atomically(args.maddrs_file, "".join(f"{m}\n" for m in maddrs))
+        try:
+            write_atomically(args.maddrs_file, "".join(f"{m}\n" for m in maddrs))
+        except OSError as e:  # its directory missing or not writable
+            logger.error("cannot write --maddrs-file %s: %s", args.maddrs_file, e)
+            dht.shutdown()
+            return 1
     counter = PeerCounter()
     started = time.time()
     peer_id = str(dht.peer_id)

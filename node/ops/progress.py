@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 import signal
+import stat
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -206,16 +207,21 @@ class MetricsTail:
     def read_new(self) -> list[dict]:
         try:
             st = self.path.stat()
-        except FileNotFoundError:
+        except OSError:  # not there yet, or RUN_DIR is a file
+            return []
+        if not stat.S_ISREG(st.st_mode):  # a directory, or a FIFO whose read would block the view
             return []
         if self._ino is not None and (st.st_ino != self._ino or st.st_size < self._offset):
             self._offset, self._partial = 0, b""  # rotated or truncated: start over
         self._ino = st.st_ino
         if st.st_size == self._offset:
             return []
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read()
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:  # replaced or made unreadable between the stat and the read: the next refresh tries again
+            return []
         self._offset += len(data)
         data = self._partial + data
         *lines, self._partial = data.split(b"\n")
@@ -367,6 +373,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap.add_argument("--plain", action="store_true", help="plain lines even on a terminal")
     ap.add_argument("--models", default="", help="comma list: each run's model, shown until its records name it")
     args = ap.parse_args(list(argv) if argv is not None else None)
+    if not (math.isfinite(args.interval) and 0 < args.interval <= 86400):  # time.sleep refuses inf
+        ap.error(f"--interval must be seconds in (0, 86400] (got {args.interval})")
 
     models = [m.strip() or None for m in args.models.split(",")] if args.models else []
     views = [

@@ -233,3 +233,20 @@ def test_the_next_evaluation_shows_in_the_line_and_the_table(tmp_path):
     lines = format_table(views).splitlines()
     assert "next eval" in lines[0] and "after 3" in lines[2] and "after" not in lines[3]
     assert "next eval" not in format_table(views[1:])
+
+
+def test_what_is_not_a_metrics_file_is_read_as_nothing_yet(tmp_path):
+    """RUN_DIR a file, metrics.jsonl a directory or a FIFO (whose read would block the view forever)."""
+    (tmp_path / "afile").write_text("x")
+    assert MetricsTail(tmp_path / "afile" / "metrics.jsonl").read_new() == []
+    (tmp_path / "d" / "metrics.jsonl").mkdir(parents=True)
+    assert MetricsTail(tmp_path / "d" / "metrics.jsonl").read_new() == []
+    os.mkfifo(tmp_path / "fifo")
+    assert MetricsTail(tmp_path / "fifo").read_new() == []
+
+
+@pytest.mark.parametrize("interval", ["inf", "nan", "0", "1e300"])
+def test_an_interval_time_sleep_refuses_is_a_usage_error(tmp_path, interval, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path), "--interval", interval])
+    assert exit_.value.code == 2 and "--interval must be seconds" in capsys.readouterr().err

@@ -143,3 +143,36 @@ def test_a_status_port_that_is_no_tcp_port_is_one_clear_error(tmp_path, status_p
     assert code == 2, out[-2000:]
     assert "--status-port" in out and "Traceback" not in out
     assert not (tmp_path / "maddrs.txt").exists()  # nothing started
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--start-timeout", "-1"], "--start-timeout must be seconds"),
+        (["--start-timeout", "nan"], "--start-timeout must be seconds"),
+        (["--log-interval", "inf"], "--log-interval must be seconds"),
+        (["--maddrs-file", "."], "is a directory"),
+    ],
+)
+def test_flags_refused_up_front(extra, message):
+    from bootstrap.main import parse_args, usage_problem
+
+    assert usage_problem(parse_args([])) is None
+    assert message in (usage_problem(parse_args(extra)) or "")
+
+
+def test_an_identity_dir_that_is_a_file_or_a_maddrs_file_that_cannot_be_written_is_one_line(tmp_path):
+    """File errors: one line, exit 1, no traceback; the second after the DHT started, which it shuts down."""
+    (tmp_path / "boot").write_text("mine")
+    proc = launch(tmp_path, free_port(), tmp_path / "maddrs.txt")
+    code, out = proc.wait(timeout=60), proc.stdout.read()
+    proc.stdout.close()
+    assert code == 1 and "cannot use the identity in" in out and "Traceback" not in out, out[-2000:]
+    assert (tmp_path / "boot").read_text() == "mine"
+    other = tmp_path / "other"
+    other.mkdir()
+    (tmp_path / "afile").write_text("")
+    proc = launch(other, free_port(), tmp_path / "afile" / "maddrs.txt")
+    code, out = proc.wait(timeout=60), proc.stdout.read()
+    proc.stdout.close()
+    assert code == 1 and "cannot write --maddrs-file" in out and "Traceback" not in out, out[-2000:]
