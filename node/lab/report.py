@@ -12,13 +12,19 @@ e.g. ``EXP/<config>/seed<k>/run.json`` + ``EXP/<config>/seed<k>/peer<p>/metrics.
 ``run.json`` the config and seed come from the directory names (``.../<config>/seed<k>/<peer>/``);
 ``DIR/peer<i>/metrics.jsonl`` (``scripts/local_swarm.sh``'s layout) is one run of one configuration,
 named after DIR, with each peer an agent.  Comparisons with a baseline need two configurations or more.
-Runs with the same config name are pooled across all experiment dirs given.
+Runs with the same config name are pooled across all experiment dirs given.  A ``run.json`` that is not a
+regular file, not a JSON object, or has one of those fields of the wrong type (null counts as absent) is
+malformed: its run is left out, not filed by the directory names, with a warning naming the file (stderr and
+the report's Data quality section).  Only regular files are read: a ``metrics.jsonl`` that is not one (a
+FIFO) or cannot be read is left out the same way.
 
-Each metrics line is a JSON object with ``round`` (int) and ``reward_mean`` (float, or null when
+Each metrics line is a JSON object with ``round`` (int, 0 to 10^9) and ``reward_mean`` (float, or null when
 the round had no local groups), plus optionally ``num_local``, ``num_external``,
 ``target_external``, ``external_accepted``, ``external_rejected``, ``round_s``.  Lines that are not
-JSON objects or lack a valid ``round``/``reward_mean`` are skipped and counted; if a round is
-logged twice (a resumed run) the last line wins.
+JSON objects, lack a valid ``round``/``reward_mean`` or carry a field the report reads with the wrong type
+(``eval_accuracy: "abc"``; null is "not logged") are skipped and counted; if a round is
+logged twice (a resumed run) the last line wins.  An agent with fewer rounds than the others of its run (a
+metrics.jsonl cut short) gets a warning, and "rounds per agent" shows fewest–most.
 
 Definitions (also written into the report):
 
@@ -122,6 +128,7 @@ from node.lab.tables import (
     heldout_section,
     num,
     pct,
+    rounds_cell,
     tokens_section,
     unpaired,
 )
@@ -196,7 +203,7 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
         d = per[c]
         L.append(
             f"| {c} | {d['ij_policy']}{' (adaptive)' if d['adaptive'] else ''} | {d['n_seeds']} | "
-            f"{', '.join(map(str, d['peers']))} | {', '.join(map(str, d['rounds']))} | "
+            f"{', '.join(map(str, d['peers']))} | {rounds_cell(d)} | "
             f"{num(d['mean_num_local'])} | {num(d['mean_num_external'])} |"
         )
     L.append("")
@@ -317,6 +324,10 @@ def write_report(runs: Sequence[Run], summary: dict, out: Path, inputs: Sequence
     for fpath, n in summary["skipped_by_file"].items():
         L.append(f"- `{fpath}`: {n} line(s) skipped")
     L.append("")
+    if summary["unreadable_files"]:
+        L.append(f"Files left out: **{len(summary['unreadable_files'])}**.\n")
+        L += [f"- `{fpath}`: {why}" for fpath, why in summary["unreadable_files"].items()]
+        L.append("")
     path = out / "report.md"
     path.write_text("\n".join(L))
     return path
@@ -328,7 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     ap.add_argument("experiments", nargs="+", metavar="EXPERIMENT_DIR")
-    ap.add_argument("--out", type=Path, default=None, help="output dir (default: FIRST_EXPERIMENT_DIR/report)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="output dir (default: FIRST_EXPERIMENT_DIR/report; beside a file)"
+    )
     ap.add_argument("--threshold", type=float, default=None, help="reward threshold (default 0.5 × max observed MA)")
     ap.add_argument("--baseline", default=None, help="baseline config name (default: the silo config, J = 0)")
     ap.add_argument("--window", type=int, default=10, help="moving-average window in rounds (default 10)")
@@ -363,9 +376,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("sapo-report: --window and --bootstrap must be >= 1", file=sys.stderr)
         return 2
     runs = load_runs(a.experiments)
+    unreadable = {fpath: why for r in runs for fpath, why in r.unreadable.items()}
+    for fpath, why in unreadable.items():
+        print(f"sapo-report: warning: {fpath}: {why}", file=sys.stderr)
     if not any(r.peers for r in runs):
         skipped = sum(r.skipped_lines for r in runs)
-        print(f"sapo-report: no usable metrics.jsonl found ({skipped} corrupt line(s) skipped)", file=sys.stderr)
+        print(
+            f"sapo-report: no usable metrics.jsonl found ({skipped} corrupt line(s) skipped, "
+            f"{len(unreadable)} file(s) left out)",
+            file=sys.stderr,
+        )
         return 2
     try:
         summary = summarize(
@@ -384,8 +404,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"sapo-report: {e}", file=sys.stderr)
         return 2
-    out = a.out if a.out is not None else Path(a.experiments[0]) / "report"
-    path = write_report(runs, summary, out, a.experiments)
+    first = Path(a.experiments[0])
+    out = a.out if a.out is not None else (first if first.is_dir() else first.parent) / "report"
+    try:
+        path = write_report(runs, summary, out, a.experiments)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and Path(e.filename) != out else ""
+        print(f"sapo-report: cannot write the report to {out}: {e.strerror or e}{where}", file=sys.stderr)
+        return 1
     print(console_table(summary))
     if summary["skipped_lines"]:
         print(f"skipped {summary['skipped_lines']} corrupt metrics line(s)")

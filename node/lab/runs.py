@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import orjson
@@ -19,6 +19,44 @@ from node.learn.guard import EvalSummary
 _SEED_RE = re.compile(r"^seed[_-]?(\w+)$", re.IGNORECASE)
 IJ_RE = re.compile(r"^(\d+)\s*[/_-]\s*(\d+)$")
 PEER_RE = re.compile(r"^peer[-_]?\w*$", re.IGNORECASE)  # a peer's run dir: scripts/local_swarm.sh's ROOT/peer<i>
+MAX_ROUND = 10**9  # a metrics line's round beyond this (or below 0) is corrupt, not a run that long
+
+# The fields of a metrics line the report reads, by type: a line that carries one of them as anything else
+# (null aside) is corrupt, skipped and counted, rather than read as "not logged".
+_NUMBER_KEYS = (
+    "num_local",
+    "num_external",
+    "target_external",
+    "external_accepted",
+    "external_rejected",
+    "round_s",
+    "eval_accuracy",
+    "eval_baseline",
+    "eval_distinct_answers",
+    "eval_distinct_gold",
+    "eval_unseen_accuracy",
+    "eval_unseen_baseline",
+    "entropy_mean",
+    "signal_frac",
+    "local_signal_frac",
+    "tokens_generated",
+    "start_accuracy",
+)
+_TEXT_KEYS = ("ij_policy", "model", "publisher", "eval_engine")
+# The run.json fields the report reads, by type (null counts as absent); one of another type makes the run.json
+# malformed. Ints are not bools, and never negative but for the seed.
+_RUN_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "config_name": (str,),
+    "seed": (int, str),
+    "num_local": (int,),
+    "num_external": (int,),
+    "ij_policy": (str,),
+    "peers": (int,),
+    "rounds": (int,),
+    "model": (str,),
+    "models": (list,),  # of strings
+}
+_TYPE_NAMES = {str: "a string", int: "an integer", list: "a list of strings"}
 
 
 @dataclass
@@ -63,6 +101,8 @@ class Run:
     skipped_lines: int = 0
     skipped_by_file: dict[str, int] = field(default_factory=dict)
     duplicate_rounds: int = 0
+    unreadable: dict[str, str] = field(default_factory=dict)  # files left out: path -> why
+    left_out: bool = False  # its run.json is malformed: none of its metrics read (config and seed unknown)
 
     @property
     def ij_policy(self) -> str:
@@ -107,6 +147,10 @@ def _num(x: Any) -> float:
     return math.nan
 
 
+def _is_number(x: Any) -> TypeGuard[int | float]:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _parse_line(raw: bytes) -> dict | None:
     """Parsed record, or None when the line is corrupt."""
     try:
@@ -116,12 +160,16 @@ def _parse_line(raw: bytes) -> dict | None:
     if not isinstance(obj, dict):
         return None
     r = obj.get("round")
-    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r != int(r):
+    if not _is_number(r) or not math.isfinite(r) or r != int(r) or not 0 <= r <= MAX_ROUND:
         return None
     if "reward_mean" not in obj:
         return None
     rm = obj["reward_mean"]
-    if rm is not None and (isinstance(rm, bool) or not isinstance(rm, (int, float))):
+    if rm is not None and not _is_number(rm):
+        return None
+    if any(obj.get(k) is not None and not _is_number(obj[k]) for k in _NUMBER_KEYS):
+        return None
+    if any(obj.get(k) is not None and not isinstance(obj[k], str) for k in _TEXT_KEYS):
         return None
     return obj
 
@@ -136,14 +184,11 @@ def last_evaluation(recs: Sequence[dict]) -> tuple[EvalSummary, dict] | None:
 
 
 def _read_metrics(path: Path, peer: str) -> tuple[PeerSeries | None, int, int]:
-    """(series or None if no valid line, corrupt line count, duplicate round count)."""
+    """(series or None if no valid line, corrupt line count, duplicate round count); OSError when the file
+    cannot be read (the caller reads only regular files: a FIFO would block)."""
     by_round: dict[int, dict] = {}
     bad = dup = 0
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None, 1, 0
-    for raw in data.splitlines():
+    for raw in path.read_bytes().splitlines():
         if not raw.strip():
             continue
         obj = _parse_line(raw)
@@ -220,6 +265,8 @@ def _peer_records(run_dir: Path) -> list[list[dict]]:
     """Each peer's valid records of a run (run_dir/peer*/metrics.jsonl); unreadable files are left out."""
     out = []
     for path in sorted(run_dir.glob("peer*/metrics.jsonl")):
+        if not path.is_file():  # a FIFO would block
+            continue
         try:
             lines = path.read_bytes().splitlines()
         except OSError:
@@ -251,6 +298,9 @@ def _sum_sources(recs: list[dict]) -> dict[str, int]:
 
 
 def read_run_json(path: Path) -> dict:
+    """A run.json's fields; {} when it is missing or unreadable (the report checks it: `run_meta`)."""
+    if not path.is_file():  # a FIFO would block
+        return {}
     try:
         d = json.loads(path.read_text())
         return d if isinstance(d, dict) else {}
@@ -258,13 +308,42 @@ def read_run_json(path: Path) -> dict:
         return {}
 
 
-def _identify(metrics: Path, root: Path) -> tuple[str, str, str, str, dict]:
-    """(config, seed, run_dir, peer, meta) for one metrics file below experiment root."""
+def run_meta(path: Path) -> tuple[dict, str]:
+    """A run.json's fields and "", or ({}, why) when it cannot be the run's record: not a regular file,
+    unreadable, not a JSON object, or a field the report reads (`_RUN_JSON_TYPES`) of the wrong type."""
+    if not path.is_file():  # a directory, or a FIFO that would block
+        return {}, "malformed run.json: not a regular file"
+    try:
+        d = json.loads(path.read_bytes())
+    except OSError as e:
+        return {}, f"unreadable run.json: {e.strerror or e}"
+    except (ValueError, RecursionError) as e:
+        return {}, f"malformed run.json: not valid JSON ({(str(e).splitlines() or ['nested too deep'])[0]})"
+    if not isinstance(d, dict):
+        return {}, f"malformed run.json: a JSON {type(d).__name__}, not an object"
+    for key, types in _RUN_JSON_TYPES.items():
+        v = d.get(key)
+        ok = v is None or (isinstance(v, types) and not isinstance(v, bool))
+        if ok and isinstance(v, int):
+            ok = key == "seed" or v >= 0
+        if ok and isinstance(v, list):
+            ok = all(isinstance(m, str) for m in v)
+        if not ok:
+            want = " or ".join(_TYPE_NAMES[t] for t in types) + (
+                " >= 0" if key in ("num_local", "num_external", "peers", "rounds") else ""
+            )
+            return {}, f"malformed run.json: {key} is {json.dumps(v)[:40]}, not {want}"
+    return d, ""
+
+
+def _identify(metrics: Path, root: Path) -> tuple[str, str, str, str, dict, str]:
+    """(config, seed, run_dir, peer, meta, problem) for one metrics file below experiment root; `problem`: why
+    its run.json is malformed ("" when it is fine or there is none: then the directory names say)."""
     parent = metrics.parent
     run_json_dir: Path | None = None
     d = parent
     while True:
-        if (d / "run.json").is_file():
+        if (d / "run.json").exists():
             run_json_dir = d
             break
         if d == root or root not in d.parents:
@@ -287,7 +366,9 @@ def _identify(metrics: Path, root: Path) -> tuple[str, str, str, str, dict]:
 
     meta: dict = {}
     if run_json_dir is not None:
-        meta = read_run_json(run_json_dir / "run.json")
+        meta, problem = run_meta(run_json_dir / "run.json")
+        if problem:
+            return "", "", str(run_json_dir), "", {}, problem
         run_dir = run_json_dir
     else:
         run_dir = fb_run_dir
@@ -308,16 +389,21 @@ def _identify(metrics: Path, root: Path) -> tuple[str, str, str, str, dict]:
     seed = str(seed) if seed is not None and not isinstance(seed, (dict, list)) else fb_seed
     prel = parent.relative_to(run_dir).parts if parent != run_dir and run_dir in parent.parents else ()
     peer = "/".join(prel) if prel else "peer0"
-    return config, seed, str(run_dir), peer, meta
+    return config, seed, str(run_dir), peer, meta, ""
 
 
 def load_runs(paths: Iterable[str | Path]) -> list[Run]:
-    """Discover every metrics.jsonl below the given experiment dirs and group them into runs."""
+    """Discover every metrics.jsonl below the given experiment dirs and group them into runs.
+
+    Files left out are named in their run's `unreadable`: a metrics.jsonl that is not a regular file (a FIFO
+    would block) or cannot be read, and a malformed run.json (`run_meta`), whose whole run is then a `left_out`
+    one with no agents rather than one filed under the directory names' configuration."""
     runs: dict[tuple[str, str], Run] = {}
     seen_files: set[Path] = set()
+    left_out_files: dict[str, int] = {}
     for p in paths:
         root = Path(p).resolve()
-        if root.is_file():
+        if not root.is_dir():
             files = [root]
             root = root.parent
         else:
@@ -327,12 +413,26 @@ def load_runs(paths: Iterable[str | Path]) -> list[Run]:
             if f in seen_files:
                 continue
             seen_files.add(f)
-            config, seed, run_dir, peer, meta = _identify(f, root)
+            config, seed, run_dir, peer, meta, problem = _identify(f, root)
+            if problem:
+                key = (run_dir, "\0left out")
+                if key not in runs:
+                    runs[key] = Run(config="", seed="", run_dir=run_dir, left_out=True)
+                    runs[key].unreadable[str(Path(run_dir) / "run.json")] = problem
+                left_out_files[run_dir] = left_out_files.get(run_dir, 0) + 1
+                continue
             key = (run_dir, config)
             run = runs.get(key)
             if run is None:
                 run = runs[key] = Run(config=config, seed=seed, run_dir=run_dir, meta=meta)
-            series, bad, dup = _read_metrics(f, peer)
+            if not f.is_file():
+                run.unreadable[str(f)] = "not a regular file"
+                continue
+            try:
+                series, bad, dup = _read_metrics(f, peer)
+            except OSError as e:
+                run.unreadable[str(f)] = f"unreadable: {e.strerror or e}"
+                continue
             if bad:
                 run.skipped_lines += bad
                 run.skipped_by_file[str(f)] = bad
@@ -340,9 +440,14 @@ def load_runs(paths: Iterable[str | Path]) -> list[Run]:
             if series is not None:
                 run.peers.append(series)
     out = [r for r in runs.values()]
+    for r in out:
+        if r.left_out:
+            n = left_out_files[r.run_dir]
+            for path, why in r.unreadable.items():
+                r.unreadable[path] = f"{why}; its run is left out ({n} metrics file{'s' * (n != 1)})"
     # seeds must be unique within a config: disambiguate same seed from different run dirs
     used: dict[tuple[str, str], int] = {}
-    for r in sorted(out, key=lambda r: (r.config, r.seed, r.run_dir)):
+    for r in sorted((r for r in out if not r.left_out), key=lambda r: (r.config, r.seed, r.run_dir)):
         k = (r.config, r.seed)
         n = used.get(k, 0)
         used[k] = n + 1

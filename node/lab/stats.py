@@ -266,7 +266,7 @@ def summarize(
 
     Returns a JSON-safe-ish dict (NaN where undefined) with keys: configs, baseline,
     baseline_reason, threshold, threshold_source, drop, drop_source, window, n_boot, boot_seed,
-    skipped_lines, skipped_by_file, duplicate_rounds, warnings, per_config{name: {...}}.
+    skipped_lines, skipped_by_file, duplicate_rounds, unreadable_files, warnings, per_config{name: {...}}.
     """
     if window < 1:
         raise ValueError("window must be >= 1")
@@ -275,10 +275,19 @@ def summarize(
         if r.peers:
             by_cfg.setdefault(r.config, []).append(r)
     warnings: list[str] = []
-    empty = [f"{r.config} seed {r.seed}" for r in runs if not r.peers]
+    empty = [f"{r.config} seed {r.seed}" for r in runs if not r.peers and not r.left_out]
     if empty:
         warnings.append(f"runs with no valid metrics: {', '.join(empty)}")
 
+    for rs in by_cfg.values():
+        for r in rs:
+            most = max(p.rounds.size for p in r.peers)
+            if short := [f"{p.peer} ({p.rounds.size})" for p in r.peers if p.rounds.size < most]:
+                warnings.append(
+                    f"{r.config} seed {r.seed}: {', '.join(short)} logged fewer rounds than the run's most "
+                    f"({most}): stopped early, or a metrics.jsonl cut short; the others alone make its missing rounds' "
+                    "swarm means"
+                )
     curves = {id(r): swarm_curve(r) for rs in by_cfg.values() for r in rs}
     mas = {k: moving_average(v[1], window) for k, v in curves.items()}
     all_ma = np.concatenate([m for m in mas.values()]) if mas else np.array([])
@@ -334,6 +343,10 @@ def summarize(
             "n_seeds": len(rs),
             "peers": sorted({len(r.peers) for r in rs}),
             "rounds": sorted({int(max(p.rounds.size for p in r.peers)) for r in rs}),
+            # per run: (fewest, most) rounds an agent logged: they differ where one stopped early or was cut short
+            "rounds_range": sorted(
+                {(min(p.rounds.size for p in r.peers), max(p.rounds.size for p in r.peers)) for r in rs}
+            ),
             "cumulative_by_seed": cum,
             "cumulative_mean": _fmean(list(cum.values())),
             "cumulative_std": _fstd(list(cum.values())),
@@ -401,8 +414,10 @@ def summarize(
             "in summary.json): near-ties can go either way between them (docs/EVALUATION.md)"
         )
     skipped_by_file: dict[str, int] = {}
+    unreadable: dict[str, str] = {}
     for r in runs:
         skipped_by_file.update(r.skipped_by_file)
+        unreadable.update(r.unreadable)
     return {
         "configs": list(per),
         "baseline": base_name,
@@ -417,6 +432,7 @@ def summarize(
         "skipped_lines": sum(skipped_by_file.values()),
         "skipped_by_file": skipped_by_file,
         "duplicate_rounds": sum(r.duplicate_rounds for r in runs),
+        "unreadable_files": unreadable,
         "warnings": warnings,
         "per_config": per,
         "has_eval": any(d["eval_final_by_seed"] for d in per.values()),

@@ -247,6 +247,12 @@ def heldout_comparison(summary: dict, prefix: str = "eval", figure: bool = True)
     return L
 
 
+def rounds_cell(d: dict) -> str:
+    """The rounds an agent of a configuration logged: one count per run, "fewest–most" for a run whose agents
+    differ (a metrics.jsonl cut short)."""
+    return ", ".join(f"{lo}–{hi}" if lo != hi else str(hi) for lo, hi in d["rounds_range"])
+
+
 def console_table(summary: dict) -> str:
     """Held-out (when logged) and cumulative reward per configuration; % vs baseline only when there is one."""
     base, rows = summary["baseline"], []
@@ -303,6 +309,10 @@ def agents_table(runs: Sequence[Run], window: int = 10) -> list[str]:
         values = values[np.isfinite(values)] if values.size else values
         return num(float(values[-1]) if values.size else math.nan, ".4f")
 
+    def mean(values: np.ndarray) -> str:  # n/a, not a numpy warning, when no round logged a reward
+        values = values[np.isfinite(values)]
+        return num(float(values.mean()) if values.size else math.nan, ".4f")
+
     unseen = any(np.isfinite(p.unseen_acc).any() for r in runs for p in r.peers if p.unseen_acc.size)
     rows = []
     for r in runs:
@@ -313,7 +323,7 @@ def agents_table(runs: Sequence[Run], window: int = 10) -> list[str]:
                     f"seed {r.seed}",
                     p.peer,
                     str(p.rounds.size),
-                    num(float(np.nanmean(p.reward)), ".4f"),
+                    mean(p.reward),
                     num(float(ma[-1]) if ma.size else math.nan, ".4f"),
                     last(p.eval_acc),
                 ]
