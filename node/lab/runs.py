@@ -3,60 +3,21 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 import numpy as np
-import orjson
 
+from node.lab.run_files import parse_metrics_line, run_meta
 from node.learn.guard import EvalSummary
 
 _SEED_RE = re.compile(r"^seed[_-]?(\w+)$", re.IGNORECASE)
 IJ_RE = re.compile(r"^(\d+)\s*[/_-]\s*(\d+)$")
 PEER_RE = re.compile(r"^peer[-_]?\w*$", re.IGNORECASE)  # a peer's run dir: scripts/local_swarm.sh's ROOT/peer<i>
-MAX_ROUND = 10**9  # a metrics line's round beyond this (or below 0) is corrupt, not a run that long
-
-# The fields of a metrics line the report reads, by type: a line that carries one of them as anything else
-# (null aside) is corrupt, skipped and counted, rather than read as "not logged".
-_NUMBER_KEYS = (
-    "num_local",
-    "num_external",
-    "target_external",
-    "external_accepted",
-    "external_rejected",
-    "round_s",
-    "eval_accuracy",
-    "eval_baseline",
-    "eval_distinct_answers",
-    "eval_distinct_gold",
-    "eval_unseen_accuracy",
-    "eval_unseen_baseline",
-    "entropy_mean",
-    "signal_frac",
-    "local_signal_frac",
-    "tokens_generated",
-    "start_accuracy",
-)
-_TEXT_KEYS = ("ij_policy", "model", "publisher", "eval_engine")
-# The run.json fields the report reads, by type (null counts as absent); one of another type makes the run.json
-# malformed. Ints are not bools, and never negative but for the seed.
-_RUN_JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "config_name": (str,),
-    "seed": (int, str),
-    "num_local": (int,),
-    "num_external": (int,),
-    "ij_policy": (str,),
-    "peers": (int,),
-    "rounds": (int,),
-    "model": (str,),
-    "models": (list,),  # of strings
-}
-_TYPE_NAMES = {str: "a string", int: "an integer", list: "a list of strings"}
 
 
 @dataclass
@@ -147,33 +108,6 @@ def _num(x: Any) -> float:
     return math.nan
 
 
-def _is_number(x: Any) -> TypeGuard[int | float]:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _parse_line(raw: bytes) -> dict | None:
-    """Parsed record, or None when the line is corrupt."""
-    try:
-        obj = orjson.loads(raw)
-    except Exception:
-        return None
-    if not isinstance(obj, dict):
-        return None
-    r = obj.get("round")
-    if not _is_number(r) or not math.isfinite(r) or r != int(r) or not 0 <= r <= MAX_ROUND:
-        return None
-    if "reward_mean" not in obj:
-        return None
-    rm = obj["reward_mean"]
-    if rm is not None and not _is_number(rm):
-        return None
-    if any(obj.get(k) is not None and not _is_number(obj[k]) for k in _NUMBER_KEYS):
-        return None
-    if any(obj.get(k) is not None and not isinstance(obj[k], str) for k in _TEXT_KEYS):
-        return None
-    return obj
-
-
 def last_evaluation(recs: Sequence[dict]) -> tuple[EvalSummary, dict] | None:
     """A peer's last held-out evaluation as the collapse guard reads it, with its record; None if it ran none."""
     for rec in reversed(recs):
@@ -191,7 +125,7 @@ def _read_metrics(path: Path, peer: str) -> tuple[PeerSeries | None, int, int]:
     for raw in path.read_bytes().splitlines():
         if not raw.strip():
             continue
-        obj = _parse_line(raw)
+        obj = parse_metrics_line(raw)
         if obj is None:
             bad += 1
             continue
@@ -271,7 +205,7 @@ def _peer_records(run_dir: Path) -> list[list[dict]]:
             lines = path.read_bytes().splitlines()
         except OSError:
             continue
-        out.append([obj for obj in map(_parse_line, lines) if obj is not None])
+        out.append([obj for obj in map(parse_metrics_line, lines) if obj is not None])
     return out
 
 
@@ -295,45 +229,6 @@ def _sum_sources(recs: list[dict]) -> dict[str, int]:
             if isinstance(key, str) and isinstance(n, int):
                 total[key] = total.get(key, 0) + n
     return total
-
-
-def read_run_json(path: Path) -> dict:
-    """A run.json's fields; {} when it is missing or unreadable (the report checks it: `run_meta`)."""
-    if not path.is_file():  # a FIFO would block
-        return {}
-    try:
-        d = json.loads(path.read_text())
-        return d if isinstance(d, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def run_meta(path: Path) -> tuple[dict, str]:
-    """A run.json's fields and "", or ({}, why) when it cannot be the run's record: not a regular file,
-    unreadable, not a JSON object, or a field the report reads (`_RUN_JSON_TYPES`) of the wrong type."""
-    if not path.is_file():  # a directory, or a FIFO that would block
-        return {}, "malformed run.json: not a regular file"
-    try:
-        d = json.loads(path.read_bytes())
-    except OSError as e:
-        return {}, f"unreadable run.json: {e.strerror or e}"
-    except (ValueError, RecursionError) as e:
-        return {}, f"malformed run.json: not valid JSON ({(str(e).splitlines() or ['nested too deep'])[0]})"
-    if not isinstance(d, dict):
-        return {}, f"malformed run.json: a JSON {type(d).__name__}, not an object"
-    for key, types in _RUN_JSON_TYPES.items():
-        v = d.get(key)
-        ok = v is None or (isinstance(v, types) and not isinstance(v, bool))
-        if ok and isinstance(v, int):
-            ok = key == "seed" or v >= 0
-        if ok and isinstance(v, list):
-            ok = all(isinstance(m, str) for m in v)
-        if not ok:
-            want = " or ".join(_TYPE_NAMES[t] for t in types) + (
-                " >= 0" if key in ("num_local", "num_external", "peers", "rounds") else ""
-            )
-            return {}, f"malformed run.json: {key} is {json.dumps(v)[:40]}, not {want}"
-    return d, ""
 
 
 def _identify(metrics: Path, root: Path) -> tuple[str, str, str, str, dict, str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,10 +135,71 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name.replace("/", "-"))
 
 
+def label_problem(label: str) -> str | None:
+    """Why --label cannot name a configuration's runs, or None. Its run dirs are OUT/slug(label)/seedK, and slug
+    turns a '/' into '-' ("2/2 ftis" -> 2-2_ftis: the documented form), so no label reaches outside --out but '.'
+    and '..' (and labels that are a '..' path); those, and labels with control characters (a report's table
+    row), are refused."""
+    if slug(label) in (".", "..") or ".." in re.split(r"[/\\]", label):
+        return f"--label {label!r}: names no directory inside --out (give a name, e.g. '2/2 ftis')"
+    if any(not c.isprintable() for c in label):
+        return f"--label {label!r}: control characters"
+    return None
+
+
 def recipe_env() -> dict[str, str]:
     """The environment an experiment's peers resolve their recipe with, in either mode: SAPO_RECIPE alone (every
     other setting reaches them as a flag)."""
     return {k: v for k, v in os.environ.items() if k == "SAPO_RECIPE"}
+
+
+# The sapo-node options every peer gets from sapo-experiment itself (RunSpec.node_args, and the run's own: its swarm,
+# shared evaluation, addresses, resume), each with the experiment's flag or the source that sets it. --node-arg may
+# set none of them: the peers would run with a value that run.json does not record (or outside the run's dirs).
+SET_BY_EXPERIMENT = {
+    "model": "give --model or --models",
+    "tasks": "give --tasks",
+    "num_local": "the preset sets it",
+    "num_external": "the preset sets it",
+    "generations": "give --generations",
+    "ij_policy": "the preset sets it",
+    "rounds": "give --rounds",
+    "seed": "give --seeds: peer p of seed k has node seed 1000k + p",
+    "lr": "give --lr",
+    "run_dir": "give --out: peer p of a run lives in OUT/CONFIG/seedK/peerP",
+    "name": "peer p is named peerP",
+    "threads": "give --threads",
+    "eval_every": "give --eval-every",
+    "eval_size": "give --eval-size",
+    "eval_engine": "give --eval-engine",
+    "lora_rank": "give --lora-rank",
+    "lora_alpha": "give --lora-alpha",
+    "max_new_tokens": "give --max-new-tokens",
+    "swarm": "each configuration has a swarm of its own",
+    "peers": "each peer joins its run's bootstrap peer",
+    "host_maddrs": "each peer listens on the loopback",
+    "eval_share": "a run's peers share OUT/CONFIG/seedK/shared-eval",
+    "resume": "a run that has begun is resumed",
+}
+# What --peer-arg may still give one peer of its own (its own --eval-every, --lr, --lora-init...): all but these,
+# which the run itself depends on: its layout and seeds, its swarm, one task mix and the shared LoRA base in memory mode
+# (`run_memory` loads each peer's model, builds its mix and its adapter from the run's settings), one CPU split.
+PEER_RESERVED = (
+    *("model", "tasks", "rounds", "seed", "run_dir", "name", "threads", "lora_rank", "lora_alpha"),
+    *("swarm", "peers", "host_maddrs", "eval_share", "resume"),
+)
+
+
+def check_not_set_by_experiment(flags: list[str], where: str, reserved: tuple[str, ...] | list[str]) -> None:
+    """ValueError when `flags` (already known to parse) set an option of `reserved` that sapo-experiment sets itself;
+    parsed as sapo-node parses them, so `--rounds=3`, `--rounds 3`, `--no-resume` and abbreviations all count."""
+    given, _ = node_parser().parse_known_args(flags)
+    for name in vars(given):
+        if name in reserved:
+            raise ValueError(
+                f"{where}: {'--' + name.replace('_', '-')} is set by sapo-experiment itself, not by a peer's "
+                f"flags ({SET_BY_EXPERIMENT[name]})"
+            )
 
 
 def check_node_flags(flags: list[str], where: str) -> None:
@@ -154,6 +216,8 @@ def check_node_flags(flags: list[str], where: str) -> None:
 def peer_plan(args: argparse.Namespace) -> tuple[dict[str, int], list[str], dict[str, dict[int, list[str]]]]:
     """(peers per configuration, per-peer models, per-peer flags per configuration) from the CLI; ValueError
     with the message to print. Checked for every configuration before any run starts."""
+    if args.peers is not None and args.peers < 1:
+        raise ValueError(f"--peers must be >= 1 (got {args.peers})")
     models = [m.strip() for m in args.models.split(",")] if args.models else []
     if any(not m for m in models):
         raise ValueError(f"--models {args.models!r}: an empty model name")
@@ -164,6 +228,7 @@ def peer_plan(args: argparse.Namespace) -> tuple[dict[str, int], list[str], dict
     for flags in plan.values():
         for p, own in flags.items():
             check_node_flags(own, f"--peer-arg {p}")
+            check_not_set_by_experiment(own, f"--peer-arg {p}", PEER_RESERVED)
     return peers, models, plan
 
 
@@ -173,10 +238,11 @@ def node_learning_settings(args: argparse.Namespace, models: list[str]) -> tuple
     which depends on the model on a GPU), so that an experiment's peers train as a node alone would: on a CPU,
     the CPU recipe. Models whose recipes differ (a packaged and another model on a GPU) need one named: every
     peer of a run has one recipe. ValueError with the message to print."""
-    given = []
+    given = ["--lora-alpha", str(args.lora_alpha)]  # checked here even when no peer gets it (no LoRA)
     for flag, value in (("--tasks", args.tasks), ("--lora-rank", args.lora_rank), ("--lr", args.lr)):
         given += [flag, str(value)] if value is not None else []
     check_node_flags(given + list(args.node_arg), "--node-arg")
+    check_not_set_by_experiment(list(args.node_arg), "--node-arg", tuple(SET_BY_EXPERIMENT))
     from node.build import check_fits_the_wire  # the torch-heavy part: not for --help
 
     resolved = {}
@@ -194,3 +260,22 @@ def node_learning_settings(args: argparse.Namespace, models: list[str]) -> tuple
             + "); name one for every peer, e.g. --node-arg=--recipe=cpu"
         )
     return next(iter(resolved.values()))[1:]
+
+
+def check_peer_configs(spec: RunSpec, root: Path, run_flags: list[str], env: Mapping[str, str]) -> None:
+    """ValueError with the message to print when sapo-node would refuse a peer of this run: the node's own checks
+    (load_config, the wire's limits) on exactly the flags each peer gets, in the environment it gets, so a bad
+    value (`--generations -3`, `--eval-size 0`) stops the command before any run starts, not each peer at its
+    start. A peer's own flags (--peer-arg) are checked after the common ones, so the message says whose they are."""
+    from node.build import check_fits_the_wire
+
+    for p in range(spec.peers):
+        common = spec.node_args(p, root / f"peer{p}")
+        own = list(spec.peer_args.get(p, []))
+        for flags, where in ((common[: len(common) - len(own)], ""), (common, f"--peer-arg {p}: ")):
+            try:
+                check_fits_the_wire(load_config(flags + run_flags, env=env))
+            except ConfigError as exc:
+                raise ValueError(f"{where}{exc}") from None
+            if not own:
+                break

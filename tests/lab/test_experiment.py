@@ -10,7 +10,7 @@ import pytest
 
 from conftest import NO_EVAL, REPO, live_metrics, node_env, run_python
 from helpers_learning import check_records
-from node.lab.experiment import SIMD_FLAGS
+from node.lab.run_record import SIMD_FLAGS
 from tbread import read_scalars
 
 TINY = [

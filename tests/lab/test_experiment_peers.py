@@ -130,7 +130,8 @@ def test_models_whose_recipes_differ_need_one_named(monkeypatch):
         (["--node-arg=--no-such-flag"], "--no-such-flag is no sapo-node flag"),
         (["--node-arg=--recipe=fast"], "--recipe must be one of"),
         (["--node-arg=--beta=abc"], "--node-arg: a value sapo-node refuses"),
-        (["--node-arg=--generations=48"], "--generations must be <= 32 in a swarm"),  # every group would be left out
+        (["--generations", "48"], "--generations must be <= 32 in a swarm"),  # every group would be left out
+        (["--peer-arg", "1:--generations=48"], "--peer-arg 1: --generations must be <= 32 in a swarm"),
         (["--peer-arg", "1:--no-such-flag"], "--peer-arg 1: --no-such-flag is no sapo-node flag"),
         (["--peer-arg", "5:--beta=0.1"], "peer 5 does not exist (peers 0..4)"),
         (["--peer-arg", "x:--beta=0.1"], "expected PEER:FLAG"),
