@@ -35,7 +35,8 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(raw) if raw else default
     except ValueError:
-        raise SystemExit(f"sapo-bootstrap: ${name} must be an integer (got {raw!r})") from None
+        print(f"sapo-bootstrap: ${name} must be an integer (got {raw!r})", file=sys.stderr)
+        raise SystemExit(2) from None  # a usage error, like a bad flag
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -155,6 +155,7 @@ def test_a_status_port_that_is_no_tcp_port_is_one_clear_error(tmp_path, status_p
     ],
 )
 def test_flags_refused_up_front(extra, message):
+    """Usage errors, exit 2 before the DHT starts (SAPO_POW_DIFFICULTY too: it stands in for a flag)."""
     from bootstrap.main import parse_args, usage_problem
 
     assert usage_problem(parse_args([])) is None
@@ -176,3 +177,12 @@ def test_an_identity_dir_that_is_a_file_or_a_maddrs_file_that_cannot_be_written_
     code, out = proc.wait(timeout=60), proc.stdout.read()
     proc.stdout.close()
     assert code == 1 and "cannot write --maddrs-file" in out and "Traceback" not in out, out[-2000:]
+
+
+def test_a_pow_difficulty_variable_that_is_no_integer_is_a_usage_error(monkeypatch, capsys):
+    from bootstrap.main import build_parser
+
+    monkeypatch.setenv("SAPO_POW_DIFFICULTY", "abc")
+    with pytest.raises(SystemExit) as exit_:
+        build_parser()
+    assert exit_.value.code == 2 and "$SAPO_POW_DIFFICULTY must be an integer" in capsys.readouterr().err
