@@ -24,7 +24,7 @@ from node.ops.status import ThreadedStatusServer, start_status_server_in_thread
 from p2p.dht_process import die_with_parent, keep_valid_subkeys_in, routing_peers, start_dht
 from p2p.files import write_atomically
 from p2p.identity import KEY_FILENAME, Identity, IdentityError, libp2p_identity_path
-from p2p.maddr import first_problem
+from p2p.maddr import flags_problem
 from p2p.pow import DEFAULT_POW_DIFFICULTY, MAX_POW_DIFFICULTY
 
 logger = logging.getLogger("sapo.bootstrap")
@@ -67,14 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    why = first_problem("--host-maddrs", args.host_maddrs, allow_peer_id=False) or first_problem(
-        "--announce-maddrs", args.announce_maddrs
-    )
-    if why:
-        parser.error(why)  # exit 2, before the DHT's process would time out on it
-    return args
+    return build_parser().parse_args(argv)
 
 
 class PeerCounter:
@@ -109,7 +102,7 @@ def usage_problem(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be seconds in (0, 86400] (got {value})"
     if args.maddrs_file is not None and args.maddrs_file.is_dir():
         return f"--maddrs-file {args.maddrs_file} is a directory; name a file"
-    return None
+    return flags_problem([], args.host_maddrs, args.announce_maddrs)  # the DHT's process would time out on one
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -135,13 +135,9 @@ def configure_threads(cfg: NodeConfig) -> int:
 
 def address_problem(cfg: NodeConfig) -> str | None:
     """A multiaddr flag that does not parse, said before anything starts (hivemind would time out on it)."""
-    from p2p.maddr import first_problem
+    from p2p.maddr import flags_problem
 
-    return (
-        first_problem("--peers", cfg.peers, need_peer_id=True)
-        or first_problem("--host-maddrs", cfg.host_maddrs, allow_peer_id=False)
-        or first_problem("--announce-maddrs", cfg.announce_maddrs)
-    )
+    return flags_problem(cfg.peers, cfg.host_maddrs, cfg.announce_maddrs)
 
 
 def run_evidence(run_dir: Path) -> str:

@@ -89,3 +89,13 @@ def first_problem(flag: str, maddrs: list[str], **rules: bool) -> str | None:
         if why:
             return f"{flag}: {why} (got {str(maddr)!r}; a multiaddr looks like {EXAMPLE})"
     return None
+
+
+def flags_problem(peers: list[str], host_maddrs: list[str], announce_maddrs: list[str]) -> str | None:
+    """The address flags' rules, for sapo-node and sapo-bootstrap alike: a peer names its id, a listen address
+    does not, an announced one may."""
+    return (
+        first_problem("--peers", peers, need_peer_id=True)
+        or first_problem("--host-maddrs", host_maddrs, allow_peer_id=False)
+        or first_problem("--announce-maddrs", announce_maddrs)
+    )

@@ -78,28 +78,31 @@ def parse_metrics_line(raw: bytes) -> dict | None:
     return obj
 
 
+def json_value(path: Path) -> tuple[Any, str]:
+    """A JSON file's value and "", or (None, why): not a regular file (a FIFO would block), unreadable, or not
+    JSON (nesting too deep included)."""
+    if not path.is_file():
+        return None, "not a regular file"
+    try:
+        return json.loads(path.read_bytes()), ""
+    except OSError as e:
+        return None, f"unreadable: {e.strerror or e}"
+    except (ValueError, RecursionError) as e:
+        return None, f"not valid JSON ({(str(e).splitlines() or ['nested too deep'])[0]})"
+
+
 def read_run_json(path: Path) -> dict:
     """A run.json's fields; {} when it is missing or unreadable (the report checks it: `run_meta`)."""
-    if not path.is_file():  # a FIFO would block
-        return {}
-    try:
-        d = json.loads(path.read_text())
-        return d if isinstance(d, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    d, _ = json_value(path)
+    return d if isinstance(d, dict) else {}
 
 
 def run_meta(path: Path) -> tuple[dict, str]:
     """A run.json's fields and "", or ({}, why) when it cannot be the run's record: not a regular file,
     unreadable, not a JSON object, or a field the report reads (`_RUN_JSON_TYPES`) of the wrong type."""
-    if not path.is_file():  # a directory, or a FIFO that would block
-        return {}, "malformed run.json: not a regular file"
-    try:
-        d = json.loads(path.read_bytes())
-    except OSError as e:
-        return {}, f"unreadable run.json: {e.strerror or e}"
-    except (ValueError, RecursionError) as e:
-        return {}, f"malformed run.json: not valid JSON ({(str(e).splitlines() or ['nested too deep'])[0]})"
+    d, why = json_value(path)
+    if why:
+        return {}, f"malformed run.json: {why}"
     if not isinstance(d, dict):
         return {}, f"malformed run.json: a JSON {type(d).__name__}, not an object"
     for key, types in _RUN_JSON_TYPES.items():

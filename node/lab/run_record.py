@@ -16,7 +16,7 @@ from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 
-from node.lab.run_files import read_run_json
+from node.lab.run_files import json_value, read_run_json
 from node.lab.runs import run_engines
 from node.lab.runspec import RunSpec
 
@@ -106,11 +106,10 @@ def existing_run_json(path: Path) -> dict:
     and the check that a resumed run keeps its settings reads it."""
     if not path.exists() and not path.is_symlink():
         return {}
-    try:
-        data = json.loads(path.read_bytes()) if path.is_file() else None
-    except (OSError, ValueError) as exc:
-        raise RunJsonError(f"{path}: not a readable run.json ({exc}); move it away or remove its run dir") from None
-    if not isinstance(data, dict):
+    data, why = json_value(path)
+    if why and path.is_file():  # unreadable, or not JSON
+        raise RunJsonError(f"{path}: not a readable run.json ({why}); move it away or remove its run dir")
+    if not isinstance(data, dict):  # a JSON array, or no file (a directory) where run.json belongs
         raise RunJsonError(f"{path}: not a run.json (a JSON object); move it away or remove its run dir")
     commits = data.get("git_commits", [])
     if not isinstance(commits, list) or not all(c is None or isinstance(c, str) for c in commits):

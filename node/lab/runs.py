@@ -281,7 +281,7 @@ def _identify(metrics: Path, root: Path) -> tuple[str, str, str, str, dict, str]
         else:
             config = fb_config
     seed = meta.get("seed")
-    seed = str(seed) if seed is not None and not isinstance(seed, (dict, list)) else fb_seed
+    seed = str(seed) if seed is not None else fb_seed  # an int or a string: run_meta checked its type
     prel = parent.relative_to(run_dir).parts if parent != run_dir and run_dir in parent.parents else ()
     peer = "/".join(prel) if prel else "peer0"
     return config, seed, str(run_dir), peer, meta, ""
