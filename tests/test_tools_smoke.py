@@ -5,7 +5,8 @@ tests); what is checked is that each one is there and well formed.
 
 The tools that start real swarms (DHT processes, nodes) are `slow`: they go first, one worker each. Not
 smoke-run: the quick-start benchmark (a fresh clone, set-up and a five-peer swarm for 30 rounds, by design;
-its arguments are checked), `bench.lora memory` and `bench.engine sync/bindings` (the other subcommands of
+its arguments are checked), the conversion benchmark (two conversions of a packaged model per repeat, about
+a minute; its arguments are checked), `bench.lora memory` and `bench.engine sync/bindings` (the other subcommands of
 tools that are).
 """
 
@@ -263,6 +264,12 @@ def test_churn_benchmark_runs_a_calm_swarm_and_reports(tmp_path):
     result = json.loads((tmp_path / "out" / "results.json").read_text())
     assert set(result["swarms"]) == {"calm"} and result["peers"] == 2 and "calm" in out
     assert (tmp_path / "out" / "report.md").read_text().strip()
+
+
+def test_convert_benchmark_parses_its_arguments():
+    assert "--repeats" in tool("bench.convert", "--help")
+    done = run_python(["-m", "scripts.bench.convert", "--repeats", "0"], 60, node_env())
+    assert done.returncode == 2 and "--repeats must be at least 1" in done.stderr
 
 
 def test_quickstart_benchmark_parses_its_arguments():

@@ -26,6 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from node.learn.formats import CHATML, apply_format, format_for
+from node.learn.gguf_once import parsed_once
 from node.learn.packaged import ENGINE_MODEL, PACKAGED, ModelLoadError, converted_dir, install, is_installed, model_path
 
 __all__ = ["ModelLoadError", "embedded_model_path", "load_model", "pick_device"]  # ModelLoadError: callers catch it
@@ -67,8 +68,9 @@ def load_model(name: str, device: torch.device) -> tuple[torch.nn.Module, PreTra
             elif path.suffix == ".gguf":
                 if not path.exists():
                     raise ModelLoadError(f"GGUF file not found: {path}")
-                tokenizer = _gguf_tokenizer(path)
-                model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+                with parsed_once():  # transformers would parse the file three times
+                    tokenizer = _gguf_tokenizer(path)
+                    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
                 if converted is not None:  # de-quantised exactly: the same weights next time, loaded faster
                     _keep_converted(model, tokenizer, converted)
             else:

@@ -112,9 +112,9 @@ def model_path(name: str, assemble: bool = True) -> Path:
 
 def converted_dir(name: str) -> Path | None:
     """Where a packaged model is kept in transformers' own format once loaded (model_io.load_model): reading
-    it takes seconds, where de-quantising a GGUF and converting its vocabulary takes 15 s (SmolLM2's 49k
-    tokens) to a minute (Gemma's 262k). A chunked model is keyed by the checksum it ships, a single file by
-    `file_key`. None where the package is missing."""
+    it takes seconds, where de-quantising a GGUF and converting its vocabulary takes 10-13 CPU-s (SmolLM2's
+    49k tokens) to 40 (Gemma's 262k; node/learn/gguf_once.py). A chunked model is keyed by the checksum it
+    ships, a single file by `file_key`. None where the package is missing."""
     m = PACKAGED[name]
     home = package_dir(m.module)
     if home is None:
