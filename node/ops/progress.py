@@ -324,7 +324,15 @@ def format_table(views: Sequence[RunView], now: float | None = None) -> str:
         lines.append("  ".join(cells).rstrip())
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
+    lines += [_skipped(v) for v in views if v.tail.bad_lines]
     return "\n".join(lines)
+
+
+def _skipped(view: RunView) -> str:
+    """A note that lines of a peer's metrics.jsonl were not records (garbage, cut short): the table leaves them
+    out, and says so rather than hide them."""
+    n = view.tail.bad_lines
+    return f"{view.name}: {n} unreadable line{'s' * (n != 1)} in {view.tail.path} skipped"
 
 
 def _watch(views: Sequence[RunView], out: TextIO, interval: float, once: bool, live: bool) -> None:
@@ -333,10 +341,13 @@ def _watch(views: Sequence[RunView], out: TextIO, interval: float, once: bool, l
     first = True
     while True:
         for v in views:
+            bad = v.tail.bad_lines
             new = v.poll()
             if not live and not first:
                 for rec in new:
                     out.write(_line_for(v, rec) + "\n")
+                if v.tail.bad_lines > bad:
+                    out.write(_skipped(v) + "\n")
         if live:
             out.write(_HOME_CLEAR + f"SAPO local swarm · {time.strftime('%H:%M:%S')} · Ctrl-C to quit\n\n")
             out.write(format_table(views) + "\n")

@@ -13,6 +13,7 @@ import time
 import orjson
 import pytest
 
+from node.ops import progress
 from node.ops.progress import MetricsTail, ProgressPrinter, RunView, format_progress_line, format_table, main
 
 pytestmark = pytest.mark.timeout(60)
@@ -233,6 +234,36 @@ def test_the_next_evaluation_shows_in_the_line_and_the_table(tmp_path):
     lines = format_table(views).splitlines()
     assert "next eval" in lines[0] and "after 3" in lines[2] and "after" not in lines[3]
     assert "next eval" not in format_table(views[1:])
+
+
+def test_unreadable_lines_are_skipped_and_said(tmp_path, monkeypatch):
+    """Garbage in a peer's metrics.jsonl: the table and the plain view leave it out and say how many lines."""
+    run = tmp_path / "n0"
+    metrics = run / "metrics.jsonl"
+    _write(run, [{"round": 1, "reward_mean": 0.1, "peer": "alice"}])
+    view = RunView(run, MetricsTail(metrics))
+    view.poll()
+    assert "unreadable" not in format_table([view])
+    with open(metrics, "ab") as f:
+        f.write(b"garbage\n[1, 2]\n")
+    _write(run, [{"round": 2, "reward_mean": 0.2, "peer": "alice"}])
+    view.poll()
+    assert format_table([view]).splitlines()[-1] == f"alice: 2 unreadable lines in {metrics} skipped"
+
+    refreshes = []
+
+    def sleep(_: float) -> None:  # the plain view's first table, then one refresh after a line cut short
+        if refreshes:
+            raise KeyboardInterrupt
+        refreshes.append(1)
+        with open(metrics, "ab") as f:
+            f.write(b'{"round": 3, "rew\n')
+
+    monkeypatch.setattr(progress.time, "sleep", sleep)
+    out = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        progress._watch([RunView(run, MetricsTail(metrics))], out, 0.1, once=False, live=False)
+    assert out.getvalue().splitlines()[-1] == f"alice: 3 unreadable lines in {metrics} skipped"
 
 
 def test_what_is_not_a_metrics_file_is_read_as_nothing_yet(tmp_path):
