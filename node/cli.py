@@ -15,8 +15,10 @@ console with what to do; their traceback, if any, goes to node.log (debug level)
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -186,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         lock.acquire()
     except RunDirBusy as exc:
         return fail(str(exc))
-    except OSError as exc:  # a file where the run dir belongs, no permission
+    except OSError as exc:  # a file where the run dir belongs, no permission, a full disk
+        full = disk_full(exc, run_dir)
+        if full:
+            return fail(full, 1)
         return fail(f"--run-dir {run_dir}: cannot hold a run there ({exc.strerror or exc}: {exc.filename or run_dir})")
     held = run_evidence(run_dir)
     if held and not cfg.resume:
@@ -196,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     signals.install_early()
     try:
         setup_logging(run_dir, cfg.log_level, cfg.name, on_console_lost=signals.console_lost)
-    except OSError as exc:  # node.log a directory, a read-only run dir
-        return fail(f"cannot write the run dir's log: {exc}", 1)
+    except OSError as exc:  # node.log a directory, a read-only run dir, a full disk
+        return fail(disk_full(exc, run_dir) or f"cannot write the run dir's log: {exc}", 1)
 
     from node.learn.tasks import TaskError, resolve_mix
 
@@ -252,9 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(exc))
     except Exception as exc:  # the run dir's files (a file where a directory belongs), --lora-init, --eval-share
         log_traceback("the node could not be built")
-        return fail(
-            f"cannot build the node: {type(exc).__name__}: {exc} (the traceback is in {run_dir / 'node.log'})", 1
-        )
+        why = f"{type(exc).__name__}: {exc} (the traceback is in {run_dir / 'node.log'})"
+        return fail(disk_full(exc, run_dir) or f"cannot build the node: {why}", 1)
     if stop.is_set():
         node.engine.close()
         return stopped_in_start_up(stop, "building the node")
@@ -282,13 +286,35 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"cannot join the swarm: {exc}; {join_fix(str(exc), bool(cfg.peers))}", 1)
     except Exception as exc:  # one clear line on the console, the traceback in node.log
         log_traceback("node stopped on an error")
-        return fail(f"{type(exc).__name__}: {exc} (the traceback is in {run_dir / 'node.log'})", 1)
+        return fail(
+            disk_full(exc, run_dir) or f"{type(exc).__name__}: {exc} (the traceback is in {run_dir / 'node.log'})", 1
+        )
     finally:
         # Everything is written and released: a repeat arriving now has nothing left to stop. Ignored, not
         # handled, because interpreter shutdown resets Python-level handlers to the default (death by signal).
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
     return 0
+
+
+def disk_full(exc: BaseException, run_dir: Path) -> str | None:
+    """What to do when the run dir's disk is full (or over its quota); None for any other failure. Every write
+    of the node is atomic or append-only, so what it saved before stays loadable. Some writers hide the errno
+    (torch.save raises RuntimeError "unexpected pos"): a failure with less than 1 MB left counts too."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = (exc.strerror or os.strerror(exc.errno)) + (f" ({exc.filename})" if exc.filename else "")
+    else:
+        try:
+            free = shutil.disk_usage(run_dir).free
+        except OSError:
+            return None
+        if free >= 1_000_000:
+            return None
+        what = f"{free} bytes free ({type(exc).__name__}: {exc})"
+    return (
+        f"the disk holding {run_dir} is full: {what}. Every checkpoint and metrics line written before is "
+        "intact: free some space, then start again with --resume"
+    )
 
 
 def stopped_in_start_up(stop: StopRequest, what: str) -> int:

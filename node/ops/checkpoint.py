@@ -88,6 +88,7 @@ class CheckpointStore:
     def __init__(self, run_dir: Path, keep: int = 2, subdir: str = CHECKPOINTS_DIR):
         self.dir = Path(run_dir) / subdir
         self.keep = max(1, keep)
+        self.low_space = False  # said once (node.log) until the disk has room for two checkpoints again
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def save(
@@ -100,9 +101,46 @@ class CheckpointStore:
     ) -> Path:
         """`weights` and `optimizer` are state dicts (the whole model's, or only a LoRA adapter's)."""
         self._recover_interrupted()  # first: a round that is only in .old-* is set aside or replaced like any other
+        self._remove_unfinished()  # before writing: on a nearly full disk the space they hold may be what it needs
         final = self.dir / dir_name(round_)
         tmp = self.dir / f".tmp-{dir_name(round_)}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            self._write(tmp, round_, weights, optimizer, state, meta)
+        except BaseException:  # a full disk, a stop: no half-written copy left to hold the space
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if final.exists():  # re-saving the same round (e.g. after a resume): replace it atomically
+            old = self.dir / f".old-{final.name}-{os.getpid()}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        fsync_dir(self.dir)
+        self._set_aside_newer_than(round_)
+        self._prune()
+        self._check_space(final)
+        return final
+
+    def _check_space(self, written: Path) -> None:
+        """A warning, once until space comes back, when the disk has less than twice a checkpoint's size free:
+        the next one is written in full before the oldest is removed, and metrics and logs grow meanwhile."""
+        size = sum(f.stat().st_size for f in written.iterdir())
+        free = shutil.disk_usage(self.dir).free
+        low = free < 2 * size
+        if low and not self.low_space:
+            log.warning(
+                "the disk holding %s has %.0f MB free and a checkpoint takes %.0f MB: free some space soon (on a "
+                "full disk the node stops, keeping every checkpoint and metrics line it wrote)",
+                self.dir,
+                free / 1e6,
+                size / 1e6,
+            )
+        self.low_space = low
+
+    @staticmethod
+    def _write(tmp: Path, round_: int, weights: dict, optimizer: dict, state: dict, meta: dict | None) -> None:
         tmp.mkdir(parents=True)
         torch.save(weights, tmp / "model.pt")
         torch.save(optimizer, tmp / "optimizer.pt")
@@ -114,17 +152,13 @@ class CheckpointStore:
         (tmp / "MANIFEST.json").write_text(json.dumps({"round": round_, "files": files, "meta": meta}))
         _fsync_file(tmp / "MANIFEST.json")
         fsync_dir(tmp)
-        if final.exists():  # re-saving the same round (e.g. after a resume): replace it atomically
-            old = self.dir / f".old-{final.name}-{os.getpid()}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
-        fsync_dir(self.dir)
-        self._set_aside_newer_than(round_)
-        self._prune()
-        return final
+
+    def _remove_unfinished(self) -> None:
+        """Copies another process began and never finished (it crashed mid-save; the run dir's lock says no
+        other process writes here now)."""
+        for tmp in self.dir.glob(".tmp-*"):
+            if not tmp.name.endswith(f"-{os.getpid()}"):
+                shutil.rmtree(tmp, ignore_errors=True)
 
     def _set_aside_newer_than(self, round_: int) -> None:
         """Checkpoints numbered after the one just written belong to a timeline this run has left (it resumed
@@ -159,9 +193,6 @@ class CheckpointStore:
     def _prune(self) -> None:
         for stale in self._complete_dirs()[self.keep :]:
             shutil.rmtree(stale, ignore_errors=True)
-        for tmp in self.dir.glob(".tmp-*"):
-            if not tmp.name.endswith(f"-{os.getpid()}"):
-                shutil.rmtree(tmp, ignore_errors=True)
         for old, final in self._old_dirs():
             if final.exists():  # replaced (a crash or an error in the rmtree after the swap left it behind)
                 shutil.rmtree(old, ignore_errors=True)

@@ -67,6 +67,40 @@ class ConsoleHandler(logging.StreamHandler):
             self.on_lost()
 
 
+class NodeLogHandler(logging.FileHandler):
+    """node.log that a full disk (or a failing one) cannot turn into a traceback on the console for every line:
+    the first write that fails says so once on stderr, and the file is left alone from then on (the console
+    keeps every line). Errors that are not the file's (a malformed record) are logging's usual report."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, encoding="utf-8")
+        self.lost: OSError | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.lost is None:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, OSError):
+            super().handleError(record)
+            return
+        self.lost = exc
+        stream, self.stream = self.stream, None
+        try:
+            if stream is not None:
+                stream.close()  # its buffer cannot be flushed either: closed now, not at exit with another error
+        except (OSError, ValueError):
+            pass
+        try:
+            sys.stderr.write(
+                f"sapo-node: {self.baseFilename} cannot be written ({exc.strerror}): its lines go to the console only\n"
+            )
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
+
 def silence_std_streams() -> None:
     """Point fds 1 and 2 at /dev/null: writes to a closed pipe or a hung-up terminal then go nowhere."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -89,7 +123,7 @@ def setup_logging(
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
-    file_handler = logging.FileHandler(run_dir / LOG_FILE, encoding="utf-8")
+    file_handler = NodeLogHandler(run_dir / LOG_FILE)
     console = ConsoleHandler(sys.stderr, on_console_lost)
     console.setLevel(level.upper())  # TRACE_LOGGER's debug lines pass the root's level, not the console's
     for handler in (file_handler, console):

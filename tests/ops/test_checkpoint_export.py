@@ -1,8 +1,12 @@
 """Weights-only exports of a checkpoint (node/ops/checkpoint.py export_weights): what an experiment commits so
-that runs on other machines can start from it with --lora-init; they load, they verify, they never resume."""
+that runs on other machines can start from it with --lora-init; they load, they verify, they never resume. And
+the store itself: what it sets aside, puts back and prunes, and what a full disk leaves."""
 
+import errno
 import hashlib
 import json
+import logging
+import shutil
 
 import pytest
 import torch
@@ -163,3 +167,41 @@ def test_a_round_set_aside_twice_keeps_both_copies(tmp_path):
         assert store.load_latest().round == 4
     assert (store.dir / "abandoned" / "round-000005" / "model.pt").read_bytes() == b"first"
     assert (store.dir / "abandoned" / "round-000005.1" / "model.pt").read_bytes() == b"second"
+
+
+def test_a_save_that_fails_leaves_no_copy_behind_and_the_last_checkpoint_loads(tmp_path, monkeypatch):
+    """A full disk mid-save: its half-written copy is removed (it would hold the space the next try needs), as
+    is one a crashed process left; the checkpoint saved before still loads."""
+    path, weights = saved(tmp_path)
+    store = CheckpointStore(tmp_path / "run")
+    crashed = store.dir / ".tmp-round-000008-999999"  # another pid's unfinished save
+    crashed.mkdir()
+    real_save = torch.save
+
+    def disk_full(obj, f, *args, **kwargs):
+        if str(f).endswith("optimizer.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        store.save(8, weights, {}, {}, {})
+    assert sorted(p.name for p in store.dir.iterdir()) == [path.name]
+    assert store.load_latest().round == 7
+
+
+def test_a_disk_without_room_for_two_more_checkpoints_is_said_once(tmp_path, monkeypatch, caplog):
+    path, weights = saved(tmp_path)
+    size = sum(f.stat().st_size for f in path.iterdir())
+    store = CheckpointStore(tmp_path / "run")
+    free = {"bytes": size}
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**12, 0, free["bytes"]))
+    with caplog.at_level(logging.WARNING, logger="node.ops.checkpoint"):
+        store.save(8, weights, {}, {}, {})
+        store.save(9, weights, {}, {}, {})  # still low: not said again
+        free["bytes"] = 3 * size
+        store.save(10, weights, {}, {}, {})
+        free["bytes"] = size  # low again: said again
+        store.save(11, weights, {}, {}, {})
+    warnings = [r.getMessage() for r in caplog.records if "free some space" in r.getMessage()]
+    assert len(warnings) == 2 and f"the disk holding {store.dir} has" in warnings[0]

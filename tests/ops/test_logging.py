@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
+from pathlib import Path
 
 import pytest
 
-from node.ops.metrics import LOG_FILE, ConsoleHandler, setup_logging
+from node.ops.metrics import LOG_FILE, ConsoleHandler, NodeLogHandler, setup_logging
 
 
 @pytest.fixture
@@ -48,3 +50,20 @@ def test_a_closed_console_is_lost_once_and_silenced(restore_root, monkeypatch):
     handler.emit(record)
     handler.emit(record)
     assert lost == [True] and handler.lost
+
+
+def test_a_node_log_that_cannot_be_written_is_said_once_not_a_traceback_a_line(restore_root, monkeypatch):
+    """A full disk under node.log (/dev/full: every write fails with ENOSPC): one line on stderr, then the
+    console alone, never logging's `--- Logging error ---` traceback for each record."""
+    stderr = io.StringIO()
+    monkeypatch.setattr("sys.stderr", stderr)
+    handler = NodeLogHandler(Path("/dev/full"))
+    record = logging.LogRecord("sapo.test", logging.INFO, __file__, 1, "round %d", (3,), None)
+    for _ in range(3):
+        handler.emit(record)
+    said = stderr.getvalue()
+    assert (
+        said == "sapo-node: /dev/full cannot be written (No space left on device): its lines go to the console only\n"
+    )
+    assert handler.lost is not None and handler.lost.errno == errno.ENOSPC
+    handler.close()  # nothing left to flush: no second error
