@@ -52,6 +52,7 @@ from node.lab.runspec import (
     label_problem,
     recipe_env,
     slug,
+    unused_settings,
 )
 from node.learn.choices import EVAL_ENGINES
 from node.learn.stop import RoundAbandoned, StopRequest
@@ -380,6 +381,13 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         return fail(f"--out {exp}: cannot create it ({exc.strerror or exc})")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    unused = unused_settings(os.environ)
+    if unused:
+        log.warning(
+            "%s: set here, passed to no peer (in either mode); give a setting as --node-arg=--NAME=VALUE, which "
+            "run.json records",
+            ", ".join(unused),
+        )
     prov = provenance()
 
     def on_signal(signum, frame):

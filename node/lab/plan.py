@@ -17,6 +17,7 @@ from node.lab.runspec import (
     peer_plan,
     recipe_env,
     slug,
+    unused_settings,
 )
 
 MAX_SEED = 2**63 // 1000 - 1  # peer p of seed k is node seed 1000k + p, which sapo-node wants below 2^63
@@ -44,8 +45,11 @@ def dht_flags(maddrs: list[str]) -> list[str]:
 
 
 def peer_env(spec: RunSpec) -> dict[str, str]:
-    """A dht-mode peer's environment (a memory-mode peer reads its flags with `recipe_env()`)."""
-    return dict(os.environ, SAPO_THREADS=str(spec.threads), PYTHONUNBUFFERED="1")
+    """A dht-mode peer's environment: this process's but the sapo-node settings its flags give (a memory-mode
+    peer reads its flags with `recipe_env()`: the same settings either way)."""
+    unused = unused_settings(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in unused}
+    return dict(env, SAPO_THREADS=str(spec.threads), PYTHONUNBUFFERED="1")
 
 
 def check_run(spec: RunSpec, root: Path) -> None:

@@ -153,6 +153,23 @@ def recipe_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k == "SAPO_RECIPE"}
 
 
+# sapo-node settings a dht-mode peer may take from the environment besides the recipe: how the private swarm's
+# keys are minted, which nothing a peer learns depends on (the suite mints at a low difficulty)
+SWARM_PLUMBING = ("SAPO_POW_DIFFICULTY", "SAPO_IDENTITY_TIER")
+
+
+def unused_settings(env: Mapping[str, str]) -> list[str]:
+    """The SAPO_<OPTION> variables of `env` that an experiment's peers never see, in either mode: each setting
+    reaches them as a flag, which run.json records (--node-arg), so a shell's leftover SAPO_EVAL_EVERY cannot
+    change a dht-mode run and not a memory-mode one."""
+    from dataclasses import fields
+
+    from node.ops.config import NodeConfig
+
+    settings = {f"SAPO_{f.name.upper()}" for f in fields(NodeConfig)} - {"SAPO_RECIPE", *SWARM_PLUMBING}
+    return sorted(k for k in env if k in settings)
+
+
 # The sapo-node options every peer gets from sapo-experiment itself (RunSpec.node_args, and the run's own: its swarm,
 # shared evaluation, addresses, resume), each with the experiment's flag or the source that sets it. --node-arg may
 # set none of them: the peers would run with a value that run.json does not record (or outside the run's dirs).

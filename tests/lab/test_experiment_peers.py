@@ -11,7 +11,7 @@ import torch
 
 from conftest import live_metrics, run_python
 from node.lab.experiment import build_parser, main
-from node.lab.runspec import RunSpec, node_learning_settings, parse_peer_args, recipe_env
+from node.lab.runspec import RunSpec, node_learning_settings, parse_peer_args, recipe_env, unused_settings
 from node.ops.checkpoint import CheckpointStore
 from node.ops.config import load_config
 from p2p.identity import KEY_FILENAME, Identity
@@ -250,3 +250,28 @@ def test_a_veteran_starts_from_a_trained_adapter_beside_a_fresh_peer(tmp_path):
     assert all(torch.allclose(theirs[k], veteran[k], atol=1e-6) for k in theirs)
     lora_a = [k for k in theirs if ".lora_A." in k]
     assert lora_a and not any(torch.allclose(theirs[k], newcomer[k], atol=1e-3) for k in lora_a)
+
+
+def test_a_dht_peer_sees_the_settings_a_memory_peer_sees(monkeypatch):
+    """A shell's SAPO_<OPTION> reaches neither mode's peers (dht-mode peers used to read it, memory-mode ones
+    not, and run.json recorded it for neither); the recipe, the swarm's key minting and what is not a
+    sapo-node setting (the model cache) pass."""
+    from node.lab.plan import peer_env
+
+    for key, value in {
+        "SAPO_EVAL_EVERY": "0",
+        "SAPO_CONFIG": "/elsewhere.toml",
+        "SAPO_RECIPE": "cpu",
+        "SAPO_POW_DIFFICULTY": "8",
+        "SAPO_MODEL_CACHE": "/cache",
+    }.items():
+        monkeypatch.setenv(key, value)
+    env = peer_env(spec(threads=2))
+    assert "SAPO_EVAL_EVERY" not in env and "SAPO_CONFIG" not in env
+    assert (env["SAPO_RECIPE"], env["SAPO_POW_DIFFICULTY"], env["SAPO_MODEL_CACHE"]) == ("cpu", "8", "/cache")
+    assert env["SAPO_THREADS"] == "2"
+    assert unused_settings(env | {"SAPO_EVAL_EVERY": "0", "SAPO_PEERS": "5"}) == [
+        "SAPO_EVAL_EVERY",
+        "SAPO_PEERS",  # local_swarm.sh's peer count: the experiment's --peers
+        "SAPO_THREADS",  # its --threads
+    ]
