@@ -18,7 +18,6 @@ import asyncio
 import errno
 import logging
 import os
-import shutil
 import signal
 import sys
 import time
@@ -298,22 +297,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def disk_full(exc: BaseException, run_dir: Path) -> str | None:
-    """What to do when the run dir's disk is full (or over its quota); None for any other failure. Every write
-    of the node is atomic or append-only, so what it saved before stays loadable. Some writers hide the errno
-    (torch.save raises RuntimeError "unexpected pos"): a failure with less than 1 MB left counts too."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        what = (exc.strerror or os.strerror(exc.errno)) + (f" ({exc.filename})" if exc.filename else "")
-    else:
-        try:
-            free = shutil.disk_usage(run_dir).free
-        except OSError:
-            return None
-        if free >= 1_000_000:
-            return None
-        what = f"{free} bytes free ({type(exc).__name__}: {exc})"
+    """What to do when a disk the node writes to is full (or over its quota); None for any other failure.
+    Every write of the node is atomic or append-only, so what it saved before stays loadable (a checkpoint's
+    torch.save, which hides the errno, is told apart by the store: node/ops/checkpoint.py)."""
+    if not (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return None
+    where = exc.filename if isinstance(exc.filename, str) and exc.filename else run_dir
     return (
-        f"the disk holding {run_dir} is full: {what}. Every checkpoint and metrics line written before is "
-        "intact: free some space, then start again with --resume"
+        f"the disk holding {where} is full: {exc.strerror or os.strerror(exc.errno)}. Every checkpoint and "
+        "metrics line written before is intact: free some space, then start again with --resume"
     )
 
 

@@ -161,12 +161,12 @@ SWARM_PLUMBING = ("SAPO_POW_DIFFICULTY", "SAPO_IDENTITY_TIER")
 def unused_settings(env: Mapping[str, str]) -> list[str]:
     """The SAPO_<OPTION> variables of `env` that an experiment's peers never see, in either mode: each setting
     reaches them as a flag, which run.json records (--node-arg), so a shell's leftover SAPO_EVAL_EVERY cannot
-    change a dht-mode run and not a memory-mode one."""
+    change a dht-mode run and not a memory-mode one. SAPO_THREADS is the experiment's own (--threads)."""
     from dataclasses import fields
 
     from node.ops.config import NodeConfig
 
-    settings = {f"SAPO_{f.name.upper()}" for f in fields(NodeConfig)} - {"SAPO_RECIPE", *SWARM_PLUMBING}
+    settings = {f"SAPO_{f.name.upper()}" for f in fields(NodeConfig)} - {"SAPO_RECIPE", "SAPO_THREADS", *SWARM_PLUMBING}
     return sorted(k for k in env if k in settings)
 
 

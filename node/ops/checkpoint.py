@@ -12,6 +12,7 @@ settings when model.pt holds an adapter rather than the whole model), read back 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -89,6 +90,7 @@ class CheckpointStore:
         self.dir = Path(run_dir) / subdir
         self.keep = max(1, keep)
         self.low_space = False  # said once (node.log) until the disk has room for two checkpoints again
+        self.watch_space = subdir == CHECKPOINTS_DIR  # one store says it (not the restore point's too)
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def save(
@@ -107,8 +109,11 @@ class CheckpointStore:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             self._write(tmp, round_, weights, optimizer, state, meta)
-        except BaseException:  # a full disk, a stop: no half-written copy left to hold the space
+        except BaseException as exc:  # a full disk, a stop: no half-written copy left to hold the space
+            full = isinstance(exc, Exception) and not isinstance(exc, OSError) and self._no_room()
             shutil.rmtree(tmp, ignore_errors=True)
+            if full:  # torch.save hides the errno ("unexpected pos"): said as what it is
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp)) from exc
             raise
         if final.exists():  # re-saving the same round (e.g. after a resume): replace it atomically
             old = self.dir / f".old-{final.name}-{os.getpid()}"
@@ -126,8 +131,13 @@ class CheckpointStore:
     def _check_space(self, written: Path) -> None:
         """A warning, once until space comes back, when the disk has less than twice a checkpoint's size free:
         the next one is written in full before the oldest is removed, and metrics and logs grow meanwhile."""
-        size = sum(f.stat().st_size for f in written.iterdir())
-        free = shutil.disk_usage(self.dir).free
+        if not self.watch_space:
+            return
+        try:  # the checkpoint is saved: a failure to measure must not fail it
+            size = sum(f.stat().st_size for f in written.iterdir())
+            free = shutil.disk_usage(self.dir).free
+        except OSError:
+            return
         low = free < 2 * size
         if low and not self.low_space:
             log.warning(
@@ -154,11 +164,17 @@ class CheckpointStore:
         fsync_dir(tmp)
 
     def _remove_unfinished(self) -> None:
-        """Copies another process began and never finished (it crashed mid-save; the run dir's lock says no
-        other process writes here now)."""
+        """Copies begun and never finished (a process killed mid-save, perhaps with this pid: pid 1 in a
+        container). The run dir's lock says no other process writes here, and this one saves one at a time."""
         for tmp in self.dir.glob(".tmp-*"):
-            if not tmp.name.endswith(f"-{os.getpid()}"):
-                shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _no_room(self) -> bool:
+        """Under 1 MB left where the checkpoints go (what a write that failed without an errno ran into)."""
+        try:
+            return shutil.disk_usage(self.dir).free < 1_000_000
+        except OSError:
+            return False
 
     def _set_aside_newer_than(self, round_: int) -> None:
         """Checkpoints numbered after the one just written belong to a timeline this run has left (it resumed

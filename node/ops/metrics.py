@@ -69,8 +69,9 @@ class ConsoleHandler(logging.StreamHandler):
 
 class NodeLogHandler(logging.FileHandler):
     """node.log that a full disk (or a failing one) cannot turn into a traceback on the console for every line:
-    the first write that fails says so once on stderr, and the file is left alone from then on (the console
-    keeps every line). Errors that are not the file's (a malformed record) are logging's usual report."""
+    the first write that fails says so once on stderr, and the file is left alone from then on, even once space
+    is freed (the console goes on with its own lines: not the debug-level tracebacks that only node.log gets).
+    Errors that are not the file's (a malformed record) are logging's usual report."""
 
     def __init__(self, path: Path):
         super().__init__(path, encoding="utf-8")
@@ -93,9 +94,8 @@ class NodeLogHandler(logging.FileHandler):
         except (OSError, ValueError):
             pass
         try:
-            sys.stderr.write(
-                f"sapo-node: {self.baseFilename} cannot be written ({exc.strerror}): its lines go to the console only\n"
-            )
+            why = exc.strerror or os.strerror(exc.errno or 0)
+            sys.stderr.write(f"sapo-node: {self.baseFilename} cannot be written ({why}): the console goes on alone\n")
             sys.stderr.flush()
         except (OSError, ValueError):
             pass

@@ -213,6 +213,7 @@ class MetricsTail:
             return []
         if self._ino is not None and (st.st_ino != self._ino or st.st_size < self._offset):
             self._offset, self._partial = 0, b""  # rotated or truncated: start over
+            self.bad_lines = 0  # a resume moves them out (metrics.orphaned.jsonl): counted again as read
         self._ino = st.st_ino
         if st.st_size == self._offset:
             return []

@@ -84,18 +84,19 @@ def test_a_full_disk_stops_the_node_in_one_line_and_resume_goes_on_once_freed(tm
     assert rounds == list(range(newest + 3)), (newest, rounds)  # resumed to --rounds newest + 3, none twice
 
 
-def test_what_counts_as_a_full_disk(tmp_path, monkeypatch):
-    """ENOSPC and EDQUOT by their errno; a writer that hides it (torch.save's RuntimeError) by the space left."""
+def test_what_counts_as_a_full_disk(tmp_path):
+    """ENOSPC and EDQUOT, by their errno, naming the file where one is known; nothing else (the checkpoint store
+    turns torch.save's errno-less failure on a full disk into ENOSPC: tests/ops/test_checkpoint_export.py)."""
     from node.cli import disk_full
 
-    said = disk_full(OSError(errno.ENOSPC, "No space left on device", "x/metrics.jsonl"), tmp_path)
+    said = disk_full(OSError(errno.ENOSPC, "No space left on device", "/x/metrics.jsonl"), tmp_path)
     assert said == (
-        f"the disk holding {tmp_path} is full: No space left on device (x/metrics.jsonl). Every checkpoint and "
-        "metrics line written before is intact: free some space, then start again with --resume"
+        "the disk holding /x/metrics.jsonl is full: No space left on device. Every checkpoint and metrics line "
+        "written before is intact: free some space, then start again with --resume"
+    )
+    assert disk_full(OSError(errno.ENOSPC, "No space left on device"), tmp_path).startswith(
+        f"the disk holding {tmp_path} is full"
     )
     assert "Disk quota exceeded" in disk_full(OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)), tmp_path)
-    hidden = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
-    assert disk_full(hidden, tmp_path) is None  # this disk has room: another failure
     assert disk_full(OSError(errno.EACCES, "Permission denied"), tmp_path) is None
-    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**9, 10**9, 4096))
-    assert "is full: 4096 bytes free (RuntimeError: [enforce fail" in disk_full(hidden, tmp_path)
+    assert disk_full(RuntimeError("unexpected pos 64 vs 0"), tmp_path) is None

@@ -39,3 +39,25 @@ def test_one_reader_per_file_and_one_name_map_inside_the_block_only(tmp_path):
     with pytest.raises(RuntimeError, match="mid-conversion"), parsed_once():
         raise RuntimeError("mid-conversion")
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)
+
+
+def test_transformers_reads_a_gguf_through_the_patch(tmp_path, monkeypatch):
+    """transformers looks GGUFReader up in the gguf module at each call: two metadata loads (what its config
+    and tokenizer passes do) construct one reader within the block. Were it to bind the name at import, this
+    fails, where the conversion would still work and only lose its speed."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = _tiny_gguf(tmp_path / "a.gguf")
+    made = []
+
+    class Counting(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    with parsed_once():
+        first, second = load_gguf_checkpoint(str(path)), load_gguf_checkpoint(str(path))
+    assert len(made) == 1 and first["config"] == second["config"] and first["config"]["model_type"] == "llama"
+    load_gguf_checkpoint(str(path))
+    assert len(made) == 2  # outside the block: a reader of its own

@@ -6,6 +6,7 @@ import errno
 import hashlib
 import json
 import logging
+import os
 import shutil
 
 import pytest
@@ -174,8 +175,8 @@ def test_a_save_that_fails_leaves_no_copy_behind_and_the_last_checkpoint_loads(t
     is one a crashed process left; the checkpoint saved before still loads."""
     path, weights = saved(tmp_path)
     store = CheckpointStore(tmp_path / "run")
-    crashed = store.dir / ".tmp-round-000008-999999"  # another pid's unfinished save
-    crashed.mkdir()
+    for pid in (999999, os.getpid()):  # unfinished saves, one of this pid (a container's node is always pid 1)
+        (store.dir / f".tmp-round-00000{8 if pid == 999999 else 3}-{pid}").mkdir()
     real_save = torch.save
 
     def disk_full(obj, f, *args, **kwargs):
@@ -188,6 +189,27 @@ def test_a_save_that_fails_leaves_no_copy_behind_and_the_last_checkpoint_loads(t
         store.save(8, weights, {}, {}, {})
     assert sorted(p.name for p in store.dir.iterdir()) == [path.name]
     assert store.load_latest().round == 7
+
+
+def test_a_full_disk_that_torch_save_hides_is_said_as_enospc(tmp_path, monkeypatch):
+    """torch.save on a full disk raises RuntimeError ("unexpected pos"), no errno: with under 1 MB left (measured
+    before the half-written copy is removed) the store raises ENOSPC from it; with room, the error as it was."""
+    path, weights = saved(tmp_path)
+    store = CheckpointStore(tmp_path / "run")
+
+    def hidden(obj, f, *args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", hidden)
+    free = {"bytes": 10**9}
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**12, 0, free["bytes"]))
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        store.save(8, weights, {}, {}, {})
+    free["bytes"] = 4096
+    with pytest.raises(OSError) as raised:
+        store.save(8, weights, {}, {}, {})
+    assert raised.value.errno == errno.ENOSPC and isinstance(raised.value.__cause__, RuntimeError)
+    assert sorted(p.name for p in store.dir.iterdir()) == [path.name]
 
 
 def test_a_disk_without_room_for_two_more_checkpoints_is_said_once(tmp_path, monkeypatch, caplog):

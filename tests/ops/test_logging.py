@@ -62,8 +62,6 @@ def test_a_node_log_that_cannot_be_written_is_said_once_not_a_traceback_a_line(r
     for _ in range(3):
         handler.emit(record)
     said = stderr.getvalue()
-    assert (
-        said == "sapo-node: /dev/full cannot be written (No space left on device): its lines go to the console only\n"
-    )
+    assert said == "sapo-node: /dev/full cannot be written (No space left on device): the console goes on alone\n"
     assert handler.lost is not None and handler.lost.errno == errno.ENOSPC
     handler.close()  # nothing left to flush: no second error

@@ -264,6 +264,9 @@ def test_unreadable_lines_are_skipped_and_said(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         progress._watch([RunView(run, MetricsTail(metrics))], out, 0.1, once=False, live=False)
     assert out.getvalue().splitlines()[-1] == f"alice: 3 unreadable lines in {metrics} skipped"
+    metrics.write_bytes(b'{"round": 0, "peer": "alice"}\n')  # rewritten (a resume moved the bad lines out)
+    view.poll()
+    assert "unreadable" not in format_table([view])
 
 
 def test_what_is_not_a_metrics_file_is_read_as_nothing_yet(tmp_path):
