@@ -15,7 +15,9 @@ where their files are, and never loads a model.
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -120,8 +122,33 @@ def converted_dir(name: str) -> Path | None:
     if home is None:
         return None
     if not m.parts:
-        return _model_cache(file_key(home / m.gguf)) / "transformers" if (home / m.gguf).exists() else None
+        path = home / m.gguf
+        if not path.exists():
+            return None
+        return _model_cache(installed_sha256(m.pip[0].split("==")[0], path) or file_key(path)) / "transformers"
     return _model_cache(_expected_sha256(home / m.checksums, m.gguf)) / "transformers"
+
+
+def installed_sha256(distribution: str, path: Path) -> str | None:
+    """The SHA-256 (hex) that pip recorded for `path` when it installed `distribution` (its RECORD file), if the
+    size still matches: the file's content identity at no cost, the same in every venv and after a reinstall
+    of that version, where `file_key` changes (a new venv once kept a new 0.5 GB converted copy). None where
+    the distribution or its record of the file is missing."""
+    try:
+        files = importlib.metadata.distribution(distribution).files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    target = path.resolve()
+    for entry in files:
+        if entry.name != path.name or entry.hash is None or entry.hash.mode != "sha256":
+            continue
+        if Path(str(entry.locate())).resolve() != target:
+            continue
+        if entry.size is not None and entry.size != path.stat().st_size:
+            return None
+        value = entry.hash.value
+        return base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)).hex()
+    return None
 
 
 ENGINE_MODEL = "default"  # the packaged model the llama engine serves (a llama architecture)
