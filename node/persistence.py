@@ -165,7 +165,7 @@ class Persistence:
             log.warning(
                 "--resume: no checkpoint in %s yet; starting at round 0%s",
                 self.store.dir,
-                f" ({moved} metrics lines moved to metrics.orphaned.jsonl)" if moved else "",
+                f" ({moved} metrics line{'s' * (moved != 1)} moved to metrics.orphaned.jsonl)" if moved else "",
             )
             return None
         self.check_identity(ckpt.meta, f"checkpoint {ckpt.path}")
@@ -183,7 +183,9 @@ class Persistence:
             "resumed from %s: next round %d%s",
             ckpt.path.name,
             next_round,
-            f" ({moved} metrics lines after it moved to metrics.orphaned.jsonl)" if moved else "",
+            f" ({moved} metrics line{'s' * (moved != 1)} after it or unreadable moved to metrics.orphaned.jsonl)"
+            if moved
+            else "",
         )
         return next_round
 
