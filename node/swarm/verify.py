@@ -29,6 +29,7 @@ from typing import Any
 from node.learn.groups import Group, has_signal
 from node.learn.tasks import TaskError, TaskMix, TaskSpec, regenerate
 from node.swarm.bandit import PublisherBandit
+from node.swarm.clock import ClockCheck
 from node.swarm.exchange import ExchangeStats, Received
 from node.swarm.reputation import PENALTIES, Reputation, ReputationConfig
 from node.swarm.sandbox import GROUP_TIME_S, SANDBOX, group_time_limit
@@ -119,6 +120,7 @@ class Verifier:
         self.clock = time.monotonic
         self.time_limit_at = math.inf
         self.sandbox = SANDBOX  # where other peers' completions are scored (a child process: node/swarm/sandbox.py)
+        self.clock_check = ClockCheck(cfg.max_clock_skew_s)  # whose clock a batch from the future blames
 
     def verify(self, data: bytes, now: float | None = None, hint: bytes | None = None) -> list[Group]:
         """Groups from one batch that passed every check (possibly none). Never raises on bad input.
@@ -193,8 +195,12 @@ class Verifier:
         if now - batch.created_at > self.cfg.max_age_s:
             self.stats.reject(peer, "stale")
             return []
-        if batch.created_at - now > self.cfg.max_clock_skew_s:
-            self._offence(batch.publisher, "from_future", batch=True)
+        dated = self.clock_check.judge(batch.publisher, batch.created_at - now)  # from_future, clock_behind, None
+        if dated == "from_future":
+            self._offence(batch.publisher, dated, batch=True)
+            return []
+        if dated:
+            self.stats.reject(peer, dated)  # our clock, by the majority of recent publishers: no charge
             return []
         taken = self.taken.get(batch.publisher, set())
         if batch.round in taken:  # a different batch for a round we already took from this publisher

@@ -45,8 +45,8 @@ def test_honest_batch_is_accepted_and_rescored():
     assert stats.rejected[peer.public_key_hex]["equivocation"] == 1  # a *different* batch for round 3
 
 
-def _forged(peer: Identity, *, rewards=None, dataset=None, config=None, created_at=None, swarm="s", round_=5):
-    task = TaskSampler(MIX, 9).sample(1)[0]
+def _forged(peer: Identity, *, rewards=None, dataset=None, config=None, created_at=None, swarm="s", round_=5, seed=9):
+    task = TaskSampler(MIX, seed).sample(1)[0]
     spec = task.spec.to_wire()
     if dataset:
         spec["dataset"], spec["config"] = dataset, config or {}
@@ -85,6 +85,30 @@ def test_hostile_batches_are_rejected_by_reason(make, reason):
     assert v.verify(data, hint=peer.public_key_bytes) == []  # fetched again next round: counted once
     assert stats.rejected[peer.public_key_hex][reason] == 1
     assert sum(stats.accepted.values()) == 0
+
+
+def test_a_slow_clock_here_does_not_charge_every_honest_peer(caplog):
+    """This machine's clock 5 minutes slow: every peer's batches look from the future. The first two publishers
+    are charged as before (too few to tell whose clock is wrong); once most of at least three agree, their
+    future batches are refused without a charge (`clock_behind`) and the node says once what to fix. Set right,
+    the clock is trusted again, and a lone publisher from the future is charged."""
+    v, stats, _ = verifier()
+    peers = [Identity.generate() for _ in range(4)]
+    ahead = time.time() + 300
+    with caplog.at_level("WARNING", logger="sapo.swarm"):
+        for round_, peer in enumerate(peers[:3]):
+            assert v.verify(_forged(peer, created_at=ahead, round_=round_ + 5), hint=peer.public_key_bytes) == []
+        assert v.verify(_forged(peers[0], created_at=ahead + 1, round_=9), hint=peers[0].public_key_bytes) == []
+    reasons = [dict(stats.rejected[p.public_key_hex]) for p in peers[:3]]
+    assert reasons == [{"from_future": 1, "clock_behind": 1}, {"from_future": 1}, {"clock_behind": 1}]
+    assert [v.reputation.score(p.public_key_bytes) for p in peers[:3]] == [-1.0, -1.0, 0.0]
+    assert caplog.text.count("clock seems about 300 s behind") == 1
+
+    for round_, peer in enumerate(peers[:3]):  # the clock set right: their batches are dated now
+        assert len(v.verify(_forged(peer, round_=round_ + 20, seed=round_), hint=peer.public_key_bytes)) == 1
+    assert v.verify(_forged(peers[3], created_at=ahead, round_=5), hint=peers[3].public_key_bytes) == []
+    assert stats.rejected[peers[3].public_key_hex] == {"from_future": 1}
+    assert v.reputation.score(peers[3].public_key_bytes) == -1.0
 
 
 def test_a_node_never_signs_a_batch_its_peers_would_refuse(caplog):
