@@ -6,7 +6,8 @@ honest peer's batches from the future, and charging each of them would ban the w
 So the verifier keeps the newest offset (created_at − now) of each recent publisher: when at least `QUORUM` of
 them are known and most look ahead, the fault is taken to be ours, their future batches are refused without a
 charge (`clock_behind`) and the node says once how far behind it seems. Identities that agree to date their
-batches ahead can at most spare each other that charge; their batches are refused all the same.
+batches ahead can at most spare each other that charge; their batches are refused all the same. A clock ahead
+shows only as peers' batches that all arrive minutes old (stale ones too): a hint, said once, nothing refused.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections import OrderedDict
 log = logging.getLogger("sapo.swarm")
 
 QUORUM = 3  # publishers whose offsets must be known before the majority decides
+OLD_S = 300.0  # the recent publishers' median batch this old by our clock: ours is probably ahead (a hint)
 RECENT = 32  # publishers remembered (their newest batch's offset), least recently seen dropped first
 
 
@@ -26,6 +28,7 @@ class ClockCheck:
         self.max_skew_s = max_skew_s
         self.offsets: OrderedDict[bytes, float] = OrderedDict()
         self.said = False  # the warning, once per process
+        self.said_ahead = False  # the hint that this clock is ahead, once per process
 
     def observe(self, publisher: bytes, offset_s: float) -> None:
         """A batch of `publisher` dated `offset_s` seconds after this machine's now (negative: before)."""
@@ -48,6 +51,7 @@ class ClockCheck:
         charged) or `clock_behind` (ours, by the majority: said once)."""
         self.observe(publisher, offset_s)
         if offset_s <= self.max_skew_s:
+            self._hint_ahead()
             return None
         behind = self.behind_s()
         if behind is None:
@@ -63,3 +67,20 @@ class ClockCheck:
                 self.max_skew_s,
             )
         return "clock_behind"
+
+    def _hint_ahead(self) -> None:
+        """A clock ahead cannot be proven from here (the peers refuse this node's batches, not the reverse), but
+        peers' batches that all arrive minutes old point to it: said once, as a hint."""
+        if self.said_ahead or len(self.offsets) < QUORUM:
+            return
+        median = statistics.median(self.offsets.values())
+        if median < -OLD_S:
+            self.said_ahead = True
+            log.warning(
+                "the recent peers' batches are %.0f s old by this machine's clock (median of %d): unless rounds in "
+                "this swarm take that long, this clock is ahead, and peers refuse this node's batches as dated in "
+                "the future (from_future, ten of them and a ban). Set the clock right (NTP, e.g. `timedatectl "
+                "set-ntp true`)",
+                -median,
+                len(self.offsets),
+            )

@@ -192,10 +192,10 @@ class Verifier:
         if batch.swarm != self.cfg.swarm:
             self.stats.reject(peer, "wrong_swarm")
             return []
+        dated = self.clock_check.judge(batch.publisher, batch.created_at - now)  # from_future, clock_behind, None
         if now - batch.created_at > self.cfg.max_age_s:
             self.stats.reject(peer, "stale")
             return []
-        dated = self.clock_check.judge(batch.publisher, batch.created_at - now)  # from_future, clock_behind, None
         if dated == "from_future":
             self._offence(batch.publisher, dated, batch=True)
             return []

@@ -111,6 +111,19 @@ def test_a_slow_clock_here_does_not_charge_every_honest_peer(caplog):
     assert v.reputation.score(peers[3].public_key_bytes) == -1.0
 
 
+def test_a_clock_ahead_here_is_hinted_once(caplog):
+    """This machine's clock 15 minutes ahead: peers' batches arrive stale, and nothing here can prove whose
+    clock is wrong; once most of three publishers' batches are over 5 minutes old, the log says so, once."""
+    v, stats, _ = verifier()
+    peers = [Identity.generate() for _ in range(3)]
+    with caplog.at_level("WARNING", logger="sapo.swarm"):
+        for round_, peer in enumerate(peers * 2):
+            v.verify(_forged(peer, created_at=time.time() - 900, round_=round_ + 5), hint=peer.public_key_bytes)
+    assert caplog.text.count("this clock is ahead") == 1 and "batches are 90" in caplog.text  # 900 s, give or take
+    assert stats.rejected[peers[0].public_key_hex] == {"stale": 2}  # refused as before, nobody charged
+    assert v.reputation.score(peers[0].public_key_bytes) == 0.0
+
+
 def test_a_node_never_signs_a_batch_its_peers_would_refuse(caplog):
     """Groups over the receivers' caps are left out of our own batch (said in the log), so a node with a long
     completion is not penalised by every peer for one offence after another."""
