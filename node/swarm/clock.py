@@ -3,84 +3,96 @@
 A batch dated more than the allowed skew ahead of this machine's clock is refused (`from_future`) and its
 publisher charged, as a lying or broken clock should be. But a node whose own clock is minutes slow sees every
 honest peer's batches from the future, and charging each of them would ban the whole swarm within ten rounds.
-So the verifier keeps the newest offset (created_at − now) of each recent publisher: when at least `QUORUM` of
-them are known and most look ahead, the fault is taken to be ours, their future batches are refused without a
-charge (`clock_behind`) and the node says once how far behind it seems. Identities that agree to date their
-batches ahead can at most spare each other that charge; their batches are refused all the same. A clock ahead
-shows only as peers' batches that all arrive minutes old (stale ones too): a hint, said once, nothing refused.
+So the verifier keeps, for each of the last `RECENT` publishers it has seen, the offset (created_at − now) of
+its newest batch by round (a replay of an older one changes nothing): when at least `QUORUM` are known and
+most of them are dated past the skew, the fault is taken to be ours, their future batches are refused without
+a charge (`clock_behind`; the publisher chooser still parks them as useless) and the log says so. A clock ahead
+shows only as peers' batches that arrive minutes old: the median offset past `OLD_S` is a hint, nothing
+refused. Either message repeats at most every `SAY_EVERY_S` while it holds.
+
+Identities that agree to date their batches ahead gain nothing but a charge spared (their batches are refused
+all the same), and can make these messages appear: so the messages say what the peers' dates show, never a
+number to set the clock by, and point to NTP.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
+import time
 from collections import OrderedDict
 
 log = logging.getLogger("sapo.swarm")
 
 QUORUM = 3  # publishers whose offsets must be known before the majority decides
+RECENT = 32  # publishers remembered, least recently seen dropped first
 OLD_S = 300.0  # the recent publishers' median batch this old by our clock: ours is probably ahead (a hint)
-RECENT = 32  # publishers remembered (their newest batch's offset), least recently seen dropped first
+SAY_EVERY_S = 600.0  # a message repeats at most this often while its condition holds
 
 
 class ClockCheck:
-    def __init__(self, max_skew_s: float):
+    def __init__(self, max_skew_s: float, clock=time.monotonic):
         self.max_skew_s = max_skew_s
-        self.offsets: OrderedDict[bytes, float] = OrderedDict()
-        self.said = False  # the warning, once per process
-        self.said_ahead = False  # the hint that this clock is ahead, once per process
+        self.newest: OrderedDict[bytes, tuple[int, float]] = OrderedDict()  # publisher -> (round, offset s)
+        self.clock = clock
+        self.said_at: dict[str, float] = {}  # message -> when it was last said
 
-    def observe(self, publisher: bytes, offset_s: float) -> None:
-        """A batch of `publisher` dated `offset_s` seconds after this machine's now (negative: before)."""
-        self.offsets[publisher] = offset_s
-        self.offsets.move_to_end(publisher)
-        while len(self.offsets) > RECENT:
-            self.offsets.popitem(last=False)
+    def observe(self, publisher: bytes, round_: int, offset_s: float) -> None:
+        """A batch of `publisher` for `round_`, dated `offset_s` seconds after this machine's now."""
+        known = self.newest.get(publisher)
+        if known is None or round_ >= known[0]:
+            self.newest[publisher] = (round_, offset_s)
+        self.newest.move_to_end(publisher)
+        while len(self.newest) > RECENT:
+            self.newest.popitem(last=False)
 
-    def behind_s(self) -> float | None:
-        """How far this machine's clock seems behind (the median offset of the recent publishers) when most of
-        at least QUORUM of them are dated past the allowed skew; None while the clock looks right or too few
-        publishers are known."""
-        if len(self.offsets) < QUORUM:
-            return None
-        ahead = sum(offset > self.max_skew_s for offset in self.offsets.values())
-        return statistics.median(self.offsets.values()) if 2 * ahead > len(self.offsets) else None
+    def offsets(self) -> list[float]:
+        return [offset for _, offset in self.newest.values()]
 
-    def judge(self, publisher: bytes, offset_s: float) -> str | None:
+    def behind(self) -> bool:
+        """Whether most of at least QUORUM recent publishers are dated past the allowed skew (strictly more
+        than half)."""
+        offsets = self.offsets()
+        ahead = sum(offset > self.max_skew_s for offset in offsets)
+        return len(offsets) >= QUORUM and 2 * ahead > len(offsets)
+
+    def judge(self, publisher: bytes, round_: int, offset_s: float) -> str | None:
         """A batch dated `offset_s` after now: None within the skew; `from_future` (the publisher's clock, to be
-        charged) or `clock_behind` (ours, by the majority: said once)."""
-        self.observe(publisher, offset_s)
+        charged) or `clock_behind` (ours, by the majority)."""
+        self.observe(publisher, round_, offset_s)
         if offset_s <= self.max_skew_s:
             self._hint_ahead()
             return None
-        behind = self.behind_s()
-        if behind is None:
+        if not self.behind():
             return "from_future"
-        if not self.said:
-            self.said = True
-            log.warning(
-                "this machine's clock seems about %.0f s behind the swarm's: most recent peers' batches are dated "
-                "more than %.0f s ahead of it, so they are refused (without a charge: clock_behind) and this "
-                "node's own batches look old to its peers. Set the clock right (NTP, e.g. `timedatectl set-ntp "
-                "true`); nothing else needs a restart",
-                behind,
-                self.max_skew_s,
-            )
+        self._say(
+            "behind",
+            "most recent peers' batches (%d of %d) are dated more than %.0f s ahead of this machine's clock: it is "
+            "probably slow, so their batches are refused without a charge (clock_behind) and this node's own look "
+            "old to its peers. Let NTP set the clock (e.g. `timedatectl set-ntp true`); no restart is needed",
+            sum(offset > self.max_skew_s for offset in self.offsets()),
+            len(self.newest),
+            self.max_skew_s,
+        )
         return "clock_behind"
 
     def _hint_ahead(self) -> None:
         """A clock ahead cannot be proven from here (the peers refuse this node's batches, not the reverse), but
-        peers' batches that all arrive minutes old point to it: said once, as a hint."""
-        if self.said_ahead or len(self.offsets) < QUORUM:
-            return
-        median = statistics.median(self.offsets.values())
-        if median < -OLD_S:
-            self.said_ahead = True
-            log.warning(
-                "the recent peers' batches are %.0f s old by this machine's clock (median of %d): unless rounds in "
-                "this swarm take that long, this clock is ahead, and peers refuse this node's batches as dated in "
-                "the future (from_future, ten of them and a ban). Set the clock right (NTP, e.g. `timedatectl "
-                "set-ntp true`)",
-                -median,
-                len(self.offsets),
+        peers' batches that arrive minutes old point to it."""
+        offsets = self.offsets()
+        if len(offsets) >= QUORUM and statistics.median(offsets) < -OLD_S:
+            self._say(
+                "ahead",
+                "the recent peers' batches arrive over %.0f s old by this machine's clock (median of %d): unless "
+                "rounds in this swarm take that long, this clock is ahead, and peers refuse this node's batches as "
+                "dated in the future (from_future, then a ban). Let NTP set the clock (e.g. `timedatectl set-ntp "
+                "true`)",
+                OLD_S,
+                len(offsets),
             )
+
+    def _say(self, key: str, message: str, *args: object) -> None:
+        now = self.clock()
+        if now - self.said_at.get(key, -SAY_EVERY_S) >= SAY_EVERY_S:
+            self.said_at[key] = now
+            log.warning(message, *args)

@@ -192,15 +192,16 @@ class Verifier:
         if batch.swarm != self.cfg.swarm:
             self.stats.reject(peer, "wrong_swarm")
             return []
-        dated = self.clock_check.judge(batch.publisher, batch.created_at - now)  # from_future, clock_behind, None
+        dated = self.clock_check.judge(batch.publisher, batch.round, batch.created_at - now)  # or None
         if now - batch.created_at > self.cfg.max_age_s:
             self.stats.reject(peer, "stale")
             return []
         if dated == "from_future":
             self._offence(batch.publisher, dated, batch=True)
             return []
-        if dated:
-            self.stats.reject(peer, dated)  # our clock, by the majority of recent publishers: no charge
+        if dated:  # clock_behind: our clock, by the majority of recent publishers: no charge, but parked
+            self.stats.reject(peer, dated)
+            self.bandit.observe(batch.publisher, useful=False)
             return []
         taken = self.taken.get(batch.publisher, set())
         if batch.round in taken:  # a different batch for a round we already took from this publisher
