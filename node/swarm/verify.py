@@ -166,6 +166,14 @@ class Verifier:
         if batch:
             self.bandit.observe(publisher, useful=False)
 
+    def _useless(self, publisher: bytes, reason: str) -> list[Group]:
+        """A signed batch refused for what need not be the key holder's fault (a replay of its old batch, our
+        clock): no charge, but a useless batch for the publisher chooser, so that keys sending only these are
+        parked like any other useless publisher instead of being explored again every round."""
+        self.stats.reject(publisher.hex(), reason)
+        self.bandit.observe(publisher, useful=False)
+        return []
+
     def _verify(self, data: bytes, now: float, hint: bytes | None) -> list[Group]:
         claimed = hint.hex() if hint else UNKNOWN_PEER
         try:
@@ -190,27 +198,22 @@ class Verifier:
             self.stats.reject(peer, "banned")
             return []
         if batch.swarm != self.cfg.swarm:
-            self.stats.reject(peer, "wrong_swarm")
-            return []
+            return self._useless(batch.publisher, "wrong_swarm")
         dated = self.clock_check.judge(batch.publisher, batch.round, batch.created_at - now)  # or None
         if now - batch.created_at > self.cfg.max_age_s:
-            self.stats.reject(peer, "stale")
-            return []
+            return self._useless(batch.publisher, "stale")
         if dated == "from_future":
             self._offence(batch.publisher, dated, batch=True)
             return []
-        if dated:  # clock_behind: our clock, by the majority of recent publishers: no charge, but parked
-            self.stats.reject(peer, dated)
-            self.bandit.observe(batch.publisher, useful=False)
-            return []
+        if dated:  # clock_behind: our clock, by the majority of recent publishers
+            return self._useless(batch.publisher, dated)
         taken = self.taken.get(batch.publisher, set())
         if batch.round in taken:  # a different batch for a round we already took from this publisher
             self._offence(batch.publisher, "equivocation", batch=True)
             return []
         newest = max(taken, default=-1)
         if batch.round <= newest - self.cfg.window:
-            self.stats.reject(peer, "stale_round")
-            return []
+            return self._useless(batch.publisher, "stale_round")
         newest = max(newest, batch.round)
         self.taken[batch.publisher] = {r for r in taken if r > newest - self.cfg.window} | {batch.round}
         self.taken.move_to_end(batch.publisher)

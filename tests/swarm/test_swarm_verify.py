@@ -87,6 +87,25 @@ def test_hostile_batches_are_rejected_by_reason(make, reason):
     assert sum(stats.accepted.values()) == 0
 
 
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda p: _forged(p, created_at=time.time() - 3600), "stale"),
+        (lambda p: _forged(p, swarm="other"), "wrong_swarm"),
+    ],
+)
+def test_a_key_that_sends_only_uncharged_refusals_is_parked(make, reason):
+    """Stale or other-swarm batches are not charged (a replay of an old batch need not be its key holder's doing),
+    but a key that sends nothing else must not head the exploration queue round after round: a useless batch."""
+    v, stats, _ = verifier()
+    peer = Identity.generate()
+    v.bandit.choose({peer.public_key_bytes: 5}, k=0)  # seen in presence, never tried: queued
+    assert v.verify(make(peer), hint=peer.public_key_bytes) == []
+    assert stats.rejected[peer.public_key_hex] == {reason: 1} and v.reputation.score(peer.public_key_bytes) == 0.0
+    record = v.bandit.record(peer.public_key_bytes)
+    assert record is not None and record.bad == 1 and record.next_try > v.bandit.round
+
+
 def test_a_slow_clock_here_does_not_charge_every_honest_peer(caplog):
     """This machine's clock 5 minutes slow: every peer's batches look from the future. The first two publishers
     are charged as before (too few to tell whose clock is wrong); once most of at least three agree, their
