@@ -48,6 +48,8 @@ class FetchStats:
     largest_answer_bytes: int = 0
     over_budget: int = 0  # batches received but dropped by max_bytes
     missing: int = 0  # announced batches that a completed search did not find (ghosts)
+    presences: int = 0  # other peers' valid presence records read, of this swarm
+    off_clock: int = 0  # of those, dated more than the records' lifetime away from this machine's clock
     seconds: float = 0.0
 
     def received(self, value: bytes) -> None:
@@ -193,7 +195,9 @@ class PresenceSampler:
                 continue
             if rec.swarm != cfg.swarm or rec.publisher != pub:
                 continue
+            stats.presences += 1
             if abs(now - rec.updated_at) > cfg.record_ttl_s:
+                stats.off_clock += 1
                 continue  # a stale record (or a clock far off): its batches are gone or not yet valid
             remember(self.known, pub.hex(), rec.round)
             remember(self.tiers, pub, work_tier(pub, envelope_nonce(data), cfg.pow_difficulty))

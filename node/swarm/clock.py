@@ -8,7 +8,9 @@ its newest batch by round (a replay of an older one changes nothing): when at le
 most of them are dated past the skew, the fault is taken to be ours, their future batches are refused without
 a charge (`clock_behind`; the publisher chooser still parks them as useless) and the log says so. A clock ahead
 shows only as peers' batches that arrive minutes old: the median offset past `OLD_S` is a hint, nothing
-refused. Either message repeats at most every `SAY_EVERY_S` while it holds.
+refused. Presence records dated more than their lifetime away are not even fetched from (p2p/presence.py):
+when most of those read are, the clock is probably far off, and the log says that too. Each message repeats
+at most every `SAY_EVERY_S` while it holds.
 
 Identities that agree to date their batches ahead gain nothing but a charge spared (their batches are refused
 all the same), and can make these messages appear: so the messages say what the peers' dates show, never a
@@ -89,6 +91,20 @@ class ClockCheck:
                 "true`)",
                 OLD_S,
                 len(offsets),
+            )
+
+    def presence(self, read: int, off_clock: int) -> None:
+        """A fetch's presence records: `read` valid ones of other peers, `off_clock` of them dated more than
+        their lifetime (10 minutes) away from this clock, whose batches are never fetched. Most of at least
+        QUORUM: this clock is probably far off, which nothing else would show (no batch ever arrives)."""
+        if read >= QUORUM and 2 * off_clock > read:
+            self._say(
+                "far",
+                "the presence records of %d of %d peers read are dated more than 10 minutes away from this "
+                "machine's clock, so none of their batches is fetched: unless they are gone, this clock is off. "
+                "Let NTP set it (e.g. `timedatectl set-ntp true`)",
+                off_clock,
+                read,
             )
 
     def _say(self, key: str, message: str, *args: object) -> None:

@@ -97,6 +97,8 @@ class DhtExchange(SignedExchange):
             self.transport.fetch(max_bytes=self.verifier.cfg.budget_bytes, chooser=self.bandit),
             self.transport.validator_rejections(self.transport.config.fetch_timeout_s),
         )
+        fetched = self.transport.last_fetch
+        self.verifier.clock_check.presence(fetched.presences, fetched.off_clock)  # a clock far off fetches nothing
         return Received([(r.publisher, r.data) for r in records], handles=records, refused=refused)
 
     async def verify(self, received: Received) -> list[Group]:

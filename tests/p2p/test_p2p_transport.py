@@ -21,7 +21,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from p2p.dht_process import store_from_file
 from p2p.identity import Identity
 from p2p.pow import MAX_TIER
-from p2p.presence import TIER_SCAN_ROUNDS, UniformChooser
+from p2p.presence import TIER_SCAN_ROUNDS, FetchStats, PresenceSampler, UniformChooser
 from p2p.transport import SwarmTransport, TransportConfig, TransportError
 from p2p.validators import (
     RECORD_SIG_MAGIC,
@@ -33,7 +33,16 @@ from p2p.validators import (
     record_message,
     tier_shards,
 )
-from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireGroup, decode_signed, encode_signed
+from p2p.wire import (
+    WIRE_VERSION,
+    PresenceRecord,
+    RolloutBatch,
+    TaskSpecWire,
+    WireGroup,
+    decode_signed,
+    encode_presence,
+    encode_signed,
+)
 
 SWARM = "ttest"
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -311,3 +320,22 @@ def test_the_rotation_reads_every_tier_shard_within_its_rounds_and_a_bounded_sli
         read.update(keys)
     assert read == every
     assert tier_shards(shards, 1) == shards  # tier 1 (the default) holds most keys: as many shards as tier 0
+
+
+def test_presence_records_a_clock_far_off_would_drop_are_counted(tmp_path):
+    """Records dated more than their lifetime away from this clock are dropped as before, and counted, so the
+    node can say when most peers look that far off (node/swarm/clock.py: its own clock, most likely)."""
+    cfg = config(tmp_path, "reader")
+    sampler = PresenceSampler(cfg, own_key=b"\x00" * 32)
+    peers = [Identity.generate(POW) for _ in range(3)]
+    now = time.time()
+    dated = [now, now - cfg.record_ttl_s - 60, now + cfg.record_ttl_s + 60]
+    entries = {
+        p.public_key_bytes: encode_presence(PresenceRecord(WIRE_VERSION, SWARM, p.public_key_bytes, 4, t), p)
+        for p, t in zip(peers, dated)
+    }
+    candidates: dict[bytes, int] = {}
+    stats = FetchStats()
+    sampler._take(entries, UniformChooser(), candidates, stats)
+    assert (stats.presences, stats.off_clock) == (3, 2)
+    assert list(candidates) == [peers[0].public_key_bytes]  # the two far off are not fetched from

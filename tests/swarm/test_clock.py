@@ -66,3 +66,14 @@ def test_the_behind_message_gives_no_number_to_set_the_clock_by(caplog):
             check.judge(k, 1, 12345.0)  # identities can date their batches as they like
     (message,) = [r.getMessage() for r in caplog.records]
     assert "12345" not in message and "(2 of 3)" not in message and "(3 of 3)" in message and "NTP" in message
+
+
+def test_presence_records_mostly_far_off_are_said(caplog):
+    check = ClockCheck(SKEW)
+    with caplog.at_level(logging.WARNING, logger="sapo.swarm"):
+        check.presence(read=2, off_clock=2)  # fewer than a quorum
+        check.presence(read=4, off_clock=2)  # half: not most
+        assert not caplog.records
+        check.presence(read=3, off_clock=2)
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "2 of 3 peers" in message and "none of their batches is fetched" in message
