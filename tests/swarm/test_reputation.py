@@ -14,6 +14,7 @@ from node.swarm.exchange import ExchangeStats, Received
 from node.swarm.reputation import PENALTIES, REPUTATION_FILE, Reputation, ReputationConfig
 from node.swarm.verify import SignedExchange, Verifier, VerifyConfig, make_batch
 from p2p.identity import Identity
+from p2p.presence import FetchStats
 from p2p.wire import WIRE_VERSION, RolloutBatch, TaskSpecWire, WireCaps, WireGroup, encode_signed
 
 MIX = PRESETS["cpu-easy"]
@@ -504,11 +505,13 @@ def test_per_peer_counters_stay_bounded_under_a_flood_of_new_keys():
 
 
 class ListedTransport:
-    """What DhtExchange.collect needs of a transport: the fetch returns fixed records; fetch_again is recorded."""
+    """What DhtExchange.collect needs of a transport: the fetch returns fixed records (its FetchStats empty);
+    fetch_again is recorded."""
 
     def __init__(self, identity: Identity, records):
         self.identity, self.records, self.offered_again = identity, records, []
         self.config = type("Cfg", (), {"fetch_timeout_s": 1.0})()
+        self.last_fetch = FetchStats()
 
     async def fetch(self, max_bytes=None, chooser=None):
         return list(self.records)
