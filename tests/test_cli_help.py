@@ -177,7 +177,7 @@ def other_value(name: str) -> str:
     if isinstance(default, list):
         return "/ip4/127.0.0.1/tcp/1"
     if isinstance(default, (int, float)):
-        return str(default + 3)
+        return str(default + (1 if name == "identity_tier" else 3))  # tiers go up to 3
     return "cpu" if name == "device" else default + "-x"
 
 
