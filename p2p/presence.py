@@ -17,7 +17,7 @@ import math
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from p2p.config import TransportConfig
@@ -48,8 +48,10 @@ class FetchStats:
     largest_answer_bytes: int = 0
     over_budget: int = 0  # batches received but dropped by max_bytes
     missing: int = 0  # announced batches that a completed search did not find (ghosts)
-    presences: int = 0  # other peers' valid presence records read, of this swarm
-    off_clock: int = 0  # of those, dated more than the records' lifetime away from this machine's clock
+    # other peers of this swarm whose valid presence records were read (a key above tier 0 has two shards), and
+    # those whose record is dated more than the records' lifetime away from this machine's clock
+    presence_keys: set[bytes] = field(default_factory=set)
+    off_clock_keys: set[bytes] = field(default_factory=set)
     seconds: float = 0.0
 
     def received(self, value: bytes) -> None:
@@ -195,9 +197,9 @@ class PresenceSampler:
                 continue
             if rec.swarm != cfg.swarm or rec.publisher != pub:
                 continue
-            stats.presences += 1
+            stats.presence_keys.add(pub)
             if abs(now - rec.updated_at) > cfg.record_ttl_s:
-                stats.off_clock += 1
+                stats.off_clock_keys.add(pub)
                 continue  # a stale record (or a clock far off): its batches are gone or not yet valid
             remember(self.known, pub.hex(), rec.round)
             remember(self.tiers, pub, work_tier(pub, envelope_nonce(data), cfg.pow_difficulty))

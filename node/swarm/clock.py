@@ -8,8 +8,8 @@ its newest batch by round (a replay of an older one changes nothing): when at le
 most of them are dated past the skew, the fault is taken to be ours, their future batches are refused without
 a charge (`clock_behind`; the publisher chooser still parks them as useless) and the log says so. A clock ahead
 shows only as peers' batches that arrive minutes old: the median offset past `OLD_S` is a hint, nothing
-refused. Presence records dated more than their lifetime away are not even fetched from (p2p/presence.py):
-when most of those read are, the clock is probably far off, and the log says that too. Each message repeats
+refused. Presence records dated more than their lifetime ahead of this clock (a clock behind by 10 minutes or
+more) are not fetched from (p2p/presence.py): when most of those read are, the log says that too. Each message repeats
 at most every `SAY_EVERY_S` while it holds.
 
 Identities that agree to date their batches ahead gain nothing but a charge spared (their batches are refused
@@ -93,18 +93,21 @@ class ClockCheck:
                 len(offsets),
             )
 
-    def presence(self, read: int, off_clock: int) -> None:
-        """A fetch's presence records: `read` valid ones of other peers, `off_clock` of them dated more than
-        their lifetime (10 minutes) away from this clock, whose batches are never fetched. Most of at least
-        QUORUM: this clock is probably far off, which nothing else would show (no batch ever arrives)."""
+    def presence(self, read: int, off_clock: int, lifetime_s: float) -> None:
+        """A fetch's presence records: of `read` other peers, `off_clock` with a record dated more than its
+        lifetime away from this clock, whose batches are never fetched. Most of at least QUORUM: this clock
+        is probably off, which nothing else would show (no batch arrives). Only a clock behind by more than
+        the lifetime (and less than what the DHT's validator refuses) shows here: records that look expired to
+        a clock ahead never reach the reader."""
         if read >= QUORUM and 2 * off_clock > read:
             self._say(
                 "far",
-                "the presence records of %d of %d peers read are dated more than 10 minutes away from this "
-                "machine's clock, so none of their batches is fetched: unless they are gone, this clock is off. "
-                "Let NTP set it (e.g. `timedatectl set-ntp true`)",
+                "the presence records of %d of %d peers read are dated more than %.0f s away from this machine's "
+                "clock, so none of their batches is fetched: this clock is off, or theirs are. Let NTP set it "
+                "(e.g. `timedatectl set-ntp true`)",
                 off_clock,
                 read,
+                lifetime_s,
             )
 
     def _say(self, key: str, message: str, *args: object) -> None:

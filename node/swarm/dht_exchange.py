@@ -98,7 +98,9 @@ class DhtExchange(SignedExchange):
             self.transport.validator_rejections(self.transport.config.fetch_timeout_s),
         )
         fetched = self.transport.last_fetch
-        self.verifier.clock_check.presence(fetched.presences, fetched.off_clock)  # a clock far off fetches nothing
+        self.verifier.clock_check.presence(  # a clock far off fetches nothing
+            len(fetched.presence_keys), len(fetched.off_clock_keys), self.transport.config.record_ttl_s
+        )
         return Received([(r.publisher, r.data) for r in records], handles=records, refused=refused)
 
     async def verify(self, received: Received) -> list[Group]:

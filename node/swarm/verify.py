@@ -167,11 +167,13 @@ class Verifier:
             self.bandit.observe(publisher, useful=False)
 
     def _useless(self, publisher: bytes, reason: str) -> list[Group]:
-        """A signed batch refused for what need not be the key holder's fault (a replay of its old batch, our
-        clock): no charge, but a useless batch for the publisher chooser, so that keys sending only these are
-        parked like any other useless publisher instead of being explored again every round."""
+        """A signed batch refused for what need not be the key holder's fault (a replay of its old batch, a lagging
+        replica, our clock): no charge; for a key never useful yet, a useless batch for the publisher chooser,
+        so that keys sending only these are parked instead of being explored again every round."""
         self.stats.reject(publisher.hex(), reason)
-        self.bandit.observe(publisher, useful=False)
+        record = self.bandit.record(publisher)
+        if record is None or record.ok == 0:  # a proven publisher is not demoted by what others can replay
+            self.bandit.observe(publisher, useful=False)
         return []
 
     def _verify(self, data: bytes, now: float, hint: bytes | None) -> list[Group]:

@@ -323,8 +323,9 @@ def test_the_rotation_reads_every_tier_shard_within_its_rounds_and_a_bounded_sli
 
 
 def test_presence_records_a_clock_far_off_would_drop_are_counted(tmp_path):
-    """Records dated more than their lifetime away from this clock are dropped as before, and counted, so the
-    node can say when most peers look that far off (node/swarm/clock.py: its own clock, most likely)."""
+    """Records dated more than their lifetime away from this clock are dropped as before, and counted once per
+    peer, so the node can say when most peers look that far off (node/swarm/clock.py: its own clock, most
+    likely)."""
     cfg = config(tmp_path, "reader")
     sampler = PresenceSampler(cfg, own_key=b"\x00" * 32)
     peers = [Identity.generate(POW) for _ in range(3)]
@@ -337,5 +338,7 @@ def test_presence_records_a_clock_far_off_would_drop_are_counted(tmp_path):
     candidates: dict[bytes, int] = {}
     stats = FetchStats()
     sampler._take(entries, UniformChooser(), candidates, stats)
-    assert (stats.presences, stats.off_clock) == (3, 2)
+    assert (len(stats.presence_keys), len(stats.off_clock_keys)) == (3, 2)
+    sampler._take(entries, UniformChooser(), candidates, stats)  # a key above tier 0 is in two shards
+    assert (len(stats.presence_keys), len(stats.off_clock_keys)) == (3, 2)  # counted once
     assert list(candidates) == [peers[0].public_key_bytes]  # the two far off are not fetched from

@@ -71,9 +71,9 @@ def test_the_behind_message_gives_no_number_to_set_the_clock_by(caplog):
 def test_presence_records_mostly_far_off_are_said(caplog):
     check = ClockCheck(SKEW)
     with caplog.at_level(logging.WARNING, logger="sapo.swarm"):
-        check.presence(read=2, off_clock=2)  # fewer than a quorum
-        check.presence(read=4, off_clock=2)  # half: not most
+        check.presence(read=2, off_clock=2, lifetime_s=600)  # fewer than a quorum
+        check.presence(read=4, off_clock=2, lifetime_s=600)  # half: not most
         assert not caplog.records
-        check.presence(read=3, off_clock=2)
+        check.presence(read=3, off_clock=2, lifetime_s=600)
     (message,) = [r.getMessage() for r in caplog.records]
-    assert "2 of 3 peers" in message and "none of their batches is fetched" in message
+    assert "2 of 3 peers" in message and "more than 600 s away" in message and "none of their batches" in message

@@ -510,7 +510,7 @@ class ListedTransport:
 
     def __init__(self, identity: Identity, records):
         self.identity, self.records, self.offered_again = identity, records, []
-        self.config = type("Cfg", (), {"fetch_timeout_s": 1.0})()
+        self.config = type("Cfg", (), {"fetch_timeout_s": 1.0, "record_ttl_s": 600.0})()
         self.last_fetch = FetchStats()
 
     async def fetch(self, max_bytes=None, chooser=None):

@@ -96,7 +96,8 @@ def test_hostile_batches_are_rejected_by_reason(make, reason):
 )
 def test_a_key_that_sends_only_uncharged_refusals_is_parked(make, reason):
     """Stale or other-swarm batches are not charged (a replay of an old batch need not be its key holder's doing),
-    but a key that sends nothing else must not head the exploration queue round after round: a useless batch."""
+    but a key that sends nothing else must not head the exploration queue round after round: a useless batch,
+    for a key never useful yet."""
     v, stats, _ = verifier()
     peer = Identity.generate()
     v.bandit.choose({peer.public_key_bytes: 5}, k=0)  # seen in presence, never tried: queued
@@ -104,6 +105,10 @@ def test_a_key_that_sends_only_uncharged_refusals_is_parked(make, reason):
     assert stats.rejected[peer.public_key_hex] == {reason: 1} and v.reputation.score(peer.public_key_bytes) == 0.0
     record = v.bandit.record(peer.public_key_bytes)
     assert record is not None and record.bad == 1 and record.next_try > v.bandit.round
+    proven = Identity.generate()
+    assert len(v.verify(_forged(proven, seed=3), hint=proven.public_key_bytes)) == 1
+    assert v.verify(make(proven), hint=proven.public_key_bytes) == []  # e.g. its old batch replayed
+    assert v.bandit.record(proven.public_key_bytes).bad == 0  # a proven publisher is not demoted
 
 
 def test_a_slow_clock_here_does_not_charge_every_honest_peer(caplog):
