@@ -116,7 +116,8 @@ def converted_dir(name: str) -> Path | None:
     """Where a packaged model is kept in transformers' own format once loaded (model_io.load_model): reading
     it takes seconds, where de-quantising a GGUF and converting its vocabulary takes 10-13 CPU-s (SmolLM2's
     49k tokens) to 40 (Gemma's 262k; node/learn/gguf_once.py). A chunked model is keyed by the checksum it
-    ships, a single file by `file_key`. None where the package is missing."""
+    ships, a single file by the SHA-256 pip recorded for it (else `file_key`), and the copy by what wrote it
+    (`converter_key`): venvs share copies. None where the package is missing."""
     m = PACKAGED[name]
     home = package_dir(m.module)
     if home is None:
@@ -125,15 +126,29 @@ def converted_dir(name: str) -> Path | None:
         path = home / m.gguf
         if not path.exists():
             return None
-        return _model_cache(installed_sha256(m.pip[0].split("==")[0], path) or file_key(path)) / "transformers"
-    return _model_cache(_expected_sha256(home / m.checksums, m.gguf)) / "transformers"
+        digest = installed_sha256(m.pip[0].split("==")[0], path) or file_key(path)
+    else:
+        digest = _expected_sha256(home / m.checksums, m.gguf)
+    return _model_cache(digest) / f"transformers-{converter_key()}"
+
+
+def converter_key() -> str:
+    """What writes a converted copy: the transformers and tokenizers versions (a tokenizer saved by a newer one
+    may not load in an older one, and a copy is shared by every venv that loads the same file)."""
+    versions = []
+    for dist in ("transformers", "tokenizers"):
+        try:
+            versions.append(f"{dist}={importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{dist}=none")
+    return hashlib.sha256(",".join(versions).encode()).hexdigest()[:12]
 
 
 def installed_sha256(distribution: str, path: Path) -> str | None:
     """The SHA-256 (hex) that pip recorded for `path` when it installed `distribution` (its RECORD file), if the
-    size still matches: the file's content identity at no cost, the same in every venv and after a reinstall
-    of that version, where `file_key` changes (a new venv once kept a new 0.5 GB converted copy). None where
-    the distribution or its record of the file is missing."""
+    size still matches and the file is no newer than the record: the file's content identity at no cost, the
+    same in every venv and after a reinstall of that version, where `file_key` changes (a new venv once kept a
+    new 0.5 GB converted copy). None where the distribution or its record of the file is missing."""
     try:
         files = importlib.metadata.distribution(distribution).files or []
     except importlib.metadata.PackageNotFoundError:
@@ -146,9 +161,22 @@ def installed_sha256(distribution: str, path: Path) -> str | None:
             continue
         if entry.size is not None and entry.size != path.stat().st_size:
             return None
+        if _written_after_record(path, files):
+            return None  # replaced in place since pip wrote it down, whatever its size
         value = entry.hash.value
         return base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)).hex()
     return None
+
+
+def _written_after_record(path: Path, files: list) -> bool:
+    """Whether `path` was modified after the distribution's RECORD was written (a file replaced in place)."""
+    records = [e for e in files if e.name == "RECORD" and e.parent.name.endswith(".dist-info")]
+    if not records:
+        return True  # nothing to compare with: not trusted
+    try:
+        return path.stat().st_mtime > Path(str(records[0].locate())).stat().st_mtime + 1.0
+    except OSError:
+        return True
 
 
 ENGINE_MODEL = "default"  # the packaged model the llama engine serves (a llama architecture)

