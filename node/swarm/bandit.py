@@ -120,6 +120,14 @@ class PublisherBandit:
             while len(self._table) > cfg.max_tracked:
                 self._table.popitem(last=False)
 
+    def park_if_unproven(self, publisher: bytes) -> None:
+        """A batch refused for what others can cause (a replay of an old one, a lagging replica, the receiver's
+        clock): a useless batch for a key never useful yet, so that one sending only those is parked; nothing
+        for a key that has been useful (it is not demoted by what it may not have done)."""
+        r = self.record(publisher)
+        if r is None or r.ok == 0:
+            self.observe(publisher, useful=False)
+
     def copied(self, publisher: bytes) -> None:
         """Caught serving another key's content: its useful batches may have been copies too. It loses
         them and counts one failure (so it is unproven, and parked like any failed key)."""

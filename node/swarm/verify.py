@@ -171,9 +171,7 @@ class Verifier:
         replica, our clock): no charge; for a key never useful yet, a useless batch for the publisher chooser,
         so that keys sending only these are parked instead of being explored again every round."""
         self.stats.reject(publisher.hex(), reason)
-        record = self.bandit.record(publisher)
-        if record is None or record.ok == 0:  # a proven publisher is not demoted by what others can replay
-            self.bandit.observe(publisher, useful=False)
+        self.bandit.park_if_unproven(publisher)
         return []
 
     def _verify(self, data: bytes, now: float, hint: bytes | None) -> list[Group]:
