@@ -62,9 +62,6 @@ def check_run(spec: RunSpec, root: Path) -> None:
         check_peer_configs(spec, root, run_flags(spec, root) + dht_flags(["/ip4/127.0.0.1/tcp/0"]), peer_env(spec))
 
 
-# --- memory mode: peers in this process ---------------------------------------------------------------
-
-
 def plan_runs(args: argparse.Namespace) -> list[tuple[str, RunSpec]]:
     """(configuration, run) for every run of the command, each checked as its peers would check their flags;
     ValueError with the message to print. Nothing is written."""

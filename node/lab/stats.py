@@ -335,6 +335,8 @@ def summarize(
         nl = np.concatenate([p.num_local for r in rs for p in r.peers])
         rs_s = np.concatenate([p.round_s for r in rs for p in r.peers])
         reached = [v for v in rtt.values() if v is not None]
+        # per run: (fewest, most) rounds an agent logged: they differ where one stopped early or was cut short
+        ranges = sorted({(min(p.rounds.size for p in r.peers), max(p.rounds.size for p in r.peers)) for r in rs})
         per[cfg] = {
             "ij_policy": ",".join(sorted({r.ij_policy for r in rs})),
             "adaptive": any(r.adaptive for r in rs),
@@ -342,11 +344,8 @@ def summarize(
             "seeds": seeds,
             "n_seeds": len(rs),
             "peers": sorted({len(r.peers) for r in rs}),
-            "rounds": sorted({int(max(p.rounds.size for p in r.peers)) for r in rs}),
-            # per run: (fewest, most) rounds an agent logged: they differ where one stopped early or was cut short
-            "rounds_range": sorted(
-                {(min(p.rounds.size for p in r.peers), max(p.rounds.size for p in r.peers)) for r in rs}
-            ),
+            "rounds": sorted({int(most) for _, most in ranges}),
+            "rounds_range": ranges,
             "cumulative_by_seed": cum,
             "cumulative_mean": _fmean(list(cum.values())),
             "cumulative_std": _fstd(list(cum.values())),
