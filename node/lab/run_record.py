@@ -13,12 +13,12 @@ import platform
 import subprocess
 import time
 from dataclasses import asdict
-from importlib import metadata
 from pathlib import Path
 
 from node.lab.run_files import json_value, read_run_json
 from node.lab.runs import run_engines
 from node.lab.runspec import RunSpec
+from node.learn.packaged import installed_version
 
 SIMD_FLAGS = (
     "sse4_2",
@@ -54,8 +54,7 @@ def cpu_identity() -> dict:
 
 
 def provenance() -> dict:
-    versions: dict[str, str | None] = {}
-    for pkg in (
+    packages = (
         "sapo-swarm-node",
         "torch",
         "transformers",
@@ -65,11 +64,8 @@ def provenance() -> dict:
         "peft",
         "ik-llama-cpp-python",
         "llama-cpp-python",
-    ):  # the rollout engines: not installed -> None
-        try:
-            versions[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            versions[pkg] = None
+    )  # the rollout engines: not installed -> None
+    versions = {pkg: installed_version(pkg) for pkg in packages}
     try:
         repo = Path(__file__).resolve().parents[1]
         commit = (

@@ -132,15 +132,19 @@ def converted_dir(name: str) -> Path | None:
     return _model_cache(digest) / f"transformers-{converter_key()}"
 
 
+def installed_version(distribution: str) -> str | None:
+    """The installed version of a distribution, or None where it is not installed (read from its metadata:
+    nothing is imported)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def converter_key() -> str:
     """What writes a converted copy: the transformers and tokenizers versions (a tokenizer saved by a newer one
     may not load in an older one, and a copy is shared by every venv that loads the same file)."""
-    versions = []
-    for dist in ("transformers", "tokenizers"):
-        try:
-            versions.append(f"{dist}={importlib.metadata.version(dist)}")
-        except importlib.metadata.PackageNotFoundError:
-            versions.append(f"{dist}=none")
+    versions = [f"{dist}={installed_version(dist) or 'none'}" for dist in ("transformers", "tokenizers")]
     return hashlib.sha256(",".join(versions).encode()).hexdigest()[:12]
 
 
