@@ -33,3 +33,12 @@ def write_atomically(path: Path, text: str) -> None:
         os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def unused_name(path: Path) -> Path:
+    """`path` if nothing is there, else the first free `path.1`, `path.2`, ...: a copy set aside twice keeps both."""
+    n, free = 0, path
+    while free.exists():
+        n += 1
+        free = path.with_name(f"{path.name}.{n}")
+    return free

@@ -211,7 +211,8 @@ def _tried(progress: Path, public_key: bytes, difficulty: int) -> int:
     try:
         key, bits, counter = progress.read_text().split()
         if key == public_key.hex() and int(bits) <= difficulty:
-            return max(0, int(counter))
+            tried = int(counter)
+            return tried if 0 <= tried < 1 << (8 * NONCE_LEN) else 0  # past the nonce space: not this mint's
     except (OSError, ValueError):
         pass
     return 0

@@ -114,7 +114,7 @@ def _holder_alive(lock: Path) -> bool:
         return True
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: no pid is that large (a corrupt lock file)
         return False
     except PermissionError:
         return True

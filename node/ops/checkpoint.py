@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from node.learn.guard import START_ROUND
+from p2p.files import unused_name
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,8 @@ def dir_name(round_: int) -> str:
 def round_of(path: Path) -> int | None:
     """The round a checkpoint directory's name says; None for a name that is no checkpoint's."""
     suffix = path.name[len(PREFIX) :] if path.name.startswith(PREFIX) else ""
-    return START_ROUND if suffix == START_NAME else int(suffix) if suffix.isdigit() else None
+    # ASCII digits only: str.isdigit() takes '²', which int() refuses
+    return START_ROUND if suffix == START_NAME else int(suffix) if re.fullmatch(r"[0-9]{1,12}", suffix) else None
 
 
 REQUIRED_FILES = frozenset({"model.pt", "state.json"})  # optimizer.pt too, except in a weights-only export
@@ -189,11 +192,7 @@ class CheckpointStore:
         """Into abandoned/, never deleted, nor any copy there: a checkpoint that failed to load only for a
         passing reason (memory, I/O) can still be recovered from there by hand. A round set aside before keeps
         its name; the later copy gets a suffix (round-000012.1, .2, ...)."""
-        dest = self.dir / ABANDONED_DIR / path.name
-        n = 0
-        while dest.exists():
-            n += 1
-            dest = self.dir / ABANDONED_DIR / f"{path.name}.{n}"
+        dest = unused_name(self.dir / ABANDONED_DIR / path.name)
         try:
             dest.parent.mkdir(exist_ok=True)
             path.rename(dest)
@@ -256,7 +255,7 @@ class CheckpointStore:
             f = path / name
             try:
                 size, digest = int(entry["size"]), str(entry["sha256"])
-            except (KeyError, TypeError, ValueError) as exc:
+            except (KeyError, TypeError, ValueError, OverflowError) as exc:  # Overflow: a size of 1e999
                 raise CheckpointError(f"{path}: MANIFEST.json's entry for {name} is malformed ({exc})") from exc
             if "/" in name or not f.is_file() or f.stat().st_size != size or _sha256(f) != digest:
                 raise CheckpointError(f"{path}: {name} is missing, truncated or corrupt")

@@ -381,7 +381,7 @@ def validate(cfg: NodeConfig) -> None:
         raise bad("status_port", "must be a TCP port")
     if cfg.threads > 4096:  # torch takes a C int; no machine this runs on has more cores
         raise bad("threads", "must be at most 4096 (0 = all cores)")
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
+    if not re.fullmatch(r"auto|cpu|cuda(:[0-9]{1,4})?", cfg.device):
         raise bad("device", "must be auto, cpu or cuda[:N]")
     if not cfg.run_dir.strip():
         raise bad("run_dir", "must name a directory (empty would write the run into the current one)")

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from p2p.files import write_atomically
+from p2p.files import unused_name, write_atomically
 
 log = logging.getLogger("sapo.swarm")
 
@@ -270,7 +270,8 @@ class Reputation:
 
     def load(self, path: Path) -> bool:
         """Replace the table with the file's. Missing file: False. Corrupt file: one warning, the file moved
-        aside to `<name>.corrupt`, a fresh table, False. Never raises on the file's content."""
+        aside to `<name>.corrupt` (`.corrupt.1`, ... when one is there: none is overwritten), a fresh table, False.
+        Never raises on the file's content."""
         path = Path(path)
         try:
             raw = path.read_bytes()
@@ -282,14 +283,12 @@ class Reputation:
         try:
             table = parse_table(raw)
         except ReputationFileError as exc:
+            aside = unused_name(path.with_name(path.name + ".corrupt"))
             log.warning(
-                "reputation file %s is corrupt (%s); moved to %s.corrupt, starting with a fresh table",
-                path,
-                exc,
-                path.name,
+                "reputation file %s is corrupt (%s); moved to %s, starting with a fresh table", path, exc, aside.name
             )
             try:
-                os.replace(path, path.with_name(path.name + ".corrupt"))
+                os.replace(path, aside)
             except OSError:
                 pass
             return False

@@ -97,6 +97,9 @@ def test_a_dead_holder_is_taken_over_and_a_stop_ends_the_wait(tmp_path):
     done.write_text("not json")  # a broken result file is computed again, not trusted
     lock.unlink()
     assert share.evaluate(model, Counting(result(0.6)), None).accuracy == 0.6
+    done.unlink()
+    lock.write_text(str(2**40))  # a corrupt lock: no process has that pid (os.kill raises OverflowError)
+    assert share.evaluate(model, Counting(result(0.7)), None).accuracy == 0.7
 
 
 MALFORMED = [

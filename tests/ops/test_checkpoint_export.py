@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from node.ops.checkpoint import CheckpointError, CheckpointStore, export_weights, load_from
+from node.ops.checkpoint import CheckpointError, CheckpointStore, export_weights, load_from, round_of
 
 
 def saved(tmp_path):
@@ -137,6 +137,7 @@ def test_prune_removes_an_old_dir_whose_round_is_in_place(tmp_path):
         ({"round": 7, "files": {}}, "does not list model.pt and state.json"),
         ({"round": 7, "files": []}, "does not list model.pt and state.json"),
         ({"round": 7, "files": {"model.pt": "x", "state.json": {}}}, "entry for model.pt is malformed"),
+        ({"round": 7, "files": {"model.pt": {"size": 1e999, "sha256": ""}, "state.json": {}}}, "model.pt is malformed"),
         ([1, 2], "missing or unreadable MANIFEST.json"),
     ],
 )
@@ -227,3 +228,14 @@ def test_a_disk_without_room_for_two_more_checkpoints_is_said_once(tmp_path, mon
         store.save(11, weights, {}, {}, {})
     warnings = [r.getMessage() for r in caplog.records if "free some space" in r.getMessage()]
     assert len(warnings) == 2 and f"the disk holding {store.dir} has" in warnings[0]
+
+
+@pytest.mark.parametrize("stray", ["round-\u00b2", "round-"])
+def test_a_stray_directory_named_like_a_checkpoint_is_no_checkpoint(tmp_path, stray):
+    """str.isdigit() takes '²', which int() refuses: such a name is not a round, at start or at a save."""
+    store = CheckpointStore(tmp_path / "checkpoints")
+    store.save(3, {"w": torch.ones(2)}, {}, {})
+    (store.dir / stray).mkdir()
+    assert round_of(store.dir / stray) is None
+    store.save(4, {"w": torch.ones(2)}, {}, {})
+    assert store.load_latest() is not None and (store.dir / stray).is_dir()

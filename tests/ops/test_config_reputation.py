@@ -75,6 +75,8 @@ def test_identity_tiers_are_the_ones_proof_of_work_knows():
         (["--swarm", ""], "--swarm"),
         (["--seed", str(2**64)], "--seed"),
         (["--device", "cuda:abc"], "--device"),
+        (["--device", "cuda:" + "9" * 5000], "--device"),  # int() refuses 4300+ digits
+        (["--device", "cuda:\u0663"], "--device"),  # an Arabic-Indic 3: a digit to the regex, not to torch
     ],
 )
 def test_values_that_would_fail_later_or_get_us_banned_name_the_flag(args, flag):

@@ -88,6 +88,8 @@ def test_a_stopped_mint_goes_on_where_it_stopped_and_finds_the_same_nonce(tmp_pa
     assert _tried(tmp_path / "p", key, 16) == 2 * CHUNK  # a nonce that failed 14 bits fails 16
     assert _tried(tmp_path / "p", key, 12) == 0
     assert _tried(tmp_path / "p", bytes(32), 14) == 0
+    (tmp_path / "p").write_text(f"{key.hex()} 14 {2**64}\n")  # past the nonce space: a corrupt file, ignored
+    assert _tried(tmp_path / "p", key, 14) == 0
 
 
 def test_the_mint_estimate_comes_from_the_measured_rate(caplog):

@@ -221,6 +221,10 @@ def test_corrupt_file_gives_one_warning_and_a_fresh_table(tmp_path, caplog, cont
     assert len(warnings) == 1 and "corrupt" in warnings[0].getMessage()
     assert len(rep) == 1  # a failed load keeps the table it had (fresh at start)
     assert (tmp_path / (REPUTATION_FILE + ".corrupt")).read_bytes() == content  # kept for a look
+    path.write_bytes(b"corrupt again")
+    assert not Reputation().load(path)  # a second corrupt file is kept beside the first, not over it
+    assert (tmp_path / (REPUTATION_FILE + ".corrupt")).read_bytes() == content
+    assert (tmp_path / (REPUTATION_FILE + ".corrupt.1")).read_bytes() == b"corrupt again"
     rep.penalize(key(8), "schema")
     assert rep.save(path) and Reputation().load(path)  # and the next save writes a good file
 
