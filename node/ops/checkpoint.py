@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from node.learn.guard import START_ROUND
-from p2p.files import unused_name
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +191,11 @@ class CheckpointStore:
         """Into abandoned/, never deleted, nor any copy there: a checkpoint that failed to load only for a
         passing reason (memory, I/O) can still be recovered from there by hand. A round set aside before keeps
         its name; the later copy gets a suffix (round-000012.1, .2, ...)."""
-        dest = unused_name(self.dir / ABANDONED_DIR / path.name)
+        dest = self.dir / ABANDONED_DIR / path.name
+        n = 0
+        while dest.exists():
+            n += 1
+            dest = self.dir / ABANDONED_DIR / f"{path.name}.{n}"
         try:
             dest.parent.mkdir(exist_ok=True)
             path.rename(dest)
