@@ -21,13 +21,22 @@ from typing import Any
 
 from node import __version__
 from node.ops.status import ThreadedStatusServer, start_status_server_in_thread
-from p2p.dht_process import die_with_parent, keep_valid_subkeys_in, routing_peers, start_dht
+from p2p.dht_process import (
+    die_with_parent,
+    keep_valid_subkeys_in,
+    routing_peers,
+    shutdown_dht,
+    start_dht,
+    takes_commands,
+    visible_maddrs_and_peer_id,
+)
 from p2p.files import write_atomically
 from p2p.identity import KEY_FILENAME, Identity, IdentityError, libp2p_identity_path
 from p2p.maddr import flags_problem
 from p2p.pow import DEFAULT_POW_DIFFICULTY, MAX_POW_DIFFICULTY
 
 logger = logging.getLogger("sapo.bootstrap")
+SILENT_READS = 6  # routing-table reads in a row without an answer (10 s each) before the DHT counts as stuck
 
 
 def _env_int(name: str, default: int) -> int:
@@ -134,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         dht.wait_until_ready(args.start_timeout)
         die_with_parent(dht)  # a SIGKILLed bootstrap must not leave its DHT process holding the port
         keep_valid_subkeys_in(dht)
-        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        maddrs, peer_id = visible_maddrs_and_peer_id(dht)
     except Exception as e:
         logger.error("bootstrap DHT failed to start: %s: %s", type(e).__name__, e)
-        dht.shutdown()
+        shutdown_dht(dht)
         return 1
     for m in maddrs:
         print(m, flush=True)
@@ -146,11 +155,10 @@ def main(argv: list[str] | None = None) -> int:
             write_atomically(args.maddrs_file, "".join(f"{m}\n" for m in maddrs))
         except OSError as e:  # its directory missing or not writable
             logger.error("cannot write --maddrs-file %s: %s", args.maddrs_file, e)
-            dht.shutdown()
+            shutdown_dht(dht)
             return 1
     counter = PeerCounter()
     started = time.time()
-    peer_id = str(dht.peer_id)
 
     def snapshot() -> dict[str, Any]:
         # Called from the status thread: only reads immutable values and two ints.
@@ -170,31 +178,44 @@ def main(argv: list[str] | None = None) -> int:
             status = serve_status(args.status_host, args.status_port, snapshot)
         except OSError as e:
             logger.error("cannot serve status on %s:%s: %s", args.status_host, args.status_port, e)
-            dht.shutdown()
+            shutdown_dht(dht)
             return 1
         logger.info("status on %s/", status.url)
     logger.info("bootstrap peer for swarm %r up (%s)", args.swarm, identity.peer_name)
     # The status page wants a fresh peer count; the log line keeps its own (usually longer) interval.
     refresh = max(0.1, min(args.log_interval, 5.0) if status is not None else args.log_interval)
     next_refresh, next_log = time.monotonic(), time.monotonic() + args.log_interval
+    code, unanswered = 0, 0
     while not stop.wait(min(1.0, refresh)):
+        if not dht.is_alive() or not takes_commands(dht) or unanswered >= SILENT_READS:
+            # a bootstrap without its DHT lets no node join: exit, so that whatever restarts it (systemd,
+            # a container's restart policy, the launch script) does; the status page would say "ok" meanwhile
+            why = f"exited with code {dht.exitcode}" if not dht.is_alive() else "stopped answering"
+            logger.error("the bootstrap's DHT process %s: exiting (start it again; its identity is kept)", why)
+            code = 1
+            break
         now = time.monotonic()
         if now < next_refresh:
             continue
         next_refresh = now + refresh
         try:
             counter.update(routing_peers(dht))
+            unanswered = 0
         except Exception as e:
-            logger.warning("could not read routing table: %s", e)
+            unanswered += 1
+            logger.warning("could not read routing table: %s: %s", type(e).__name__, e)
             continue
         if now >= next_log:
             next_log = now + args.log_interval
             logger.info("peers: %s", counter.status())
     logger.info("shutting down")
     if status is not None:
-        status.stop()
-    dht.shutdown()
-    return 0
+        try:
+            status.stop()
+        except Exception as e:  # a status server slow to stop must not keep the DHT running
+            logger.warning("status server did not stop cleanly: %s: %s", type(e).__name__, e)
+    shutdown_dht(dht)
+    return code
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import select
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -144,9 +145,7 @@ def die_with_parent(dht: hivemind.DHT, timeout: float = 10.0) -> bool:
     """Blocking: tie `dht`'s process to this one (call from the thread that started it: the death signal
     follows the forking thread). False where unsupported or on failure; never raises."""
     try:
-        return bool(
-            dht.run_coroutine(partial(_die_with_parent, parent_pid=os.getpid()), return_future=True).result(timeout)
-        )
+        return bool(ask_blocking(dht, partial(_die_with_parent, parent_pid=os.getpid()), timeout))
     except Exception as e:
         logger.warning("could not tie the DHT process to this one: %s: %s", type(e).__name__, e)
         return False
@@ -159,7 +158,7 @@ async def _keep_valid_subkeys(_dht: hivemind.DHT, node: Any) -> bool:
 
 def keep_valid_subkeys_in(dht: hivemind.DHT, timeout: float = 10.0) -> bool:
     """Blocking: make `dht` drop only the invalid subkeys of a dictionary answer (see validators.keep_valid_subkeys)."""
-    return bool(dht.run_coroutine(_keep_valid_subkeys, return_future=True).result(timeout))
+    return bool(ask_blocking(dht, _keep_valid_subkeys, timeout))
 
 
 async def _routing_peers(_dht: hivemind.DHT, node: Any) -> list[str]:
@@ -180,14 +179,43 @@ async def live_peers_in_dht(_dht: hivemind.DHT, node: Any, ping_below: int = 8) 
 
 def routing_peers(dht: hivemind.DHT, timeout: float = 10.0) -> list[str]:
     """Blocking: peer ids in `dht`'s routing table (for status counters)."""
-    return dht.run_coroutine(_routing_peers, return_future=True).result(timeout)
+    return ask_blocking(dht, _routing_peers, timeout)
 
 
 async def _visible_maddrs(_dht: hivemind.DHT, node: Any) -> list[Any]:
     return await node.get_visible_maddrs()
 
 
+async def _peer_id(_dht: hivemind.DHT, node: Any) -> str:
+    return str(node.peer_id)
+
+
+def visible_maddrs_and_peer_id(dht: hivemind.DHT, timeout: float = 10.0) -> tuple[list[str], str]:
+    """Blocking, bounded: our multiaddrs and peer id (hivemind's get_visible_maddrs and peer_id wait for
+    the DHT process with no timeout)."""
+    return [str(m) for m in ask_blocking(dht, _visible_maddrs, timeout)], ask_blocking(dht, _peer_id, timeout)
+
+
 # --- the same, awaited on the parent's event loop (p2p.transport): nothing blocks it, nothing waits in a thread
+
+
+def takes_commands(dht: hivemind.DHT) -> bool:
+    """Whether a command sent to `dht`'s process now is taken without blocking the sender. hivemind never
+    closes the parent's copy of its command pipe's read end, so a command to a DHT process that stopped
+    reading (stopped, or its loop stuck) does not fail: it waits in the pipe's buffer, and once that is full
+    (about 80 commands) the next send blocks the sending thread, the event loop included, for good. A pipe
+    with room for PIPE_BUF bytes (select's "writable") takes a command (under 1 KB: a batch goes by file)."""
+    pipe = getattr(dht, "_outer_pipe", None)
+    if pipe is None:  # another hivemind: nothing to look at
+        return True
+    try:
+        return bool(select.select([], [pipe.fileno()], [], 0)[1])
+    except (OSError, ValueError):  # closed: a shut-down DHT
+        return False
+
+
+class DHTNotReading(TimeoutError):
+    """The DHT process is not taking commands (`takes_commands`): sending one would block."""
 
 
 async def ask(dht: hivemind.DHT, fn: Any, timeout: float) -> Any:
@@ -197,7 +225,16 @@ async def ask(dht: hivemind.DHT, fn: Any, timeout: float) -> Any:
     to the end regardless), and when `fn` then finished, hivemind's `_run_coroutine` would fail to set the
     cancelled future's result and print two tracebacks on the console (seen under churn: every DHT get
     that timed out). Its late result is dropped by hivemind once nobody holds the future."""
+    if not takes_commands(dht):
+        raise DHTNotReading("the DHT process is not reading its commands")
     return await asyncio.wait_for(dht.run_coroutine(fn, return_future=True), timeout)
+
+
+def ask_blocking(dht: hivemind.DHT, fn: Any, timeout: float) -> Any:
+    """`ask` for a thread that may block (the bootstrap's main thread): TimeoutError after `timeout`."""
+    if not takes_commands(dht):
+        raise DHTNotReading("the DHT process is not reading its commands")
+    return dht.run_coroutine(fn, return_future=True).result(timeout)
 
 
 async def wait_ready(dht: hivemind.DHT, timeout: float, poll_s: float = 0.25) -> None:
@@ -227,6 +264,20 @@ async def settle(dht: hivemind.DHT, timeout: float = 10.0) -> list[Any]:
     return await ask(dht, _visible_maddrs, timeout)
 
 
+def shutdown_dht(dht: hivemind.DHT, grace_s: float = 5.0) -> None:
+    """Blocking, bounded: shut `dht` down (hivemind: a few seconds' grace, then SIGTERM). One that is not
+    reading its commands is terminated at once (hivemind's shutdown would block sending it the shutdown
+    command), and one that SIGTERM does not end within `grace_s` (a stopped process) is killed."""
+    if takes_commands(dht):
+        dht.shutdown()
+    elif dht.is_alive():
+        dht.terminate()
+    dht.join(grace_s)
+    if dht.is_alive():
+        dht.kill()
+        dht.join(grace_s)
+
+
 async def stop_dht(dht: hivemind.DHT) -> None:
-    """Shut `dht` down (hivemind: a few seconds' grace, then SIGTERM), off the event loop."""
-    await asyncio.get_running_loop().run_in_executor(None, dht.shutdown)
+    """`shutdown_dht`, off the event loop."""
+    await asyncio.get_running_loop().run_in_executor(None, shutdown_dht, dht)

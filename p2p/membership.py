@@ -7,7 +7,9 @@ background task then probes the initial peers with backoff (a TCP connect: cheap
 and starts the DHT peer once one answers; the node shares from its next round on. The same task watches
 a joined peer's routing table: empty at `alone_after` looks in a row means every peer has left (or the
 DHT process died), and the peer is solo again and rejoins the same way. Its DHT stays up meanwhile, so
-peers that know its address can still reach it (which makes it joined again).
+peers that know its address can still reach it (which makes it joined again). A DHT process that runs but
+answers no look for `silent_after` looks in a row (stopped, or its loop stuck) is shut down, and the peer
+rejoins with a new one: its commands would otherwise pile up until sending one blocks the event loop.
 
 Nothing here blocks the event loop and every wait has a timeout. With `require_peers` the first join is
 today's strict one: no answer is an error (`TransportError`), for operators who want the node to exit.
@@ -139,17 +141,18 @@ class Membership:
         probe_timeout_s: float = PROBE_TIMEOUT_S,
         watch_every_s: float = 10.0,
         alone_after: int = 2,
+        silent_after: int = 6,
         remind_every_s: float = 600.0,
         rng: random.Random | None = None,
     ):
         self.transport = transport
         self.require_peers = require_peers
         self.backoff, self.probe_timeout_s, self.watch_every_s = backoff, probe_timeout_s, watch_every_s
-        self.alone_after, self.remind_every_s = alone_after, remind_every_s
+        self.alone_after, self.silent_after, self.remind_every_s = alone_after, silent_after, remind_every_s
         self.rng = rng or random.Random()
         self.state = MembershipState()
         self._task: asyncio.Task | None = None
-        self._empty_looks = 0
+        self._empty_looks = self._silent_looks = 0
         self._reminded_at = 0.0
 
     @property
@@ -247,16 +250,22 @@ class Membership:
     async def _watch(self) -> None:
         if not self.transport.alive:
             self._empty_looks = self.alone_after
-            reason = "the DHT process has stopped"
+            reason = "the DHT process has stopped (or stopped reading its commands)"
         else:
             peers = await self.transport.routing_peer_count(self.watch_every_s / 2)
-            if peers is None:  # no answer in time: no evidence either way
+            self._silent_looks = self._silent_looks + 1 if peers is None else 0
+            if peers is None and self._silent_looks < self.silent_after:  # no answer in time: no evidence yet
                 return
-            self._empty_looks = self._empty_looks + 1 if peers == 0 else 0
-            reason = "every peer has left (empty routing table)"
+            if peers is None:
+                self._empty_looks = self.alone_after
+                reason = f"the DHT process answered none of the last {self.silent_after} looks"
+                await self.transport.shutdown()  # a new one is started on the way back, as for a dead one
+            else:
+                self._empty_looks = self._empty_looks + 1 if peers == 0 else 0
+                reason = "every peer has left (empty routing table)"
         if self._empty_looks < self.alone_after:
             return
-        self._empty_looks = 0
+        self._empty_looks = self._silent_looks = 0
         self._set(SOLO, error=reason, since=time.time() - self.watch_every_s * (self.alone_after - 1))
         how = "rejoining through --peers in the background" if self.peers else "waiting for peers to join"
         logger.warning("%s: training in silo, %s", reason, how)
@@ -287,7 +296,9 @@ class Membership:
             logger.info("still %s (%d tries; last: %s)", st.message(), st.tries, error)
 
     async def _restart_alone(self) -> str | None:
-        """A first peer (no --peers) whose DHT process stopped: start it again, alone."""
+        """A first peer (no --peers) whose DHT process stopped: start it again, alone (a process that runs but
+        stopped reading its commands is shut down first)."""
+        await self.transport.shutdown()
         try:
             await self.transport.start()
         except TransportError as e:

@@ -32,6 +32,7 @@ from p2p.dht_process import (
     start_dht,
     stop_dht,
     store_from_file,
+    takes_commands,
     unlink_quietly,
     validator_rejections_in_dht,
     wait_ready,
@@ -109,8 +110,9 @@ class SwarmTransport:
 
     @property
     def alive(self) -> bool:
-        """The DHT peer is started and its process runs."""
-        return self._dht is not None and self._dht.is_alive()
+        """The DHT peer is started, its process runs and it takes commands (`takes_commands`: one that stopped
+        reading them would block the event loop once its pipe is full)."""
+        return self._dht is not None and self._dht.is_alive() and takes_commands(self._dht)
 
     async def routing_peer_count(self, timeout: float) -> int | None:
         """Live peers in our routing table (a small table is pinged: `live_peers_in_dht`); None without a DHT

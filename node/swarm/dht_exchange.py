@@ -84,7 +84,8 @@ class DhtExchange(SignedExchange):
         self.stats.round_solo_since = state.since if state.state == "solo" else None
         if not self._sharing:
             return
-        data = make_batch(self.identity, self.swarm, round_, self.model_name, groups)
+        # encoding and signing up to the size cap (again after each group left out) is off the event loop
+        data = await asyncio.to_thread(make_batch, self.identity, self.swarm, round_, self.model_name, groups)
         await self.transport.publish(round_, data)
 
     async def fetch(self, round_: int) -> Received:

@@ -186,3 +186,25 @@ def test_a_pow_difficulty_variable_that_is_no_integer_is_a_usage_error(monkeypat
     with pytest.raises(SystemExit) as exit_:
         build_parser()
     assert exit_.value.code == 2 and "$SAPO_POW_DIFFICULTY must be an integer" in capsys.readouterr().err
+
+
+def test_a_bootstrap_whose_dht_process_dies_exits_with_an_error_instead_of_serving_nothing(tmp_path):
+    """Its DHT process gone (the OOM killer, a crash): no node can join through it, so it says so and exits 1
+    for whatever restarts it; before, it logged a timeout every few seconds until its command pipe filled
+    and it hung for good, its status page saying "ok"."""
+    maddrs_file = tmp_path / "maddrs.txt"
+    proc = launch(tmp_path, free_port(), maddrs_file)
+    try:
+        wait_for_file(maddrs_file, proc)
+        children = [
+            int(c) for t in Path(f"/proc/{proc.pid}/task").iterdir() for c in (t / "children").read_text().split()
+        ]
+        # the DHT process is a fork of the bootstrap (its command line); torch_shm_manager is another child
+        (dht_pid,) = [c for c in children if b"bootstrap.main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        os.kill(dht_pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    assert "the bootstrap's DHT process exited with code -9: exiting" in out

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import signal
 import socket
 from pathlib import Path
 
 import pytest
 from hivemind.p2p import P2P, PeerID
 
+from p2p.dht_process import DHTNotReading, ask, live_peers_in_dht, takes_commands
 from p2p.membership import JOINED, SOLO, Backoff, Membership, probe, tcp_target
 from p2p.transport import SwarmTransport, TransportConfig, TransportError
 
@@ -140,3 +143,47 @@ async def test_a_stop_during_the_first_join_returns_at_once(tmp_path):
         assert not m.joined and m._task is None  # no background task was left behind
         assert not m.transport.alive
         await m.close()
+
+
+def children_of(pid: int) -> list[int]:
+    try:
+        return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.parametrize("fill_pipe", [True, False])
+async def test_a_dht_process_that_stops_reading_is_replaced_not_waited_on(tmp_path, caplog, fill_pipe):
+    """A DHT process that runs but reads no command (SIGSTOP here; a stuck loop alike): hivemind's pipe takes
+    ~80 commands, then a send blocks the event loop for good. The member never sends into a full pipe; with
+    room left, each look times out and after `silent_after` of them in a row it stops counting on the process.
+    Either way it kills it (SIGTERM does not end a stopped process) and joins again with a new one."""
+    caplog.set_level(logging.INFO, logger="p2p.membership")
+    boot, address = peer_at(tmp_path, free_port())
+    await boot.start()
+    m = member(tmp_path, [address], silent_after=3)
+    try:
+        await m.start()
+        assert m.joined
+        stuck = m.transport.dht
+        p2pd = children_of(stuck.pid)
+        os.kill(stuck.pid, signal.SIGSTOP)
+        sent = 0
+        while fill_pipe and takes_commands(stuck):  # select's "writable": a command fits without blocking
+            stuck.run_coroutine(live_peers_in_dht, return_future=True)
+            sent += 1
+            assert sent < 10_000
+        if fill_pipe:
+            assert sent > 10 and not m.transport.alive  # a full pipe: the transport sends no more
+            with pytest.raises(DHTNotReading):
+                await ask(stuck, live_peers_in_dht, 1.0)
+        await until(lambda: m.state.state == SOLO, 30, "the member to give up on its DHT process")
+        if not fill_pipe:
+            assert any("answered none of the last 3 looks" in r.message for r in caplog.records)
+        await until(lambda: m.joined, 30, "the member to join again with a new DHT process")
+        assert not stuck.is_alive() and m.transport.dht is not stuck
+        assert await m.transport.routing_peer_count(5.0) == 1
+        await until(lambda: not any(Path(f"/proc/{p}").exists() for p in p2pd), 10, "the old p2pd to end")
+    finally:
+        await m.close()
+        await boot.shutdown()
