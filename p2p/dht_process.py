@@ -10,9 +10,11 @@ by `bootstrap.main` (the DHT-only peer).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import select
+import signal
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -38,8 +40,6 @@ class DhtProcess(hivemind.DHT):
     hivemind's shutdown expects), SIGINT and SIGHUP (a terminal's, sent to the whole group) are ignored."""
 
     def run(self) -> None:
-        import signal
-
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         for sig in (signal.SIGINT, signal.SIGHUP):
@@ -264,10 +264,28 @@ async def settle(dht: hivemind.DHT, timeout: float = 10.0) -> list[Any]:
     return await ask(dht, _visible_maddrs, timeout)
 
 
+def child_pids(pid: int) -> list[int]:
+    """Linux: the processes `pid` started (a DHT process's p2pd); [] elsewhere or once it is gone."""
+    try:
+        return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _is_p2pd(pid: int) -> bool:
+    try:
+        return b"p2pd" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def shutdown_dht(dht: hivemind.DHT, grace_s: float = 5.0) -> None:
     """Blocking, bounded: shut `dht` down (hivemind: a few seconds' grace, then SIGTERM). One that is not
     reading its commands is terminated at once (hivemind's shutdown would block sending it the shutdown
-    command), and one that SIGTERM does not end within `grace_s` (a stopped process) is killed."""
+    command), and one that SIGTERM does not end within `grace_s` (a stopped process) is killed. Its p2pd, which
+    a killed DHT process leaves running until p2pd's own idle timeout (30 s, holding the peer id: a new DHT
+    process with the same identity is refused meanwhile), is killed after it."""
+    p2pds = [pid for pid in child_pids(dht.pid) if _is_p2pd(pid)] if dht.is_alive() and dht.pid else []
     if takes_commands(dht):
         dht.shutdown()
     elif dht.is_alive():
@@ -276,6 +294,10 @@ def shutdown_dht(dht: hivemind.DHT, grace_s: float = 5.0) -> None:
     if dht.is_alive():
         dht.kill()
         dht.join(grace_s)
+    for pid in p2pds:
+        if _is_p2pd(pid):  # still there (a pid taken again since is no p2pd, or not the one we read: left alone)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 async def stop_dht(dht: hivemind.DHT) -> None:

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import random
+import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,16 +103,51 @@ def tcp_target(maddr: str) -> tuple[str, int] | None:
 PROBE_TIMEOUT_S = 3.0  # a TCP connect to an initial peer
 
 
+async def resolve(host: str, port: int) -> str:
+    """An address of `host` (itself when it is one). The lookup runs in a daemon thread of its own: asyncio's
+    runs in the default executor, whose threads the end of `asyncio.run` joins with no timeout, so a stop
+    while an unreachable DNS server was being asked waited for the resolver's retries (tens of seconds)."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    loop = asyncio.get_running_loop()
+    answer: asyncio.Future[str] = loop.create_future()
+
+    def settle(fn: Callable[..., None], value: object) -> None:
+        if not answer.done():
+            fn(value)
+
+    def look_up() -> None:
+        try:
+            info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            result: tuple[Callable[..., None], object] = (answer.set_result, str(info[0][4][0]))
+        except (OSError, IndexError) as e:
+            result = (answer.set_exception, e if isinstance(e, OSError) else OSError(f"no address for {host}"))
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+            loop.call_soon_threadsafe(settle, *result)
+
+    threading.Thread(target=look_up, name=f"resolve {host}", daemon=True).start()
+    return await answer
+
+
 async def probe(maddr: str, timeout: float) -> str | None:
     """None when a TCP connection to the peer's address opens within `timeout` (or when the address is not
     one a TCP connect can test), else what went wrong, in a few words."""
     target = tcp_target(maddr)
     if target is None:
         return None
+
+    async def connect() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection(await resolve(*target), target[1])
+
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(*target), timeout)
+        _, writer = await asyncio.wait_for(connect(), timeout)
     except asyncio.TimeoutError:
-        return f"no answer within {timeout:.0f} s"
+        return f"no answer within {timeout:g} s"
+    except socket.gaierror as e:
+        return f"cannot resolve {target[0]} ({e.strerror})"
     except OSError as e:  # asyncio's message names the address again: the errno's says it all
         return os.strerror(e.errno).lower() if e.errno else str(e) or type(e).__name__
     writer.close()

@@ -10,12 +10,13 @@ import os
 import random
 import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
 from hivemind.p2p import P2P, PeerID
 
-from p2p.dht_process import DHTNotReading, ask, live_peers_in_dht, takes_commands
+from p2p.dht_process import DHTNotReading, ask, child_pids, live_peers_in_dht, takes_commands
 from p2p.membership import JOINED, SOLO, Backoff, Membership, probe, tcp_target
 from p2p.transport import SwarmTransport, TransportConfig, TransportError
 
@@ -83,6 +84,24 @@ async def test_probe_tells_a_closed_port_from_an_open_one():
     assert await probe(f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/QmX", 2.0) == "connection refused"
 
 
+async def test_a_name_is_resolved_and_a_slow_lookup_does_not_hold_up_the_end(monkeypatch):
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        assert await probe(f"/dns4/localhost/tcp/{listening.getsockname()[1]}/p2p/QmX", 2.0) is None  # /etc/hosts
+
+    def unreachable_dns_server(*_args, **_kw):  # glibc retries one for 10 s per server
+        time.sleep(30)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unreachable_dns_server)
+    t0 = time.monotonic()
+    said = await asyncio.get_running_loop().run_in_executor(
+        None, asyncio.run, probe("/dns4/boot.example.org/tcp/31337", 0.5)
+    )  # asyncio.run's end joins its default executor's threads: a lookup there kept a stop waiting 30 s
+    assert said == "no answer within 0.5 s" and time.monotonic() - t0 < 5
+
+
 async def test_solo_while_the_bootstrap_is_down_joined_when_it_appears_and_again_after_every_peer_left(
     tmp_path, caplog
 ):
@@ -145,13 +164,6 @@ async def test_a_stop_during_the_first_join_returns_at_once(tmp_path):
         await m.close()
 
 
-def children_of(pid: int) -> list[int]:
-    try:
-        return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
-    except OSError:
-        return []
-
-
 @pytest.mark.parametrize("fill_pipe", [True, False])
 async def test_a_dht_process_that_stops_reading_is_replaced_not_waited_on(tmp_path, caplog, fill_pipe):
     """A DHT process that runs but reads no command (SIGSTOP here; a stuck loop alike): hivemind's pipe takes
@@ -166,7 +178,7 @@ async def test_a_dht_process_that_stops_reading_is_replaced_not_waited_on(tmp_pa
         await m.start()
         assert m.joined
         stuck = m.transport.dht
-        p2pd = children_of(stuck.pid)
+        p2pd = child_pids(stuck.pid)
         os.kill(stuck.pid, signal.SIGSTOP)
         sent = 0
         while fill_pipe and takes_commands(stuck):  # select's "writable": a command fits without blocking
