@@ -218,6 +218,11 @@ class DHTNotReading(TimeoutError):
     """The DHT process is not taking commands (`takes_commands`): sending one would block."""
 
 
+def _refuse_if_not_reading(dht: hivemind.DHT) -> None:
+    if not takes_commands(dht):
+        raise DHTNotReading("the DHT process is not reading its commands")
+
+
 async def ask(dht: hivemind.DHT, fn: Any, timeout: float) -> Any:
     """Await `fn` run inside `dht`'s process, at most `timeout` seconds (asyncio.TimeoutError after).
 
@@ -225,15 +230,13 @@ async def ask(dht: hivemind.DHT, fn: Any, timeout: float) -> Any:
     to the end regardless), and when `fn` then finished, hivemind's `_run_coroutine` would fail to set the
     cancelled future's result and print two tracebacks on the console (seen under churn: every DHT get
     that timed out). Its late result is dropped by hivemind once nobody holds the future."""
-    if not takes_commands(dht):
-        raise DHTNotReading("the DHT process is not reading its commands")
+    _refuse_if_not_reading(dht)
     return await asyncio.wait_for(dht.run_coroutine(fn, return_future=True), timeout)
 
 
 def ask_blocking(dht: hivemind.DHT, fn: Any, timeout: float) -> Any:
     """`ask` for a thread that may block (the bootstrap's main thread): TimeoutError after `timeout`."""
-    if not takes_commands(dht):
-        raise DHTNotReading("the DHT process is not reading its commands")
+    _refuse_if_not_reading(dht)
     return dht.run_coroutine(fn, return_future=True).result(timeout)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from p2p.dht_process import child_pids
 from p2p.transport import SwarmTransport, TransportConfig
 from p2p.wire import WIRE_VERSION, RolloutBatch, encode_signed
 
@@ -196,11 +197,8 @@ def test_a_bootstrap_whose_dht_process_dies_exits_with_an_error_instead_of_servi
     proc = launch(tmp_path, free_port(), maddrs_file)
     try:
         wait_for_file(maddrs_file, proc)
-        children = [
-            int(c) for t in Path(f"/proc/{proc.pid}/task").iterdir() for c in (t / "children").read_text().split()
-        ]
         # the DHT process is a fork of the bootstrap (its command line); torch_shm_manager is another child
-        (dht_pid,) = [c for c in children if b"bootstrap.main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        (dht_pid,) = [c for c in child_pids(proc.pid) if b"bootstrap.main" in Path(f"/proc/{c}/cmdline").read_bytes()]
         os.kill(dht_pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=30)
     finally:
