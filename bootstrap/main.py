@@ -29,6 +29,7 @@ from p2p.dht_process import (
     start_dht,
     takes_commands,
     visible_maddrs_and_peer_id,
+    wait_ready_blocking,
 )
 from p2p.files import write_atomically
 from p2p.identity import KEY_FILENAME, Identity, IdentityError, libp2p_identity_path
@@ -140,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        dht.wait_until_ready(args.start_timeout)
+        if not wait_ready_blocking(dht, args.start_timeout, stop):
+            logger.info("stopped before the DHT started: shutting down")
+            shutdown_dht(dht)
+            return 0
         die_with_parent(dht)  # a SIGKILLed bootstrap must not leave its DHT process holding the port
         keep_valid_subkeys_in(dht)
         maddrs, peer_id = visible_maddrs_and_peer_id(dht)

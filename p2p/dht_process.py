@@ -15,6 +15,8 @@ import logging
 import os
 import select
 import signal
+import threading
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -240,19 +242,36 @@ def ask_blocking(dht: hivemind.DHT, fn: Any, timeout: float) -> Any:
     return dht.run_coroutine(fn, return_future=True).result(timeout)
 
 
+def _ready_within(dht: hivemind.DHT, deadline: float, timeout: float, poll_s: float) -> bool:
+    """One short slice of hivemind's blocking wait: True once started, False if not yet, TimeoutError once
+    `deadline` (time.monotonic) has passed. Short slices let the caller notice a stop between them."""
+    try:
+        dht.wait_until_ready(min(poll_s, max(0.0, deadline - time.monotonic())))
+        return True
+    except TimeoutError:
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"the DHT peer did not start within {timeout:.0f} s") from None
+        return False
+
+
 async def wait_ready(dht: hivemind.DHT, timeout: float, poll_s: float = 0.25) -> None:
     """Wait until `dht` has started (its error if it failed; TimeoutError after `timeout`). hivemind only
     offers a blocking wait: it runs in short slices, so a cancelled wait leaves no thread blocked for long
     (a stop during start-up; asyncio's exit waits for its executor's threads)."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        try:
-            await loop.run_in_executor(None, dht.wait_until_ready, min(poll_s, max(0.0, deadline - loop.time())))
-            return
-        except TimeoutError:
-            if loop.time() >= deadline:
-                raise TimeoutError(f"the DHT peer did not start within {timeout:.0f} s") from None
+    deadline = time.monotonic() + timeout
+    while not await loop.run_in_executor(None, _ready_within, dht, deadline, timeout, poll_s):
+        pass
+
+
+def wait_ready_blocking(dht: hivemind.DHT, timeout: float, stop: threading.Event, poll_s: float = 0.25) -> bool:
+    """`wait_ready` for a plain thread (the bootstrap's main thread): False as soon as `stop` is set, so a
+    Ctrl-C during a slow start-up is not ignored for up to `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not stop.is_set():
+        if _ready_within(dht, deadline, timeout, poll_s):
+            return True
+    return False
 
 
 async def settle(dht: hivemind.DHT, timeout: float = 10.0) -> list[Any]:
