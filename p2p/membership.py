@@ -192,6 +192,7 @@ class Membership:
         self._task: asyncio.Task | None = None
         self._empty_looks = self._silent_looks = 0
         self._reminded_at = 0.0
+        self.peer_count: int | None = None  # live peers in the routing table at the last look (None: no answer)
 
     @property
     def peers(self) -> list[str]:
@@ -290,7 +291,7 @@ class Membership:
             self._empty_looks = self.alone_after
             reason = "the DHT process has stopped (or stopped reading its commands)"
         else:
-            peers = await self.transport.routing_peer_count(self.watch_every_s / 2)
+            peers = self.peer_count = await self.transport.routing_peer_count(self.watch_every_s / 2)
             self._silent_looks = self._silent_looks + 1 if peers is None else 0
             if peers is None and self._silent_looks < self.silent_after:  # no answer in time: no evidence yet
                 return

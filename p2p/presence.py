@@ -41,6 +41,7 @@ class FetchStats:
     """What the last fetch cost (for benchmarks and logs)."""
 
     shards_read: int = 0
+    shards_answered: int = 0  # of those, shards whose search completed (found or not) within the deadline
     candidates: int = 0
     batches_requested: int = 0
     batches_received: int = 0
@@ -150,8 +151,12 @@ class PresenceSampler:
         n_must = len(must)
         while order and loop.time() < deadline:
             shards, order = order[:wave], order[wave:]
-            answers = await get_many(shards, deadline) or {}
+            answers = await get_many(shards, deadline)
             stats.shards_read += len(shards)
+            if answers is None:  # timed out or failed: no evidence either way
+                answers = {}
+            else:
+                stats.shards_answered += len(shards)
             for entries in answers.values():
                 self._take(entries, chooser, candidates, stats)
             n_must = max(0, n_must - len(shards))

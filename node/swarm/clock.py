@@ -9,8 +9,10 @@ most of them are dated past the skew, the fault is taken to be ours, their futur
 a charge (`clock_behind`; the publisher chooser still parks them as useless) and the log says so. A clock ahead
 shows only as peers' batches that arrive minutes old: the median offset past `OLD_S` is a hint, nothing
 refused. Presence records dated more than their lifetime ahead of this clock (a clock behind by 10 minutes or
-more) are not fetched from (p2p/presence.py): when most of those read are, the log says that too. Each message repeats
-at most every `SAY_EVERY_S` while it holds.
+more) are not fetched from (p2p/presence.py): when most of those read are, the log says that too. A clock ahead by
+more than the records' lifetime reads no record at all (each looks expired here): fetches that complete and find no
+peer of this swarm, round after round, while the DHT holds other peers, get a hint that names this and the other
+cause, another `--swarm`. Each message repeats at most every `SAY_EVERY_S` while it holds.
 
 Identities that agree to date their batches ahead gain nothing but a charge spared (their batches are refused
 all the same), and can make these messages appear: so the messages say what the peers' dates show, never a
@@ -30,6 +32,8 @@ QUORUM = 3  # publishers whose offsets must be known before the majority decides
 RECENT = 32  # publishers remembered, least recently seen dropped first
 OLD_S = 300.0  # the recent publishers' median batch this old by our clock: ours is probably ahead (a hint)
 SAY_EVERY_S = 600.0  # a message repeats at most this often while its condition holds
+UNHEARD_FETCHES = 10  # completed fetches in a row that read no peer of this swarm before the hint
+MIN_DHT_PEERS = 2  # a bootstrap peer publishes no presence: one DHT peer alone proves nothing
 
 
 class ClockCheck:
@@ -38,6 +42,7 @@ class ClockCheck:
         self.newest: OrderedDict[bytes, tuple[int, float]] = OrderedDict()  # publisher -> (round, offset s)
         self.clock = clock
         self.said_at: dict[str, float] = {}  # message -> when it was last said
+        self.unheard_fetches = 0  # completed fetches in a row that read no presence record (`unheard`)
 
     def observe(self, publisher: bytes, round_: int, offset_s: float) -> None:
         """A batch of `publisher` for `round_`, dated `offset_s` seconds after this machine's now."""
@@ -107,6 +112,32 @@ class ClockCheck:
                 "(e.g. `timedatectl set-ntp true`)",
                 off_clock,
                 read,
+                lifetime_s,
+            )
+
+    def unheard(
+        self, dht_peers: int | None, shards_answered: int, presence_read: int, swarm: str, lifetime_s: float
+    ) -> None:
+        """A fetch whose presence searches completed (`shards_answered`) and read no record of another peer of
+        `swarm`, while the routing table holds `dht_peers`: after UNHEARD_FETCHES in a row, a hint. A fetch that
+        timed out is no evidence and counts neither way; a record read, or too few DHT peers, starts over."""
+        if presence_read or dht_peers is None or dht_peers < MIN_DHT_PEERS:
+            self.unheard_fetches = 0
+            return
+        if not shards_answered:
+            return
+        self.unheard_fetches += 1
+        if self.unheard_fetches >= UNHEARD_FETCHES:
+            self._say(
+                "unheard",
+                "%d fetches in a row read no presence record of swarm %r, though the DHT holds %d other peers: if "
+                "some of them are nodes (not bootstrap peers), they run another --swarm, or this machine's clock is "
+                "ahead by more than %.0f s (every record then looks expired here, and peers refuse this node's as "
+                "dated in the future). Compare --swarm with the swarm's name; let NTP set the clock (e.g. "
+                "`timedatectl set-ntp true`)",
+                self.unheard_fetches,
+                swarm,
+                dht_peers,
                 lifetime_s,
             )
 

@@ -99,8 +99,10 @@ class DhtExchange(SignedExchange):
             self.transport.validator_rejections(self.transport.config.fetch_timeout_s),
         )
         fetched = self.transport.last_fetch
-        self.verifier.clock_check.presence(  # a clock far off fetches nothing
-            len(fetched.presence_keys), len(fetched.off_clock_keys), self.transport.config.record_ttl_s
+        ttl = self.transport.config.record_ttl_s
+        self.verifier.clock_check.presence(len(fetched.presence_keys), len(fetched.off_clock_keys), ttl)
+        self.verifier.clock_check.unheard(  # a clock far ahead, or another --swarm, reads nothing at all
+            self.membership.peer_count, fetched.shards_answered, len(fetched.presence_keys), self.swarm, ttl
         )
         return Received([(r.publisher, r.data) for r in records], handles=records, refused=refused)
 
