@@ -104,7 +104,12 @@ async def get_many_in_dht(_dht: hivemind.DHT, node: Any, keys: list[str]) -> dic
 async def store_from_file(_dht: hivemind.DHT, node: Any, key: str, subkey: bytes, path: str, expiration: float) -> bool:
     """Runs inside the DHT process: store the value spilled to `path` (see `p2p.transport.spill`). A file
     that is gone means the publisher gave up on this store first (its timeout, or a stop) and removed it:
-    nothing to store, and no traceback on the console (hivemind prints one for any error here)."""
+    nothing to store, and no traceback on the console (hivemind prints one for any error here).
+
+    True when some replica holds it. hivemind reports the answer of the replica that answered last, so one
+    refusing peer among the nearest (another swarm's validator, an older one, a hostile peer answering late)
+    would hide the others' acceptance: a refusal is checked by reading the key back (one search, on this
+    path only). The key is ours alone (a batch key names its publisher and round)."""
     try:
         with open(path, "rb") as f:
             value = f.read()
@@ -112,7 +117,10 @@ async def store_from_file(_dht: hivemind.DHT, node: Any, key: str, subkey: bytes
         return False
     finally:
         unlink_quietly(path)
-    return bool(await node.store(key, value, expiration, subkey=subkey))
+    if await node.store(key, value, expiration, subkey=subkey):
+        return True
+    found = await node.get(key, latest=True)
+    return found is not None and isinstance(found.value, dict) and subkey in found.value
 
 
 def unlink_quietly(path: str) -> None:

@@ -139,8 +139,7 @@ class SwarmTransport:
         return dict(self.sampler.known)
 
     async def publish(self, round: int, signed_batch: bytes) -> bool:
-        """Store our batch for `round` and refresh our presence record; False on failure or timeout (or when
-        the replica that answered last refused the batch: hivemind reports no more)."""
+        """Store our batch for `round` and refresh our presence record; False on failure or timeout."""
         env = open_envelope(signed_batch, self.config.caps.max_batch_bytes)  # our own bug if this raises
         if env.publisher != self.identity.public_key_bytes:
             raise ValueError("signed_batch was not signed by this transport's identity")
@@ -155,12 +154,9 @@ class SwarmTransport:
         spill = self._spill(signed_batch)
 
         async def batch_then_presence() -> tuple[bool, bool]:
-            # the batch first: a presence record must never announce a batch that is not stored yet, since
-            # readers count an announced batch they cannot find as a ghost (evidence against its publisher).
-            # The presence follows whatever the store answered: hivemind reports the answer of the replica that
-            # answered last, so one refusing peer among the nearest (another --swarm, an older validator, a
-            # hostile peer answering late) would otherwise keep this node from ever announcing a batch the
-            # others hold. A batch that no replica took makes a ghost, charged to us alone.
+            # the batch first: a presence record must never announce a batch that is not stored, since readers
+            # count an announced batch they cannot find as a ghost (evidence against its publisher).
+            # `store_from_file` says whether any replica holds it, not only the last one to answer
             ok_batch = await self.dht.run_coroutine(
                 partial(
                     store_from_file,
@@ -171,6 +167,8 @@ class SwarmTransport:
                 ),  # fmt: skip
                 return_future=True,
             )
+            if not ok_batch:
+                return False, False
             stored = await asyncio.gather(
                 *(self.dht.store(home, presence, expiration, subkey=self._subkey, return_future=True) for home in homes)
             )
@@ -188,14 +186,10 @@ class SwarmTransport:
             return False
         finally:
             unlink_quietly(spill)
-        if not (ok_batch and ok_presence):  # hivemind's answer is one replica's: others may hold the records
-            logger.warning(
-                "publish of round %d: a DHT peer refused it (batch=%s presence=%s; the answer is the last replica's, "
-                "others may have stored it)",
-                round,
-                ok_batch,
-                ok_presence,
-            )
+        if not ok_batch:
+            logger.warning("publish of round %d not stored: no DHT peer took the batch", round)
+        elif not ok_presence:  # hivemind's answer is the last replica's: the others may hold it
+            logger.debug("round %d: a DHT peer refused our presence record", round)
         return bool(ok_batch)
 
     def _spill(self, value: bytes) -> str:
