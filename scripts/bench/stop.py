@@ -108,7 +108,10 @@ def stop_latency(args, work: Path) -> None:
             snap = status(port)
             if proc.poll() is not None:
                 sys.exit(f"node exited early ({proc.returncode}); see {work / 'node.out'}")
-            if snap and snap["round"] == args.after_rounds and snap["phase"] == args.phase:
+            # at least --after-rounds: a tiny model's phase lasts milliseconds, and a poll on a loaded machine
+            # that missed round N's could otherwise wait for the last of --rounds and report an early exit
+            if snap and snap["round"] >= args.after_rounds and snap["phase"] == args.phase:
+                signalled_in = snap["round"]
                 break
             time.sleep(0.05)
         t_ready = time.monotonic()
@@ -123,7 +126,7 @@ def stop_latency(args, work: Path) -> None:
     written = re.search(r"checkpoint (round-\d+) written in ([\d.]+)s", log)
     abandoned = re.search(r"round (\d+) abandoned", log)
     print(
-        f"stop        model={args.model} threads={args.threads or 'all'} signal in round {args.after_rounds} "
+        f"stop        model={args.model} threads={args.threads or 'all'} signal in round {signalled_in} "
         f"phase {args.phase} (after {t_ready - t_start:.0f} s): exit code {rc} after {t_exit - t_sig:.1f} s; "
         f"{'round ' + abandoned.group(1) + ' abandoned' if abandoned else 'no round abandoned'}; "
         f"{written.group(1) + ' written in ' + written.group(2) + ' s' if written else 'no checkpoint written'}"
@@ -135,7 +138,7 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--tasks", default="cpu-easy")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads of the node (0 = all cores)")
-    ap.add_argument("--after-rounds", type=int, default=1, help="completed rounds before the signal")
+    ap.add_argument("--after-rounds", type=int, default=1, help="completed rounds before the signal (at least)")
     ap.add_argument("--phase", default="generate", choices=("generate", "train"), help="phase the signal lands in")
     ap.add_argument("--repeats", type=int, default=3, help="checkpoint saves to time")
     ap.add_argument("--skip-checkpoint", action="store_true")
