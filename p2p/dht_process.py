@@ -109,7 +109,8 @@ async def store_from_file(_dht: hivemind.DHT, node: Any, key: str, subkey: bytes
     True when some replica holds it. hivemind reports the answer of the replica that answered last, so one
     refusing peer among the nearest (another swarm's validator, an older one, a hostile peer answering late)
     would hide the others' acceptance: a refusal is checked by reading the key back (one search, on this
-    path only). The key is ours alone (a batch key names its publisher and round)."""
+    path only) and comparing the value under our subkey with the one just stored (an older record of ours,
+    or another's under a subkey that is not theirs, does not count)."""
     try:
         with open(path, "rb") as f:
             value = f.read()
@@ -120,7 +121,10 @@ async def store_from_file(_dht: hivemind.DHT, node: Any, key: str, subkey: bytes
     if await node.store(key, value, expiration, subkey=subkey):
         return True
     found = await node.get(key, latest=True)
-    return found is not None and isinstance(found.value, dict) and subkey in found.value
+    if found is None or not isinstance(found.value, dict):  # hivemind unpacks a dictionary value to a dict
+        return False
+    item = found.value.get(subkey)
+    return item is not None and item.value == value
 
 
 def unlink_quietly(path: str) -> None:
