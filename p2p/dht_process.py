@@ -108,9 +108,9 @@ async def store_from_file(_dht: hivemind.DHT, node: Any, key: str, subkey: bytes
 
     True when some replica holds it. hivemind reports the answer of the replica that answered last, so one
     refusing peer among the nearest (another swarm's validator, an older one, a hostile peer answering late)
-    would hide the others' acceptance: a refusal is checked by reading the key back (one search, on this
-    path only) and comparing the value under our subkey with the one just stored (an older record of ours,
-    or another's under a subkey that is not theirs, does not count)."""
+    would hide the others' acceptance: a refusal is checked by reading the key back as a reader would
+    (`get_many_in_dht`, one search, on this path only) and comparing the value under our subkey with the one
+    just stored (an older record of ours, or another's under a subkey that is not theirs, does not count)."""
     try:
         with open(path, "rb") as f:
             value = f.read()
@@ -120,11 +120,8 @@ async def store_from_file(_dht: hivemind.DHT, node: Any, key: str, subkey: bytes
         unlink_quietly(path)
     if await node.store(key, value, expiration, subkey=subkey):
         return True
-    found = await node.get(key, latest=True)
-    if found is None or not isinstance(found.value, dict):  # hivemind unpacks a dictionary value to a dict
-        return False
-    item = found.value.get(subkey)
-    return item is not None and item.value == value
+    found = await get_many_in_dht(_dht, node, [key])
+    return found.get(key, {}).get(subkey) == value
 
 
 def unlink_quietly(path: str) -> None:
