@@ -52,7 +52,7 @@ def parser_of(name: str):
 
 
 def test_every_console_script_is_checked():
-    assert {"sapo-node", "sapo-bootstrap", "sapo-experiment", "sapo-report"} <= set(SCRIPTS)
+    assert {"sapo-node", "sapo-bootstrap", "sapo-experiment", "sapo-report", "sapo-export", "sapo-ask"} <= set(SCRIPTS)
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))

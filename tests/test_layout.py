@@ -25,6 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "ops": {"root", "learn"},
     "round": {"root", "learn", "swarm", "ops", "p2p"},
     "lab": {"root", "learn", "swarm", "ops", "p2p", "round"},
+    "tools": {"root", "learn", "ops"},  # sapo-export, sapo-ask: a trained model outside any round
     "bootstrap": {"root", "ops", "p2p"},
     "root": set(),
 }
@@ -48,7 +49,7 @@ def part_of(module: str) -> str | None:
     if module in ROUND_MODULES:
         return "round"
     sub = rest.split(".")[0]
-    return sub if sub in ("learn", "swarm", "ops", "lab") else "unknown"
+    return sub if sub in ("learn", "swarm", "ops", "lab", "tools") else "unknown"
 
 
 def module_name(path: Path) -> str:

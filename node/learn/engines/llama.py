@@ -56,19 +56,34 @@ class LlamaEngine:
     ):
         self.api = llama_api.binding(binding)  # ImportError: make_engine falls back to torch
         gguf_export.check_supported(model)
-        self.tokenizer = tokenizer
+        self._blank(tokenizer, _scratch_dir(model))
         self.weight_type = gguf_export.resolve_weight_type(
             self.api.auto_weights if weight_type == "auto" and self.api.auto_weights else weight_type
         )
         self.source = _source_gguf(model_name)  # the file the model was loaded from, if a GGUF
-        self.template = _template_for(model_name, tokenizer)
+        self.template = template_for(model_name, tokenizer)
         self.fields = gguf_export.template_fields(self.template)
-        self.dir = tempfile.TemporaryDirectory(prefix="sapo-llama-", dir=_scratch_dir(model))
+
+    def _blank(self, tokenizer: PreTrainedTokenizerBase, scratch: str | None) -> None:
+        self.tokenizer = tokenizer
+        self.dir = tempfile.TemporaryDirectory(prefix="sapo-llama-", dir=scratch)
         self._frozen: dict = {}  # encodings of the LoRA base's tensors no adapter touches (gguf_export)
         self._model = self._ctx = self._adapter = None
         self._n_ctx = self._n_seq = 0
         self._base_loaded = False
         self._version = 0
+
+    @classmethod
+    def from_file(cls, path: Path, tokenizer: PreTrainedTokenizerBase, binding: str = "auto") -> LlamaEngine:
+        """An engine on a model file as it is (an export: sapo-ask), never synced: `greedy` and `sample` only."""
+        self = cls.__new__(cls)
+        self.api = llama_api.binding(binding)
+        self.weight_type = "file"
+        self.source = self.template = Path(path)
+        self.fields = []
+        self._blank(tokenizer, None)
+        self._load_model(Path(path))
+        return self
 
     # --- synchronisation -----------------------------------------------------------------------------
 
@@ -359,7 +374,7 @@ def _source_gguf(model_name: str) -> Path | None:
     return Path(model_name) if model_name.endswith(".gguf") else None
 
 
-def _template_for(model_name: str, tokenizer: PreTrainedTokenizerBase) -> Path:
+def template_for(model_name: str, tokenizer: PreTrainedTokenizerBase) -> Path:
     """A GGUF file whose tokenizer matches: the model's own source file, or the embedded SmolLM2 file for
     models with its vocabulary (tiny-random-smol)."""
     source = _source_gguf(model_name)
