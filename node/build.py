@@ -21,6 +21,7 @@ from node.learn.evaluate import HeldOutEval
 from node.learn.groups import Prompter
 from node.learn.guard import CollapseGuard, GuardConfig
 from node.learn.lora import Adapter, attach
+from node.learn.practise import practised
 from node.learn.sampling import SamplingConfig
 from node.learn.stop import StopRequest
 from node.learn.tasks import TaskMix, TaskSampler
@@ -96,6 +97,15 @@ def verify_config(cfg: NodeConfig, **overrides: Any) -> VerifyConfig:
     return VerifyConfig.from_settings(swarm_settings(cfg), **overrides)
 
 
+def practised_part(cfg: NodeConfig, mix: TaskMix) -> dict[str, float]:
+    """The datasets the node samples its own tasks from, with their weights (--practise; unset: the whole mix).
+    ConfigError when the resolved mix lacks one: the CLI asks before the model loads."""
+    try:
+        return practised(mix, cfg.practise)
+    except ValueError as exc:
+        raise ConfigError(f"--practise {exc}") from None
+
+
 def check_fits_the_wire(cfg: NodeConfig) -> None:
     """Refuse group shapes that every receiver refuses (p2p.wire.WireCaps): published, each batch would be an
     offence, and the node would be banned by its whole swarm without an error of its own."""
@@ -136,6 +146,7 @@ def build_node(
     """A node on `model`: with --lora-rank a LoRA adapter is attached to it here, unless `adapter` is given
     (peers of one process sharing a base: `model` is then the adapter's wrapper)."""
     stop = stop or StopRequest()
+    part = practised_part(cfg, mix)  # before anything is attached to the model
     if adapter is None and cfg.lora_rank > 0:
         adapter = attach(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
     model = adapter.model if adapter is not None else model
@@ -155,7 +166,7 @@ def build_node(
     engine = make_engine(
         cfg.rollout_engine, model, tokenizer, cfg.model, weight_type=cfg.engine_weights, logp_exact=mode == "off"
     )
-    sampler = TaskSampler(mix, cfg.seed)
+    sampler = TaskSampler(mix, cfg.seed, part)
     select_rng = random.Random(cfg.seed + 1)
     ij = make_ij_controller(cfg.ij_policy, total=cfg.num_local + cfg.num_external, initial_j=cfg.num_external)
     totals = NodeTotals()
@@ -185,6 +196,7 @@ def build_node(
         at=cfg.eval_rounds,
         engine=eval_engine(cfg.eval_engine, engine, mode),
         round0=cfg.eval_round0,
+        practised=frozenset(part) if cfg.practise else frozenset(),
     )
     if cfg.eval_share:  # what else the answers depend on: peers that differ in any of it never share
         evaluator = held_out.engine.name if held_out.engine is not None else "torch"

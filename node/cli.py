@@ -216,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signals.starting = "setting up this node's swarm identity" if cfg.swarm_enabled else "starting"
     try:
+        part = build.practised_part(cfg, mix)  # a --practise the mix lacks: said now, not after the mint
         exchange = build.build_exchange(cfg, mix, stop)  # mints the key's proof of work the first time
-    except ConfigError as exc:  # flags that only a swarm refuses
+    except ConfigError as exc:  # --practise against the mix, flags that only a swarm refuses
         return fail(str(exc))
     except MintStopped:
         return stopped_in_start_up(stop, "minting the key's proof of work; what was tried is kept for the next start")
@@ -264,9 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     signals.starting = ""  # from here on the round loop stops itself (joining and the start evaluation too)
     signals.saved_round = lambda: node.persistence.saved_round
     log.info(
-        "task mix %s: %s | I=%d J=%d G=%d | run dir %s",
+        "task mix %s: %s%s | I=%d J=%d G=%d | run dir %s",
         mix.name,
         ", ".join(mix.datasets),
+        f" (practising {', '.join(f'{n}:{w:g}' for n, w in part.items())}; peers' groups from all)"
+        if cfg.practise
+        else "",
         cfg.num_local,
         cfg.num_external,
         cfg.generations,

@@ -83,8 +83,8 @@ class NodeEvaluation:
         except RoundAbandoned:
             log.info("held-out evaluation of the starting weights skipped: stop requested")
             return False
-        log.info("%s", result.log_line(None))
-        self.start_eval = result.to_record("start")
+        log.info("%s", result.log_line(None, self.held_out.practised))
+        self.start_eval = result.to_record("start", self.held_out.practised)
         return await self.judge(START_ROUND, result.to_record())  # the guard reads the eval_ keys
 
     async def after_round(self, r: int, timer: PhaseTimer, record: dict, stopping: bool) -> bool:
@@ -110,7 +110,8 @@ class NodeEvaluation:
         except RoundAbandoned:
             log.info("held-out evaluation of round %d skipped: stop requested", r)
             return
-        fields = result.to_record() | ({} if repeats is None else {"eval_repeats": repeats})
+        fields = result.to_record(practised=self.held_out.practised)
+        fields |= {} if repeats is None else {"eval_repeats": repeats}
         self.live.last_eval = {
             "round": r,
             **{k: v for k, v in fields.items() if not isinstance(v, list)},
@@ -118,10 +119,14 @@ class NodeEvaluation:
         record.update(fields, t_end=time.time(), round_s=round(time.time() - timer.t0, 4))
         if repeats is None:
             record["phase_s"]["eval"] = round(timer.seconds["eval"], 4)
-            log.info("%s", result.log_line(r))
+            log.info("%s", result.log_line(r, self.held_out.practised))
         else:
             record["phase_s"]["eval"] = 0.0
-            log.info("%s; unchanged since %s's evaluation: its answers again", result.log_line(r), round_name(repeats))
+            log.info(
+                "%s; unchanged since %s's evaluation: its answers again",
+                result.log_line(r, self.held_out.practised),
+                round_name(repeats),
+            )
 
     async def skipped_round(self, next_round: int) -> bool:
         """A stop after a round's update keeps the round but skips its due evaluation. The checkpoint holds

@@ -178,6 +178,7 @@ class Persistence:
         self.trainer.optimizer.load_state_dict(ckpt.optimizer)
         next_round = self.rewind(ckpt.state)
         self.saved_round = ckpt.round
+        self._say_practise_changed(ckpt.state.get("config", {}).get("practise", ""))
         moved = self.metrics.truncate_after(next_round - 1)
         log.info(
             "resumed from %s: next round %d%s",
@@ -188,6 +189,18 @@ class Persistence:
             else "",
         )
         return next_round
+
+    def _say_practise_changed(self, then: str) -> None:
+        """A resume may practise another part of the mix (a specialist turned generalist, say): like any setting
+        but the weights' identity it is allowed, and said, since the task stream then differs from the run's
+        so far (the sampler's state goes on; checkpoints from before the option practised the whole mix)."""
+        if then != self.cfg.practise:
+            log.warning(
+                "--practise changed since the checkpoint: %s -> %s; own tasks are sampled from the new part from "
+                "here on (peers' groups are still taken from the whole mix)",
+                repr(then) if then else "the whole mix",
+                repr(self.cfg.practise) if self.cfg.practise else "the whole mix",
+            )
 
     def load_adapter(self, path: str) -> None:
         """--lora-init: adapter weights from another run's checkpoint (not its optimizer or round)."""

@@ -178,7 +178,7 @@ def other_value(name: str) -> str:
         return "/ip4/127.0.0.1/tcp/1"
     if isinstance(default, (int, float)):
         return str(default + (1 if name == "identity_tier" else 3))  # tiers go up to 3
-    return "cpu" if name == "device" else default + "-x"
+    return {"device": "cpu", "practise": "chain_sum"}.get(name, default + "-x")
 
 
 def test_readme_env_vars_are_read():

@@ -56,20 +56,37 @@ class EvalResult:
     def distinct_answers(self) -> float:
         return distinct_share(self.datasets, self.answers)
 
-    def to_record(self, prefix: str = "eval") -> dict:
+    def to_record(self, prefix: str = "eval", practised: frozenset[str] = frozenset()) -> dict:
         """Keys of a metrics.jsonl row: eval_accuracy, eval_accuracy/<dataset>, eval_s (the whole pass),
         eval_size, eval_baseline (the constant-answer yardstick), eval_distinct_answers, and per task (same
         order every evaluation, so two evaluations pair task by task) eval_scores and eval_answers, and
         eval_engine (what decoded them). With an unseen set, the same keys of it under eval_unseen_
         (eval_unseen_accuracy, ...; no eval_unseen_s or eval_unseen_engine). `prefix` "start": the starting
-        weights' evaluation (start_accuracy, ..., start_unseen_accuracy, ...)."""
-        out = {**self.fields(prefix), f"{prefix}_s": round(self.seconds, 4), f"{prefix}_engine": self.engine}
+        weights' evaluation (start_accuracy, ..., start_unseen_accuracy, ...). `practised` (--practise: the
+        datasets the node samples itself): the accuracy of each part too (`part_accuracies`)."""
+        out = {
+            **self.fields(prefix, practised),
+            f"{prefix}_s": round(self.seconds, 4),
+            f"{prefix}_engine": self.engine,
+        }
         if self.unseen is not None:
-            out.update(self.unseen.fields(f"{prefix}_unseen"))
+            out.update(self.unseen.fields(f"{prefix}_unseen", practised))
         return out
 
-    def fields(self, prefix: str) -> dict:
+    def part_accuracies(self, practised: frozenset[str]) -> dict[str, float]:
+        """{"practised": mean score over the set's tasks of the practised datasets, "other": over the rest's}:
+        whether a node that practises part of the mix learns the rest from its peers. A part with no task in
+        this set has no entry; no `practised` (the whole mix practised), none at all."""
+        out: dict[str, float] = {}
+        for part, inside in (("practised", True), ("other", False)) if practised else ():
+            scores = [x for x, name in zip(self.scores, self.datasets) if (name in practised) == inside]
+            if scores:
+                out[part] = sum(scores) / len(scores)
+        return out
+
+    def fields(self, prefix: str, practised: frozenset[str] = frozenset()) -> dict:
         out: dict = {f"{prefix}_accuracy": self.accuracy, f"{prefix}_size": self.size}
+        out.update({f"{prefix}_accuracy_{part}": acc for part, acc in self.part_accuracies(practised).items()})
         out.update({f"{prefix}_accuracy/{name}": acc for name, acc in sorted(self.by_dataset.items())})
         if self.baseline is not None:
             out[f"{prefix}_baseline"] = self.baseline
@@ -83,19 +100,27 @@ class EvalResult:
             out[f"{prefix}_datasets"] = list(self.datasets)
         return out
 
-    def log_line(self, r: int | None) -> str:
-        """One line for node.log; `r` None for the starting weights, evaluated before round 0."""
+    def log_line(self, r: int | None, practised: frozenset[str] = frozenset()) -> str:
+        """One line for node.log; `r` None for the starting weights, evaluated before round 0. `practised`: each
+        part's accuracy too."""
         when = f"after round {r}" if r is not None else "of the starting weights, before round 0"
         line = (
             f"held-out accuracy {self.accuracy:.3f} {when} ({self.size} tasks, greedy by {self.engine}, "
-            f"{self.seconds:.1f}s; one constant answer per dataset scores {self.baseline or 0.0:.3f})"
+            f"{self.seconds:.1f}s; one constant answer per dataset scores {self.baseline or 0.0:.3f}"
+            f"{_parts_text(self.part_accuracies(practised))})"
         )
         if self.unseen is not None:
             line += (
                 f"; unseen accuracy {self.unseen.accuracy:.3f} ({self.unseen.size} tasks whose content "
-                f"training never draws; constant answer {self.unseen.baseline or 0.0:.3f})"
+                f"training never draws; constant answer {self.unseen.baseline or 0.0:.3f}"
+                f"{_parts_text(self.unseen.part_accuracies(practised))})"
             )
         return line
+
+
+def _parts_text(parts: dict[str, float]) -> str:
+    """`; practised 0.400, other 0.250` (nothing without parts), for the log line."""
+    return "".join(f"{'; ' if i == 0 else ', '}{part} {acc:.3f}" for i, (part, acc) in enumerate(parts.items()))
 
 
 def distinct_share(datasets: list[str], answers: list[str | None]) -> float:
@@ -336,7 +361,9 @@ class HeldOutEval:
     `at`, and after its last round; `every` 0: never) and on what: the in-distribution set of `size` tasks
     and, where the mix splits by content, the unseen set of `unseen_size` tasks (0: `size`), `batch_size`
     prompts per torch decoding batch. `engine`: the rollout engine that decodes the answers (None: torch;
-    node/learn/engines `eval_engine` chooses), which the caller syncs to the weights before `run`."""
+    node/learn/engines `eval_engine` chooses), which the caller syncs to the weights before `run`. Both sets
+    cover the whole mix; `practised` (--practise) names the part the node samples, whose accuracy and the
+    rest's its records add."""
 
     def __init__(
         self,
@@ -349,8 +376,10 @@ class HeldOutEval:
         at: tuple[int, ...] = (),
         engine: RolloutEngine | None = None,
         round0: bool = True,
+        practised: frozenset[str] = frozenset(),
     ):
         self.mix, self.size, self.every, self.rounds, self.round0 = mix, size, every, rounds, round0
+        self.practised = practised  # --practise: its datasets, for each part's accuracy (empty: unset)
         self.batch_size, self.at, self.engine = batch_size, frozenset(at), engine
         self.unseen_size = unseen_size or size
         # --eval-share: the first evaluation (a fresh node's starting weights) through EvalShare.evaluate, so

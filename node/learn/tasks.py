@@ -365,15 +365,18 @@ class TaskSampler:
 
     The dataset seed is the node's seed: two nodes with different seeds see different questions. A task
     the mix reserves for the unseen evaluation is skipped (the counter moves on to the next index).
+    `practised`: the datasets drawn and their weights (node/learn/practise.py, --practise); None: the whole
+    mix at its weights, the same draws as a sampler given the whole mix.
     """
 
-    def __init__(self, mix: TaskMix, seed: int):
+    def __init__(self, mix: TaskMix, seed: int, practised: dict[str, float] | None = None):
         self.mix = mix
         self.seed = seed
         self.rng = random.Random(seed)
         self.counter = 0
-        self._names = list(mix.datasets)
-        self._weights = [float(mix.datasets[n].get("weight", 1.0)) for n in self._names]
+        weights = practised or {n: float(mix.datasets[n].get("weight", 1.0)) for n in mix.datasets}
+        self._names = list(weights)
+        self._weights = list(weights.values())
 
     def sample(self, n: int) -> list[Task]:
         tasks = []

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from node import __version__
+from node.learn import practise
 from node.learn.choices import (
     ENGINE_WEIGHTS,
     ENGINES,
@@ -52,6 +53,12 @@ class NodeConfig:
         "task mix: a preset (paper, cpu-learn, cpu-sparse, cpu-easy, smoke, "
         "test-learn) "
         "or comma-separated reasoning-gym datasets",
+    )
+    practise: str = opt(
+        "",
+        "sample this node's own tasks from part of the task mix only: dataset names of the mix, "
+        "comma-separated, optionally with weights (basic_arithmetic:1,chain_sum:3); peers' groups from the "
+        "whole mix are still trained on, and the evaluations cover the whole mix (empty: the whole mix)",
     )
     device: str = opt("auto", "auto, cpu, cuda, cuda:N")
     recipe: str = opt(
@@ -344,6 +351,10 @@ def validate(cfg: NodeConfig) -> None:
         raise bad("swarm", "must not be empty")
     if cfg.eval_every and cfg.eval_size < 1:
         raise bad("eval_size", "must be >= 1 when --eval-every is on")
+    try:
+        practise.parse(cfg.practise)
+    except ValueError as exc:
+        raise ConfigError(f"--practise {exc}") from None
     if not re.fullmatch(r"[\d,\s]*", cfg.eval_at):
         raise bad("eval_at", "must be round numbers, comma-separated (e.g. 3,6)")
     for name in ("eval_size", "eval_unseen_size"):  # the reserved range holds 100 000 tasks a mix shares out
