@@ -63,12 +63,18 @@ def _clean(value: Any, limit: int = 24) -> str:
 
 def held_out_cell(ev: Mapping[str, Any], key: str = "eval") -> str | None:
     """``0.420 (const 0.121)``: accuracy of one evaluation set against what one fixed answer scores on it
-    (``key`` "eval", or "eval_unseen" for the set of questions never trained on); None when not evaluated."""
+    (``key`` "eval", or "eval_unseen" for the set of questions never trained on); None when not evaluated.
+    A node that practises part of its mix (--practise) adds each part's: ``(const 0.121; practised 0.500,
+    other 0.300)``."""
     acc = ev.get(f"{key}_accuracy")
     if not _isnum(acc):
         return None
-    base = ev.get(f"{key}_baseline")
-    return f"{acc:.3f}" + (f" (const {base:.3f})" if _isnum(base) else "")
+    notes = [f"const {ev[f'{key}_baseline']:.3f}"] if _isnum(ev.get(f"{key}_baseline")) else []
+    parts = [
+        f"{p} {ev[f'{key}_accuracy_{p}']:.3f}" for p in ("practised", "other") if _isnum(ev.get(f"{key}_accuracy_{p}"))
+    ]
+    notes += [", ".join(parts)] if parts else []
+    return f"{acc:.3f}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def next_eval(rec: Mapping[str, Any]) -> int | None:

@@ -36,6 +36,11 @@ SCALARS = {
     "eval_baseline": "eval/constant_answer_baseline",
     "eval_unseen_accuracy": "eval/unseen_accuracy",  # mixes split by content: questions never trained on
     "eval_unseen_baseline": "eval/unseen_constant_answer_baseline",
+    # --practise: the part the node samples itself and the rest, which it learns from peers' groups
+    "eval_accuracy_practised": "eval/accuracy_practised",
+    "eval_accuracy_other": "eval/accuracy_other",
+    "eval_unseen_accuracy_practised": "eval/unseen_accuracy_practised",
+    "eval_unseen_accuracy_other": "eval/unseen_accuracy_other",
     "loss": "train/loss",
     "kl": "train/kl",
     "clip_frac": "train/clip_frac",

@@ -72,6 +72,16 @@ def test_held_out_accuracy_shows_against_the_constant_answer_baseline():
     assert "held-out" not in format_progress_line({"round": 11, "reward_mean": 0.5})
 
 
+def test_a_practising_node_shows_each_part():
+    """--practise: the accuracy of the part the node samples and of the rest, which it learns from its peers."""
+    rec = {"round": 3, "reward_mean": 0.5, "eval_accuracy": 0.5, "eval_baseline": 0.125}
+    rec |= {"eval_accuracy_practised": 0.75, "eval_accuracy_other": 0.25, "eval_unseen_accuracy": 0.2}
+    line = format_progress_line(rec | {"eval_unseen_accuracy_practised": 0.4})
+    assert line.endswith(
+        "| held-out 0.500 (const 0.125; practised 0.750, other 0.250) | unseen 0.200 (practised 0.400)"
+    )
+
+
 def test_table_shows_each_peers_last_evaluation(tmp_path):
     evals = {"eval_accuracy": 0.375, "eval_baseline": 0.125}
     _write(tmp_path / "a", [{"round": 0, "reward_mean": 0.1, **evals}, {"round": 1, "reward_mean": 0.2}])
