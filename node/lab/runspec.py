@@ -283,15 +283,20 @@ def check_peer_configs(spec: RunSpec, root: Path, run_flags: list[str], env: Map
     """ValueError with the message to print when sapo-node would refuse a peer of this run: the node's own checks
     (load_config, the wire's limits) on exactly the flags each peer gets, in the environment it gets, so a bad
     value (`--generations -3`, `--eval-size 0`) stops the command before any run starts, not each peer at its
-    start. A peer's own flags (--peer-arg) are checked after the common ones, so the message says whose they are."""
-    from node.build import check_fits_the_wire
+    start. A peer's own flags (--peer-arg) are checked after the common ones, so the message says whose they are;
+    a peer's --practise against the run's task mix too (five specialists: `--peer-arg P:--practise=DATASET`)."""
+    from node.build import check_fits_the_wire, practised_part
+    from node.learn.tasks import resolve_mix
 
+    mix = resolve_mix(spec.tasks)  # every peer's (plan_runs has checked it)
     for p in range(spec.peers):
         common = spec.node_args(p, root / f"peer{p}")
         own = list(spec.peer_args.get(p, []))
         for flags, where in ((common[: len(common) - len(own)], ""), (common, f"--peer-arg {p}: ")):
             try:
-                check_fits_the_wire(load_config(flags + run_flags, env=env))
+                cfg = load_config(flags + run_flags, env=env)
+                check_fits_the_wire(cfg)
+                practised_part(cfg, mix)
             except ConfigError as exc:
                 raise ValueError(f"{where}{exc}") from None
             if not own:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import live_metrics, run_python
-from node.lab.experiment import build_parser, main
+from node.lab.experiment import build_parser, main, plan_runs
 from node.lab.runspec import RunSpec, node_learning_settings, parse_peer_args, recipe_env, unused_settings
 from node.ops.checkpoint import CheckpointStore
 from node.ops.config import load_config
@@ -80,6 +80,19 @@ def test_each_peer_gets_its_model_and_its_own_flags_last():
     assert flag(spec().node_args(0, Path("/r")), "--lora-rank") == ["0"]  # said, so no node recipe picks one
 
 
+def test_each_peer_can_practise_its_own_part(tmp_path):
+    """Specialists: `--peer-arg P:--practise=DATASET` gives each peer its own part of the run's one mix (run.json
+    keeps it, in peer_args); what a peer accepts from the others stays the whole mix."""
+    parts = ["propositional_logic", "palindrome_generation:2"]
+    argv = ["2/2", "--peers", "2", "--seeds", "0", "--out", str(tmp_path), *FAST]
+    args = build_parser().parse_args(argv + [f"--peer-arg={p}:--practise={part}" for p, part in enumerate(parts)])
+    [(_, run)] = plan_runs(args)
+    assert run.peer_args == {0: ["--practise=propositional_logic"], 1: ["--practise=palindrome_generation:2"]}
+    cfgs = [load_config(run.node_args(p, tmp_path / f"peer{p}"), env=recipe_env()) for p in range(2)]
+    assert [(c.tasks, c.practise) for c in cfgs] == [("smoke", "propositional_logic"), ("smoke", parts[1])]
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize(
     "recipe, argv, expected",
     [
@@ -139,6 +152,12 @@ def test_models_whose_recipes_differ_need_one_named(monkeypatch):
         (["--models", "default,tiny-random", "--peer-arg", "2:--beta=0.1"], "peer 2 does not exist (peers 0..1)"),
         (["--models", "default,tiny-random", "--peers", "3"], "names 2 models but --peers is 3"),
         (["--models", "default,,tiny-random"], "an empty model name"),
+        (
+            ["--tasks", "smoke", "--peer-arg", "1:--practise=chain_sum"],
+            "--peer-arg 1: --practise chain_sum: not in the task mix smoke",
+        ),
+        (["--tasks", "smoke", "--node-arg=--practise=chain_sum"], "error: --practise chain_sum: not in the task mix"),
+        (["--peer-arg", "0:--practise=chain_sum:0"], "--peer-arg 0: --practise needs a positive weight"),
     ],
 )
 def test_bad_per_peer_options_are_refused_before_anything_runs(tmp_path, capsys, argv, message):
