@@ -351,6 +351,20 @@ def test_sharing_pays_lists_its_cells():
     assert 0 <= committed <= total == 16
 
 
+def test_specialists_rules_run_on_the_survey_and_on_pilot_cells(tmp_path):
+    out = tool("research.specialists", "candidates")
+    assert set(out.split()) == {
+        "basic_arithmetic",
+        "chain_sum",
+        "products",
+        "simple_equations",
+        "calendar_arithmetic",
+        "fraction_simplification",
+    }
+    done = run_python(["-m", "scripts.research.specialists", "transfer", str(tmp_path)], 120, node_env())
+    assert done.returncode == 2 and "no committed cell" in done.stderr  # nothing to read yet: says so
+
+
 def test_offpolicy_pick_applies_the_written_rules(tmp_path):
     """The largest mean paired area difference wins, a difference within 0.005 of it goes to the simpler rule
     (positive, ftis, is), sapo is never picked, and the sizing is n = (2.8 s / max(d, 0.03))^2, at least 8."""

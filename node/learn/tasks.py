@@ -253,6 +253,45 @@ def arithmetic_mix(name: str, terms: int, min_digits: int, max_digits: int) -> T
     )
 
 
+# The survey's easiest configs (node/lab/survey.py easiest_config) of the datasets the specialists' rule admits
+PART_CONFIGS: dict[str, dict[str, Any]] = {
+    "basic_arithmetic": {
+        "min_terms": 2,
+        "max_terms": 2,
+        "min_digits": 1,
+        "max_digits": 1,
+        "operators": ["+", "-"],
+        "allow_parentheses": False,
+        "allow_negation": False,
+        ANSWER_RULE: "result",
+    },
+    "chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, ANSWER_RULE: "result"},
+    "products": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, ANSWER_RULE: "result"},
+    "simple_equations": {
+        "min_terms": 2,
+        "max_terms": 2,
+        "max_value": 10,
+        "operators": ["+", "-"],
+        "operators_weights": [0.5, 0.5],
+    },
+    "calendar_arithmetic": {"offset_upper_bound": 10},
+    "fraction_simplification": {"max_value": 20, "max_factor": 5, "styles": ["plain"]},
+}
+
+
+def parts_mix() -> TaskMix:
+    """cpu-parts: the specialists' parts, equal weights, cpu-learn's prompt and answer prefix, a fifth of the
+    arithmetic facts kept for the unseen evaluation (the datasets with a content key)."""
+    return TaskMix(
+        name="cpu-parts",
+        datasets={name: {"weight": 1.0, "config": dict(config)} for name, config in PART_CONFIGS.items()},
+        system_prompt=CPU_EASY_SYSTEM_PROMPT,
+        answer_prefix="<answer>",
+        max_new_tokens=32,
+        unseen_share=0.2,
+    )
+
+
 PRESETS: dict[str, TaskMix] = {
     "paper": TaskMix(
         name="paper",
@@ -283,6 +322,11 @@ PRESETS: dict[str, TaskMix] = {
     # measuring (docs/experiments/off-policy-sharing.md: 6% of fresh groups of 6 carry signal, greedy 0.04,
     # constant-answer baseline 0.05).
     "cpu-sparse": arithmetic_mix("cpu-sparse", terms=2, min_digits=2, max_digits=2),
+    # Parts a specialist can practise (--practise), for peers that practise different things: the task survey's
+    # datasets that pass a rule fixed before the pilot measured anything (docs/experiments/specialists.md:
+    # sampling beats greedy by >= 0.14, a fixed answer scores <= 0.25, >= 8 different right answers, answers
+    # shorter than the 32-token cap), each at the survey's easiest config and cpu-learn's prompt.
+    "cpu-parts": parts_mix(),
     # Scorers that give graded partial credit even to random text: a tiny random model still produces
     # groups with a learning signal. For tests and smoke runs only.
     "smoke": TaskMix(

@@ -50,7 +50,7 @@ class NodeConfig:
     )
     tasks: str = opt(
         "paper",
-        "task mix: a preset (paper, cpu-learn, cpu-sparse, cpu-easy, smoke, "
+        "task mix: a preset (paper, cpu-learn, cpu-sparse, cpu-parts, cpu-easy, smoke, "
         "test-learn) "
         "or comma-separated reasoning-gym datasets",
     )

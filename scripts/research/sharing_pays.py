@@ -13,6 +13,7 @@ confirmatory run (24 cells: the silo, the loss the pilot picks and sapo x seeds 
     python -m scripts.research.sharing_pays run --experiment families [--part 1/2]
     python -m scripts.research.sharing_pays run --experiment offpolicy-pilot [--part 0/2]
     python -m scripts.research.sharing_pays run --experiment offpolicy-confirm [--part 0/2]   # after the pilot
+    python -m scripts.research.sharing_pays run --experiment specialists-pilot [--part 0/2]   # the transfer pilot
     python -m scripts.research.sharing_pays commands --experiment newcomer    # print the cells' commands
     python -m scripts.research.sharing_pays status --experiment validation    # cells committed, cells left
     ... run ... --finish-by 22:15 [--cell-minutes 40]   # start no cell that would not finish by then
@@ -44,9 +45,11 @@ from node.lab.runspec import slug
 from node.learn.choices import EXTERNAL_LOSSES
 from node.learn.engines import llama_api
 from node.learn.packaged import PACKAGED, is_installed
+from node.learn.tasks import PART_CONFIGS
 from node.ops.checkpoint import PREFIX
 from node.ops.config import RECIPES, NodeConfig
 from scripts.research.offpolicy_pick import PILOT_SEEDS, confirmatory_arms
+from scripts.research.specialists import PILOT_SEEDS as SPECIALIST_SEEDS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,6 +60,7 @@ VETERAN_SEEDS = [0, 1, 2, 3]  # solo runs; veteran p (peer p of a swarm cell) st
 FAMILY_MODELS = "default,default,default,gemma3-270m,gemma3-270m"
 SPARSE = ["--tasks", "cpu-sparse", "--peers", "5"]
 CONFIRM_ROUNDS = 60
+SPECIALIST_PILOT_ROUNDS = 20
 # the held-out set (128 tasks) after rounds 0, 10, ..., 50, 59 and of the starting weights, as many points as the
 # pilot's; the unseen set only at 0, 20, 40, 59 and the start (--eval-at's points read the held-out set alone)
 CONFIRM_EVAL = ["--eval-every", "20", "--node-arg=--eval-at=10,30,50", "--eval-engine", "torch"]
@@ -69,6 +73,24 @@ def offpolicy_arms(rounds: int, evaluation: list[str]) -> dict[str, tuple[str, l
     for rule in EXTERNAL_LOSSES:
         arms[rule] = ("2/2", [*common, "--label", f"2/2 {rule}", f"--node-arg=--external-loss={rule}"])
     return arms
+
+
+def specialists_pilot() -> dict[str, tuple[str, list[str]]]:
+    """The transfer pilot (docs/experiments/specialists.md, part 1): six silo peers on cpu-parts, peer p
+    practising part p; and six generalist silos beside them (the whole mix), the same sampling cost."""
+    common = ["--tasks", "cpu-parts", "--peers", str(len(PART_CONFIGS)), "--rounds", str(SPECIALIST_PILOT_ROUNDS)]
+    # held-out of the starting weights and after the last round only: the transfer reads those two (an
+    # evaluation of 192 + 64 tasks costs a peer about as much as 8 rounds on this CPU)
+    common += ["--eval-every", "100", "--eval-size", str(32 * len(PART_CONFIGS)), "--eval-engine", "torch"]
+    common += ["--node-arg=--eval-unseen-size=64", "--node-arg=--no-eval-round0"]
+    practise = [f"{p}:--practise={part}" for p, part in enumerate(PART_CONFIGS)]
+    return {
+        "specialists": (
+            "4/0",
+            [*common, "--label", "4/0 specialists", *[a for x in practise for a in ("--peer-arg", x)]],
+        ),
+        "generalists": ("4/0", [*common, "--label", "4/0 generalists"]),
+    }
 
 
 ARMS = {  # experiment -> arm -> (sapo-experiment configuration, its own flags)
@@ -91,6 +113,8 @@ ARMS = {  # experiment -> arm -> (sapo-experiment configuration, its own flags)
     # off-policy sharing where a peer's own successes are scarce (docs/experiments/off-policy-sharing.md)
     "offpolicy-pilot": offpolicy_arms(ROUNDS, ["--eval-every", "5"]),
     "offpolicy-confirm": offpolicy_arms(CONFIRM_ROUNDS, CONFIRM_EVAL),
+    # peers that practise different things (docs/experiments/specialists.md)
+    "specialists-pilot": specialists_pilot(),
 }
 DATA_DIRS = {"veterans": "newcomer-veterans", "validation": "recipe-validation"}  # else the experiment's name
 DEFAULT_ARMS = {
@@ -99,6 +123,7 @@ DEFAULT_ARMS = {
     "newcomer": ["shares", "silo"],
     "families": ["shares", "silo"],
     "offpolicy-pilot": ["silo", "positive", "sapo", "ftis", "is"],
+    "specialists-pilot": ["specialists", "generalists"],
 }  # offpolicy-confirm: the silo, the loss the pilot picks and sapo (`arms_of`)
 PICK_FREE_ARMS = ["silo", "sapo"]  # the confirmatory arms that do not depend on the pilot's pick
 
@@ -216,7 +241,8 @@ def cell_command(experiment: str, arm: str, seed: int, args: argparse.Namespace)
 
 
 def cells(args: argparse.Namespace) -> list[Cell]:
-    default_seeds = {"veterans": VETERAN_SEEDS, "offpolicy-pilot": PILOT_SEEDS}.get(args.experiment, SEEDS)
+    default_seeds = {"veterans": VETERAN_SEEDS, "offpolicy-pilot": PILOT_SEEDS, "specialists-pilot": SPECIALIST_SEEDS}
+    default_seeds = default_seeds.get(args.experiment, SEEDS)
     seeds = args.seeds if args.seeds is not None else default_seeds
     data = Path(args.data) / DATA_DIRS.get(args.experiment, args.experiment)
     arms = arms_of(args.experiment, args.arms, Path(args.data))

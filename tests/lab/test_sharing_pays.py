@@ -106,6 +106,24 @@ def test_offpolicy_pilot_cells_run_each_external_loss_on_the_sparse_preset_under
     assert [c.label.split()[-1] for c in cells_of("offpolicy-pilot")][::5] == ["100", "101", "102"]
 
 
+def test_specialists_pilot_cells_give_each_specialist_its_own_part_of_cpu_parts():
+    from node.learn.tasks import PART_CONFIGS
+
+    cells = cells_of("specialists-pilot")
+    assert [c.label for c in cells] == [
+        f"specialists-pilot {arm} seed {s}" for s in (100, 101) for arm in ("specialists", "generalists")
+    ]
+    assert [c.run_dir.parent.name for c in cells[:2]] == ["4-0_specialists", "4-0_generalists"]
+    for cell in cells:
+        args, (counts, _, _) = parsed(cell)
+        assert args.tasks == "cpu-parts" and args.rounds == 20 and args.eval_size == 192
+        assert list(counts.values()) == [6] and args.eval_engine == "torch" and args.eval_every == 100
+        assert "--no-eval-round0" in args.node_arg
+    specialists = [a for a in cells[0].command if a.startswith(tuple(f"{p}:--practise=" for p in range(6)))]
+    assert specialists == [f"{p}:--practise={part}" for p, part in enumerate(PART_CONFIGS)]
+    assert not any("--practise" in a for a in cells[1].command)
+
+
 def test_offpolicy_confirmatory_cells_take_the_pilots_pick_over_60_rounds_with_the_written_evaluations(tmp_path):
     pilot = tmp_path / "data" / "offpolicy-pilot"
     gains = {"sapo": 0.05, "positive": 0.01, "ftis": 0.03, "is": 0.02}
