@@ -26,7 +26,15 @@ from node.learn import gym
 from node.learn.evaluate import constant_answer_baseline, greedy_texts
 from node.learn.groups import Prompter, right_and_wrong, score_responses
 from node.learn.sampling import SamplingConfig, sample_groups
-from node.learn.tasks import CPU_EASY_SYSTEM_PROMPT, Task, TaskMix, eval_tasks, extract_answer
+from node.learn.tasks import (
+    ANSWER_RULE,
+    CPU_EASY_SYSTEM_PROMPT,
+    PART_CONFIGS,
+    Task,
+    TaskMix,
+    eval_tasks,
+    extract_answer,
+)
 
 
 @dataclass(frozen=True)
@@ -53,18 +61,10 @@ FORMATS: dict[str, PromptFormat] = {
 # Smallest sensible settings of common datasets, below their defaults (negation, parentheses, division
 # and long ranges are what made the default model fail on "easy" arithmetic). Other datasets get the
 # generic rule of `easiest_config`.
+ARITHMETIC_PARTS = ("basic_arithmetic", "chain_sum", "products")
 EASIEST_OVERRIDES: dict[str, dict[str, Any]] = {
-    "basic_arithmetic": {
-        "min_terms": 2,
-        "max_terms": 2,
-        "min_digits": 1,
-        "max_digits": 1,
-        "operators": ["+", "-"],
-        "allow_parentheses": False,
-        "allow_negation": False,
-    },
-    "chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-    "products": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+    # the arithmetic three as cpu-parts holds them (node/learn/tasks.py), without the node's answer rule
+    **{name: {k: v for k, v in PART_CONFIGS[name].items() if k != ANSWER_RULE} for name in ARITHMETIC_PARTS},
     "decimal_chain_sum": {
         "min_terms": 2,
         "max_terms": 2,
