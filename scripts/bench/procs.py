@@ -109,14 +109,17 @@ class Proc:
         self._fh.close()
 
 
-def start_bootstrap(tmp: Path, swarm: str) -> tuple[Proc, list[str]]:
+def start_bootstrap(tmp: Path, swarm: str, host: str = LOOPBACK, announce: str = "") -> tuple[Proc, list[str]]:
+    """The bootstrap peer and its multiaddrs; with `announce`, the address peers dial instead of `host` (a
+    relay's: scripts/bench/relay.py)."""
     maddrs_file = tmp / "boot-maddrs.txt"
     proc = Proc(
         [
             "-m",
             "bootstrap.main",
             "--host-maddrs",
-            LOOPBACK,
+            host,
+            *(["--announce-maddrs", announce] if announce else []),
             "--identity-dir",
             str(tmp / "boot"),
             "--swarm",
@@ -147,7 +150,9 @@ def start_node(
     model: str = "tiny-random",
     seed: int = 0,
     host: str = LOOPBACK,
+    announce: str = "",
 ) -> Proc:
+    """A `sapo-node` on the tiny settings; with `announce`, the address other peers dial (a relay's)."""
     args = [
         "-m",
         "node.cli",
@@ -162,6 +167,7 @@ def start_node(
         str(run_dir),
         "--host-maddrs",
         host,
+        *(["--announce-maddrs", announce] if announce else []),
         "--peers",
         *peers,
         *extra,
