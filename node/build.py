@@ -35,6 +35,8 @@ from node.persistence import Persistence, weights_base
 from node.records import NodeTotals
 from node.swarm.exchange import Exchange, Silo
 from node.swarm.ij_controller import make_ij_controller
+from node.swarm.memory_exchange import MemoryExchange
+from node.swarm.pipeline import NetPipeline, pipelined
 from node.swarm.settings import SwarmFiles, SwarmSettings
 from node.swarm.verify import VerifyConfig
 from p2p.wire import WireCaps
@@ -219,6 +221,13 @@ def build_node(
         trainer=trainer,
         ij=ij,
         exchange=exchange,
+        net=NetPipeline(
+            exchange,
+            stop,
+            cfg.net_timeout,
+            background=pipelined(cfg.net_pipeline, in_process=isinstance(exchange, (Silo, MemoryExchange))),
+            max_age=cfg.net_max_age,
+        ),
         held_out=held_out,
         totals=totals,
         metrics=metrics,

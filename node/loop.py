@@ -11,7 +11,10 @@ turns a finished round into its record, log line and status, node/evaluation.py 
 evaluations and the guard's restores, node/persistence.py keeps its state on disk.
 
 Model work runs in a single worker thread; the event loop only awaits it, so swarm I/O, the status
-server and signal handling stay responsive.
+server and signal handling stay responsive. Steps 4-6 run behind the others (node/swarm/pipeline.py): the
+round's fetch and verification begin at its start and run while it generates, its publish is handed to a
+background task, and select takes the groups verified by then (waiting only at the staleness bound,
+--net-max-age rounds); `--net-pipeline off` awaits them in line.
 
 Stopping: a `StopRequest` is polled at safe points (between generated tokens, between micro-batches,
 before the first optimizer step; network phases race against it). The round in progress is abandoned
@@ -52,6 +55,7 @@ from node.records import (
     NodeTotals,
     QuietRounds,
     log_line,
+    network_record,
     remember_round,
     round_context,
     round_record,
@@ -60,6 +64,7 @@ from node.records import (
 )
 from node.swarm.exchange import Exchange
 from node.swarm.ij_controller import IJController, RoundObservation
+from node.swarm.pipeline import NetPipeline
 
 log = logging.getLogger("sapo.node")
 
@@ -90,6 +95,7 @@ class SapoNode:
     trainer: Trainer
     ij: IJController  # this round's split I/J, adapted to what each round brought
     exchange: Exchange  # the swarm (or Silo)
+    net: NetPipeline  # publish, fetch and verify behind the round (or in line)
     held_out: HeldOutEval
     totals: NodeTotals
     metrics: MetricsWriter
@@ -124,6 +130,7 @@ class SapoNode:
         """Runs rounds until cfg.rounds (in total) or a stop request; returns the rounds completed now."""
         self._stop_event = asyncio.Event()
         self.stop.on_set(_from_any_thread(asyncio.get_running_loop(), self._stop_event.set))  # wakes network waits
+        self.net.start(self._stop_event)
         await self.open()
         try:
             while self.pending and not self.stop_requested:
@@ -179,10 +186,11 @@ class SapoNode:
         return result.record
 
     async def run_round(self, r: int) -> RoundResult:
-        """One SAPO round, the module docstring's steps in order."""
+        """One SAPO round, the module docstring's steps in order; the network's (4-6) behind the others."""
         timer = PhaseTimer(self.live)
         num_local, num_external = self.ij.split()
         self.live.round = r
+        self.net.prefetch(r)  # 5-6 begin: others' batches fetched and verified while we generate (in line: later)
 
         with timer("sample"):
             tasks = self.sampler.sample(num_local)
@@ -198,11 +206,9 @@ class SapoNode:
                 lambda: [local_group(t, s, self.mix.answer_prefix) for t, s in zip(tasks, sampled)]
             )
         with timer("publish"):
-            await self._bounded(self.exchange.publish(r, local), "publish")
-        with timer("fetch"):
-            received = await self._bounded(self.exchange.fetch(r), "fetch")
-        with timer("verify"):  # a fetch that failed or timed out leaves nothing to verify
-            external = (await self._bounded(self.exchange.verify(received), "verify") if received else None) or []
+            await self.net.publish(r, local)  # to the background publisher (in line: published now)
+        arrival = await self.net.take(r, timer)  # the groups verified by now (in line: fetched and verified now)
+        external = arrival.groups
         with timer("select"):
             selection = select_groups(local, self.totals.fresh(external), num_local, num_external, self.select_rng)
         with timer("train"):
@@ -213,7 +219,9 @@ class SapoNode:
         tokens = tokens_generated(sampled)
         self.totals.add(selection, tokens)
         record = round_record(r, timer, local, external, selection, (num_local, num_external), stats, tokens)
-        record |= round_context(self.exchange.stats, peak_memory_mb(self.device), self.cfg, self.publisher)
+        memory = peak_memory_mb(self.device)
+        record |= round_context(arrival.counts, self.exchange.stats, memory, self.cfg, self.publisher)
+        record |= network_record(r, arrival, selection.external, self.net)
         record["rollout_engine"] = engine_label(self.engine)
         if await self.evaluation.after_round(r, timer, record, self.stop_requested):
             self.engine_stale = True  # the collapse guard put other weights back
@@ -264,6 +272,7 @@ class SapoNode:
                     _log_weights_not_saved(self.next_round, self.persistence.saved_round)
                 await self._in_worker(self.persistence.save_reputation)
         finally:
+            await self.net.close()  # the background publish and prefetch: cancelled, nothing waits for them
             await self.exchange.close()
             self.worker.shutdown(wait=True)  # after the last queued TensorBoard write
             self.tensorboard.close()
@@ -272,7 +281,7 @@ class SapoNode:
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-safe status for /status, /metrics and the dashboard."""
-        return status_snapshot(self.cfg, self.live, self.exchange, self.totals)
+        return status_snapshot(self.cfg, self.live, self.exchange, self.totals, self.net.state())
 
     # --- the model thread and the network -----------------------------------------------------------------
 
@@ -284,9 +293,6 @@ class SapoNode:
                 return fn(*args)
 
         return await asyncio.get_running_loop().run_in_executor(self.worker, run)
-
-    def _bounded(self, coro, what: str):
-        return within_net_timeout(coro, what, self.cfg.net_timeout, self.stop, self._stop_event)
 
 
 def _from_any_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> Callable[[], None]:
@@ -308,33 +314,3 @@ def _log_weights_not_saved(next_round: int, saved: int) -> None:
         next_round,
         f"the checkpoint of round {saved}" if saved >= 0 else "round 0 (no checkpoint yet)",
     )
-
-
-def _ignore_outcome(task: asyncio.Future) -> None:
-    """A network call given up on (timeout or stop): fetch its outcome so asyncio does not warn about it."""
-    if not task.cancelled():
-        task.exception()
-
-
-async def within_net_timeout(coro, what: str, timeout: float, stop: StopRequest, stop_event: asyncio.Event | None):
-    """A round never waits on the network longer than --net-timeout, nor after a stop request (`stop_event`
-    wakes the wait; `stop.check()` then abandons the round). A failure or a timeout is logged and gives None:
-    the swarm must never crash the node."""
-    task = asyncio.ensure_future(coro)
-    stopped = asyncio.ensure_future(stop_event.wait()) if stop_event else None
-    try:
-        await asyncio.wait([t for t in (task, stopped) if t], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if stopped is not None:
-            stopped.cancel()
-    if not task.done():
-        task.cancel()
-        task.add_done_callback(_ignore_outcome)
-        stop.check()
-        log.warning("%s took longer than --net-timeout %.1fs; going on without it", what, timeout)
-        return None
-    try:
-        return task.result()
-    except Exception as exc:
-        log.warning("%s failed: %s", what, exc)
-    return None

@@ -11,6 +11,7 @@ lately, which the selection leaves out: the one thing here that changes what the
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,13 +22,16 @@ from node.learn.sampling import SampledGroup
 from node.learn.trainer import StepStats
 from node.ops.config import NodeConfig
 from node.ops.live import LiveState, PhaseTimer
-from node.swarm.exchange import Exchange, ExchangeStats
+from node.swarm.exchange import Exchange, ExchangeStats, RoundCounts
+from node.swarm.pipeline import Arrival, NetPipeline
 
 log = logging.getLogger("sapo.node")
 
 QUIET_ROUNDS = 5  # rounds in a row without an update after which the node says it is learning nothing
 HISTORY_ROUNDS = 500  # rounds the live history keeps (status, dashboard)
 SOURCE_PREFIX = 16  # hex digits of a publisher key that name it in a record
+NETWORK_HISTORY = ("external_age_s", "external_age_rounds", "prefetch_waited", "net_pipeline")  # the lag (status)
+LAG_ROUNDS = 20  # rounds over which /status and the progress line give the network's lag
 # Learning-health keys kept in the live history (status, dashboard)
 HISTORY_EXTRA = (
     "entropy_mean",
@@ -158,16 +162,19 @@ def round_record(
     }
 
 
-def round_context(exchange: ExchangeStats, peak_mem_mb: float, cfg: NodeConfig, publisher: str) -> dict[str, Any]:
-    """The rest of the round's metrics.jsonl line: what the swarm brought and refused, the memory peak, and
-    which node this is (`publisher`: its public key)."""
+def round_context(
+    counts: RoundCounts, exchange: ExchangeStats, peak_mem_mb: float, cfg: NodeConfig, publisher: str
+) -> dict[str, Any]:
+    """The rest of the round's metrics.jsonl line: what the swarm brought and refused (`counts`: the verification
+    whose groups this round took, which ran behind an earlier round when the network is pipelined), the memory
+    peak, and which node this is (`publisher`: its public key)."""
     return {
-        "external_accepted": exchange.round_accepted,
-        "external_rejected": sum(exchange.round_rejected.values()),
-        "rejected_by_reason": dict(exchange.round_rejected),
-        "verified_batches": exchange.round_verified,
-        "verify_bytes": exchange.round_verify_bytes,
-        "verify_s": round(exchange.round_verify_s, 4),
+        "external_accepted": counts.accepted,
+        "external_rejected": sum(counts.rejected.values()),
+        "rejected_by_reason": dict(counts.rejected),
+        "verified_batches": counts.verified,
+        "verify_bytes": counts.verify_bytes,
+        "verify_s": round(counts.verify_s, 4),
         "swarm_state": exchange.round_swarm_state,  # joined, solo (waiting for peers: nothing shared) or silo
         **({"solo_since": exchange.round_solo_since} if exchange.round_solo_since is not None else {}),
         "publisher": publisher[:SOURCE_PREFIX] or None,  # this peer as the others' external_sources name it
@@ -177,11 +184,40 @@ def round_context(exchange: ExchangeStats, peak_mem_mb: float, cfg: NodeConfig, 
     }
 
 
+def network_record(r: int, arrival: Arrival, trained: list[Group], net: NetPipeline) -> dict[str, Any]:
+    """How far behind the round the network ran: the age of each external group trained on, in our rounds since
+    its fetch began and in seconds since its publisher signed it (its clock) to the end of this round, and what
+    the fetch and verification that brought them took (`prefetch_s`, in the background unless `prefetch_waited`)."""
+    now = time.time()
+    return {
+        "net_pipeline": net.background,
+        "net_max_age": net.max_age,
+        "prefetch_s": round(arrival.seconds, 4) if arrival.seconds is not None else None,
+        "prefetch_waited": arrival.waited,
+        "external_age_rounds": [r - g.fetch_round for g in trained if g.fetch_round is not None],
+        "external_age_s": [round(max(0.0, now - g.created_at), 3) for g in trained if g.created_at is not None],
+    }
+
+
+def network_lag(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The swarm's lag over recent rounds (/status, the progress view): the median age of the external groups
+    trained on, in seconds and rounds (None before any), and the rounds that waited for the network."""
+    ages_s = [a for rec in records for a in rec.get("external_age_s", [])]
+    ages_r = [a for rec in records for a in rec.get("external_age_rounds", [])]
+    return {
+        "median_age_s": round(statistics.median(ages_s), 3) if ages_s else None,
+        "median_age_rounds": statistics.median(ages_r) if ages_r else None,
+        "rounds_waited": sum(1 for rec in records if rec.get("prefetch_waited") and rec.get("net_pipeline")),
+        "rounds": len(records),
+    }
+
+
 def remember_round(live: LiveState, record: dict[str, Any]) -> None:
     """The round's entry in the live history that /status and the dashboard show."""
     live.history.append(
         {k: record[k] for k in ("round", "reward_mean", "num_local", "num_external")}
         | {"phase_s": record["phase_s"]}
+        | {k: record[k] for k in NETWORK_HISTORY if k in record}
         | {k: record[k] for k in HISTORY_EXTRA if k in record}
     )
     del live.history[:-HISTORY_ROUNDS]
@@ -198,12 +234,28 @@ def log_line(rec: dict[str, Any]) -> str:
         f"dropped {rec['dropped_zero_adv_local'] + rec['dropped_zero_adv_external']} | "
         f"loss {rec['loss']:+.4f} clip {rec['clip_frac']:.3f} | gen {p.get('generate', 0):.1f}s "
         f"train {p.get('train', 0):.1f}s swarm {rec['swarm_io_s']:.2f}s"
+        + _lag_text(rec)
         + (" | solo: waiting for peers" if rec.get("swarm_state") == "solo" else "")
     )
 
 
-def status_snapshot(cfg: NodeConfig, live: LiveState, exchange: Exchange, totals: NodeTotals) -> dict[str, Any]:
-    """JSON-safe status for /status, /metrics and the dashboard."""
+def _lag_text(rec: dict[str, Any]) -> str:
+    """The network's lag behind this round: the external groups' median age, and a wait at the bound."""
+    ages = rec.get("external_age_s") or []
+    text = ""
+    if rec.get("net_pipeline") and ages:
+        rounds = statistics.median(rec.get("external_age_rounds") or [0])
+        text = f" | net lag {statistics.median(ages):.1f}s ({rounds:g} rnd)"
+    if rec.get("net_pipeline") and rec.get("prefetch_waited"):
+        text += f" waited {rec['phase_s'].get('fetch', 0):.2f}s"
+    return text
+
+
+def status_snapshot(
+    cfg: NodeConfig, live: LiveState, exchange: Exchange, totals: NodeTotals, net: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """JSON-safe status for /status, /metrics and the dashboard; `net`: what the network does behind the rounds
+    (`NetPipeline.state`), with its lag over the last LAG_ROUNDS rounds."""
     rewards = [h["reward_mean"] for h in live.history]
     ma = rewards[-20:]
     last = live.history[-1] if live.history else None
@@ -230,6 +282,7 @@ def status_snapshot(cfg: NodeConfig, live: LiveState, exchange: Exchange, totals
             "last_round_bytes": stats.round_verify_bytes,
             "last_round_batches": stats.round_verified,
         },
+        "network": {**(net or {}), **network_lag(live.history[-LAG_ROUNDS:])},
         "totals": totals.state_dict(),
         "last_round_at": live.last_round_at,
         "eval": live.last_eval,

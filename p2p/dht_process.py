@@ -87,13 +87,18 @@ def start_dht(
     )
 
 
-async def get_many_in_dht(_dht: hivemind.DHT, node: Any, keys: list[str]) -> dict[str, dict[Any, Any]]:
+async def get_many_in_dht(
+    _dht: hivemind.DHT, node: Any, keys: list[str], workers: int = 1
+) -> dict[str, dict[Any, Any]]:
     """Runs inside the DHT process: {key: {subkey: value}} of the dictionary values found (validated).
 
-    The first replica that answers is enough (one worker, latest=False): a batch key is written once, and
-    a presence shard is re-read next round anyway, while asking every replica multiplies the bytes received.
+    The first replica that answers is enough (latest=False): a batch key is written once, and a presence shard
+    is re-read next round anyway, while asking every replica multiplies the bytes received. So one worker, one
+    request at a time, unless `workers` says more: hivemind asks a peer for about sqrt(len(keys)) of the keys
+    per request, so a search for 8 presence shards that finds nothing makes 4 requests to each DHT node, one
+    round trip each, in turn with one worker (presence reads take PRESENCE_WORKERS: p2p.transport).
     """
-    found = await node.get_many(keys, sufficient_expiration_time=get_dht_time(), num_workers=1)
+    found = await node.get_many(keys, sufficient_expiration_time=get_dht_time(), num_workers=workers)
     out: dict[str, dict[Any, Any]] = {}
     for key, result in found.items():
         if result is not None and isinstance(result.value, dict):  # hivemind unpacks a dictionary value to a dict

@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 MAX_KNOWN = 10_000  # publishers remembered for known_peers() and the fetched-round memory
 FIRST_WAVE_SHARDS = 1  # then as many as the density seen says are needed: each answer stays small
 MAX_WAVE_SHARDS = 8  # shards asked in one search at most (a replica answers all the keys it holds at once)
+# searches of one wave asked at once: a search that finds nothing visits the DHT's nodes one after another, so
+# over a long link a wave of one search at a time costs a round trip per node per wave (issue 66)
+PARALLEL_SEARCHES = 4
+MAX_WAVE = MAX_WAVE_SHARDS * PARALLEL_SEARCHES
 TIER_SCAN_ROUNDS = 8  # every shard of a tier >= 1 is read at least once in this many fetches (PROTOCOL §7)
 
 # key -> {publisher key -> envelope bytes}, or None when the search timed out or failed
@@ -138,7 +142,8 @@ class PresenceSampler:
         in TIER_SCAN_ROUNDS fetches, so a key that paid for a tier is met within that many rounds however
         many cheaper keys there are). Then tier-0 shards (every key is there) in random order, as many as
         the density of fresh candidates seen so far says are still needed, at most MAX_WAVE_SHARDS per
-        search. Bounded by the shards named here and the deadline, not by the swarm size.
+        search. A wave's searches run at once (up to PARALLEL_SEARCHES): the must-read shards in the first wave.
+        Bounded by the shards named here and the deadline, not by the swarm size.
         """
         cfg = self.config
         preferred = list(dict.fromkeys(self.home(p) for p in chooser.preferred(cfg.fetch_max)))
@@ -147,18 +152,18 @@ class PresenceSampler:
         order = must + [key for key in tier0 if key not in must]
         candidates: dict[bytes, int] = {}
         loop = asyncio.get_running_loop()
-        wave = min(len(order), max(FIRST_WAVE_SHARDS, min(len(must), MAX_WAVE_SHARDS)))
+        wave = min(len(order), max(FIRST_WAVE_SHARDS, min(len(must), MAX_WAVE)))
         n_must = len(must)
         while order and loop.time() < deadline:
             shards, order = order[:wave], order[wave:]
-            answers = await get_many(shards, deadline)
-            stats.shards_read += len(shards)
-            if answers is None:  # timed out or failed: no evidence either way
-                answers = {}
-            else:
-                stats.shards_answered += len(shards)
-            for entries in answers.values():
-                self._take(entries, chooser, candidates, stats)
+            searches = [shards[i : i + MAX_WAVE_SHARDS] for i in range(0, len(shards), MAX_WAVE_SHARDS)]
+            for keys, answers in zip(searches, await asyncio.gather(*(get_many(k, deadline) for k in searches))):
+                stats.shards_read += len(keys)
+                if answers is None:  # timed out or failed: no evidence either way
+                    continue
+                stats.shards_answered += len(keys)
+                for entries in answers.values():
+                    self._take(entries, chooser, candidates, stats)
             n_must = max(0, n_must - len(shards))
             fresh = sum(1 for p in candidates if chooser.fresh(p))
             missing = cfg.presence_sample - fresh
@@ -166,7 +171,7 @@ class PresenceSampler:
                 break
             density = fresh / stats.shards_read  # fresh candidates per shard so far
             wave = len(order) if density == 0 else max(1, math.ceil(missing / density))
-            wave = min(len(order), MAX_WAVE_SHARDS, max(wave, min(n_must, MAX_WAVE_SHARDS)))
+            wave = min(len(order), MAX_WAVE, max(wave, min(n_must, MAX_WAVE)))
         stats.candidates = len(candidates)
         return candidates
 

@@ -46,6 +46,12 @@ from p2p.wire import WIRE_VERSION, PresenceRecord, encode_presence, open_envelop
 logger = logging.getLogger(__name__)
 
 
+# requests of one presence search in flight at once: over a long link a search that finds nothing (most shards
+# of a small swarm) costs a round trip per request, and one worker sends them one after another (issue 66);
+# presence answers are small, so the extra replicas a few workers may hear from cost little
+PRESENCE_WORKERS = 4
+
+
 class TransportError(RuntimeError):
     """The transport could not start (no initial peer answered, p2pd failed, bad identity)."""
 
@@ -218,7 +224,7 @@ class SwarmTransport:
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + self.config.fetch_timeout_s
-        candidates = await self.sampler.sample(self._get_many, deadline, stats, chooser)
+        candidates = await self.sampler.sample(self._get_presence, deadline, stats, chooser)
         tiers = {pub: self.sampler.tiers.get(pub, 0) for pub in candidates}
         chosen = [
             (pub, candidates[pub])
@@ -263,8 +269,12 @@ class SwarmTransport:
         """Fetch already-fetched batches again (benchmarks measure every sample as a fresh round)."""
         self.sampler.fetched.clear()
 
+    async def _get_presence(self, keys: list[str], deadline: float) -> dict[str, dict[bytes, bytes]] | None:
+        """Presence shards (small values): PRESENCE_WORKERS requests of a search at once."""
+        return await self._get_many(keys, deadline, workers=PRESENCE_WORKERS)
+
     async def _get_many(
-        self, keys: list[str], deadline: float | None = None, missing: bool = False
+        self, keys: list[str], deadline: float | None = None, missing: bool = False, workers: int = 1
     ) -> dict[str, dict[bytes, bytes]] | None:
         """key -> {publisher key -> envelope bytes} for the keys found, in one DHT search; None when the
         search timed out or failed (so a caller can tell "not there" from "no answer"). With `missing`,
@@ -282,7 +292,7 @@ class SwarmTransport:
             logger.debug("DHT get of %d key(s) not asked: no time left", len(keys))
             return None
         try:
-            found = await ask(dht, partial(get_many_in_dht, keys=keys), timeout)
+            found = await ask(dht, partial(get_many_in_dht, keys=keys, workers=workers), timeout)
         except asyncio.TimeoutError:
             logger.warning("DHT get of %d key(s) (%s...) timed out after %.1fs", len(keys), keys[0], timeout)
             return None

@@ -13,6 +13,7 @@ EVAL_ENGINES = ("auto", "torch", "engine")  # what decodes the held-out answers 
 GGUF_WEIGHTS = ("bf16", "f16", "q8_0", "f32")  # gguf_export: the weights llama.cpp samples with
 ENGINE_WEIGHTS = ("auto", *GGUF_WEIGHTS)  # auto: bf16 with the wheel; a source build: bf16 where native, else f16
 IJ_POLICIES = ("fixed", "ema", "usefulness")  # swarm/ij_controller: how J changes each round
+NET_PIPELINE = ("auto", "on", "off")  # swarm/pipeline: the network behind the round (auto: on over a network)
 # grpo: how another peer's completions are trained on (sapo: as our own; the others treat them as another
 # policy's samples: docs/experiments/off-policy-sharing.md)
 EXTERNAL_LOSSES = ("sapo", "positive", "is", "ftis")

@@ -36,6 +36,10 @@ class Group:
     # external groups: the publisher's mean token log-prob of each completion (mu), if it sent them. A lie can
     # only lower the weight of its own completions (node/learn/grpo.py): never trusted beyond that
     behaviour_mean_logp: list[float] | None = None
+    # external groups: when the publisher signed its batch (its clock), and our round at whose start the fetch
+    # that brought it began (node/swarm/pipeline.py): the group's age when it is trained on (records)
+    created_at: float | None = None
+    fetch_round: int | None = None
 
     def signal(self) -> bool:
         return has_signal(self.rewards)

@@ -22,6 +22,7 @@ from node.learn.choices import (
     IJ_POLICIES,
     LOSS_TYPES,
     MIXED_PRECISION,
+    NET_PIPELINE,
     PREFIX_SHARING,
 )
 from node.learn.packaged import PACKAGED
@@ -217,6 +218,17 @@ class NodeConfig:
         "fetch (docs/PROTOCOL.md, node policy)",
     )
     net_timeout: float = opt(10.0, "upper bound in seconds on swarm I/O per round")
+    net_pipeline: str = opt(
+        "auto",
+        "the network behind the round: on (publish in the background; others' batches fetched and "
+        "verified while the round generates, taken at select without waiting), off (awaited in the "
+        "round, in line), auto (on over the DHT, off in a silo and in-process experiments)",
+    )
+    net_max_age: int = opt(
+        2,
+        "rounds a node may run ahead of its network: a prefetch begun at round r is taken at round "
+        "r + N at the latest, which waits for it (bounded by --net-timeout); 0 = take it in its own round",
+    )
     verify_budget_s: float = opt(
         0.0, "seconds of verification per round; the rest waits a round (0 = --net-timeout / 3)"
     )
@@ -272,6 +284,7 @@ NON_NEGATIVE = {
     "eval_every",
     "lora_rank",
     "eval_unseen_size",
+    "net_max_age",
 }
 MAX_EVAL_SIZE = 10_000  # held-out tasks per set: found before round 0, not after an hour of searching
 LORA_LR_SCALE = 10.0  # LoRA Without Regret (Thinking Machines, 2025): LoRA's best RL learning rate is ~10x
@@ -309,6 +322,7 @@ CHOICES = {
     "eval_engine": EVAL_ENGINES,
     "mixed_precision": MIXED_PRECISION,
     "recipe": RECIPE_CHOICES,
+    "net_pipeline": NET_PIPELINE,
 }
 
 

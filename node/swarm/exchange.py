@@ -18,6 +18,18 @@ MAX_PEERS = 512  # per-peer rows kept; later peers are counted together under OT
 OTHERS = "others"
 
 
+@dataclass(frozen=True)
+class RoundCounts:
+    """One verification's counters, kept with the groups it produced: with the network off the round's critical
+    path a verification runs while another round trains, so the round that trains on its groups records them."""
+
+    accepted: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)  # reason -> n
+    verified: int = 0  # batches judged
+    verify_bytes: int = 0
+    verify_s: float = 0.0
+
+
 @dataclass
 class ExchangeStats:
     """Per-peer accepted groups and rejected groups by reason, since start and for the last round.
@@ -66,6 +78,16 @@ class ExchangeStats:
         self.round_rejected = Counter()
         self.round_verified = self.round_verify_bytes = 0
         self.round_verify_s = 0.0
+
+    def round_counts(self) -> RoundCounts:
+        """The last verification's counters, as they are now."""
+        return RoundCounts(
+            self.round_accepted,
+            dict(self.round_rejected),
+            self.round_verified,
+            self.round_verify_bytes,
+            self.round_verify_s,
+        )
 
     def to_dict(self) -> dict:
         return {

@@ -221,7 +221,7 @@ class Verifier:
             self.taken.popitem(last=False)
         self.stats.saw(peer, {"name": peer_name_of(batch.publisher), "last_round": newest, "last_seen": now})
         self._original_useful = False  # set by _group: a useful group of ours that a copier showed us first
-        groups = [g for g in (self._group(batch.publisher, wg) for wg in batch.groups) if g is not None]
+        groups = [g for g in (self._group(batch.publisher, wg, batch.created_at) for wg in batch.groups) if g]
         self.bandit.observe(batch.publisher, useful=self._original_useful or any(g.signal() for g in groups))
         return groups
 
@@ -257,7 +257,7 @@ class Verifier:
             return None
         return False
 
-    def _group(self, publisher: bytes, wg: WireGroup) -> Group | None:
+    def _group(self, publisher: bytes, wg: WireGroup, created_at: float) -> Group | None:
         now = self.clock()
         if now >= self.time_limit_at:
             self.stats.reject(publisher.hex(), "over_budget")
@@ -300,6 +300,7 @@ class Verifier:
             source=peer,
             sender_rewards=list(wg.rewards),
             behaviour_mean_logp=wg.logp_mean,
+            created_at=created_at,
         )
         if group.signal():
             self.reputation.credit(publisher)

@@ -18,7 +18,6 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="issue 66: every fetch hits its 5 s budget at 100 ms RTT; the round awaits it", strict=True)
 def test_groups_flow_over_a_slow_link_and_the_round_does_not_wait_for_it(tmp_path):
     swarm = "e2e-wan"
     links = [Link(delay_s=0.05), Link(delay_s=0.06, jitter_s=0.01), Link(delay_s=0.075)]  # 100, 120, 150 ms RTT
@@ -61,5 +60,5 @@ def test_groups_flow_over_a_slow_link_and_the_round_does_not_wait_for_it(tmp_pat
         assert all(r["prefetch_s"] > rtt for r in trained), [r["prefetch_s"] for r in trained]
         for r in trained:
             assert len(r["external_age_rounds"]) == len(r["external_age_s"]) == r["num_external"]
-            assert all(0 <= age <= r["external_max_age"] for age in r["external_age_rounds"])
+            assert all(0 <= age <= r["net_max_age"] for age in r["external_age_rounds"])
             assert all(age >= 0 for age in r["external_age_s"])
