@@ -70,6 +70,9 @@ class DhtExchange(SignedExchange):
     async def start(self) -> None:
         """Join (p2p.membership): solo with a retry in the background when no initial peer answers."""
         await self.membership.start(on_stop_event(self.stop.on_set) if self.stop is not None else None)
+        # the scoring child starts in the verification thread while the first round generates: its start-up
+        # (seconds on a loaded machine) then falls within no verification's time budget
+        self._verifying.submit(self.verifier.sandbox.warm)
 
     def swarm_state(self) -> dict:
         return self.membership.state.to_dict()

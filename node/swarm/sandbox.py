@@ -78,6 +78,12 @@ class ScoringSandbox:
         rewards = answer.get("rewards")
         return [float(r) for r in rewards] if isinstance(rewards, list) else None
 
+    def warm(self) -> bool:
+        """Start the child now, if it is not running (its start-up, seconds on a loaded machine, would otherwise
+        fall within the first verification's time budget). Whether it runs."""
+        with self._lock:
+            return self._child() is not None
+
     def close(self) -> None:
         """Stop the child now: a scorer it runs ends with it, and a `score` waiting on it returns None at once.
         The next `score` starts another."""
