@@ -122,6 +122,7 @@ def format_progress_line(rec: Mapping[str, Any]) -> str:
         parts.append(f"phase {_clean(phase, 12)}")
     if _isnum(round_s):
         parts.append(f"{round_s:.1f}s")
+    parts += [lag] if (lag := _net_lag(rec)) else []
     membership = rec.get("membership")
     if rec.get("swarm_state") == "solo" or isinstance(membership, Mapping) and membership.get("state") == "solo":
         parts.append("solo: waiting for peers")
@@ -135,6 +136,18 @@ def format_progress_line(rec: Mapping[str, Any]) -> str:
     if due is not None:
         parts.append(f"next eval after round {due}")
     return " | ".join(parts)
+
+
+def _net_lag(rec: Mapping[str, Any]) -> str | None:
+    """How far the network runs behind the rounds: a snapshot's median age of the external groups trained on
+    lately and the verified groups waiting for the next select; a record's median age of its own."""
+    net = rec.get("network")
+    if isinstance(net, Mapping):
+        age, waiting = net.get("median_age_s"), net.get("groups_waiting")
+        waits = f", {int(waiting)} waiting" if _isnum(waiting) and waiting else ""
+        return (f"net lag {age:.1f}s" if _isnum(age) else "net lag -") + waits if net.get("pipeline") else None
+    ages = sorted(a for a in rec.get("external_age_s") or [] if _isnum(a)) if rec.get("net_pipeline") else []
+    return f"net lag {ages[len(ages) // 2]:.1f}s" if ages else None
 
 
 class ProgressPrinter:

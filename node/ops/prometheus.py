@@ -33,6 +33,11 @@ VERIFY = (
     ("sapo_verify_bytes_last_round", "last_round_bytes", "Bytes of received batches verified in the last round."),
     ("sapo_verify_batches_last_round", "last_round_batches", "Received batches verified in the last round."),
 )
+NETWORK = (
+    ("sapo_network_lag_seconds", "median_age_s", "Median age in seconds of the external groups trained on lately."),
+    ("sapo_network_lag_rounds", "median_age_rounds", "Median age in rounds of the external groups trained on lately."),
+    ("sapo_network_groups_waiting", "groups_waiting", "Verified external groups waiting for the next select."),
+)
 
 
 def escape_label_value(value: Any) -> str:
@@ -257,6 +262,7 @@ def render_metrics(snap: Mapping[str, Any], kind: str = "node") -> str:
             {"peer": key},
         )
     m.add_fields("gauge", snap.get("verify"), VERIFY)
+    m.add_fields("gauge", snap.get("network"), NETWORK)
 
     if "healthy" in snap:
         m.add("sapo_healthy", "gauge", "1 if the node reports itself healthy.", bool(snap.get("healthy")))

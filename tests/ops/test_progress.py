@@ -55,6 +55,16 @@ def test_format_snapshot():
     assert line.startswith("[12D3Ko…")
 
 
+def test_the_network_lag_shows_when_the_network_runs_behind_the_round():
+    rec = {"round": 4, "num_local": 2, "num_external": 2, "net_pipeline": True, "external_age_s": [3.0, 1.25, 2.0]}
+    assert "net lag 2.0s" in format_progress_line(rec)
+    assert "net lag" not in format_progress_line({**rec, "net_pipeline": False})  # in line: no lag to show
+    snap = {"round": 4, "network": {"pipeline": True, "median_age_s": 1.5, "groups_waiting": 3}}
+    assert "net lag 1.5s, 3 waiting" in format_progress_line(snap)
+    assert "net lag -" in format_progress_line({"network": {"pipeline": True, "median_age_s": None}})
+    assert "net lag" not in format_progress_line({"network": {"pipeline": False}})
+
+
 def test_held_out_accuracy_shows_against_the_constant_answer_baseline():
     rec = {
         "round": 10,

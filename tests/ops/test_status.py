@@ -86,6 +86,7 @@ def fake_snapshot(**over) -> dict:
             },
         },
         "verify": {"last_round_s": 0.75, "last_round_bytes": 123456, "last_round_batches": 9},
+        "network": {"pipeline": True, "median_age_s": 2.5, "median_age_rounds": 1, "groups_waiting": 3},
     }
     snap.update(over)
     return snap
@@ -198,6 +199,8 @@ async def test_metrics_exposition(client):
     ], "no ban, no sample"
     assert value_of(samples, "sapo_verify_seconds_last_round") == 0.75
     assert value_of(samples, "sapo_verify_bytes_last_round") == 123456
+    assert value_of(samples, "sapo_network_lag_seconds") == 2.5 and value_of(samples, "sapo_network_lag_rounds") == 1
+    assert value_of(samples, "sapo_network_groups_waiting") == 3
     assert value_of(samples, "sapo_eval_accuracy") == 0.3
     assert value_of(samples, "sapo_eval_accuracy_by_dataset", dataset="count_bits") == 0.25
     assert value_of(samples, "sapo_eval_round") == 6 and value_of(samples, "sapo_eval_duration_seconds") == 4.5
