@@ -31,7 +31,7 @@ MAX_KNOWN = 10_000  # publishers remembered for known_peers() and the fetched-ro
 FIRST_WAVE_SHARDS = 1  # then as many as the density seen says are needed: each answer stays small
 MAX_WAVE_SHARDS = 8  # shards asked in one search at most (a replica answers all the keys it holds at once)
 # searches of one wave asked at once: a search that finds nothing visits the DHT's nodes one after another, so
-# over a long link a wave of one search at a time costs a round trip per node per wave (issue 66)
+# over a long link a wave of one search at a time costs a round trip per node per wave
 PARALLEL_SEARCHES = 4
 MAX_WAVE = MAX_WAVE_SHARDS * PARALLEL_SEARCHES
 TIER_SCAN_ROUNDS = 8  # every shard of a tier >= 1 is read at least once in this many fetches (PROTOCOL §7)

@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 
 # requests of one presence search in flight at once: over a long link a search that finds nothing (most shards
-# of a small swarm) costs a round trip per request, and one worker sends them one after another (issue 66);
+# of a small swarm) costs a round trip per request, and one worker sends them one after another;
 # presence answers are small, so the extra replicas a few workers may hear from cost little
 PRESENCE_WORKERS = 4
 

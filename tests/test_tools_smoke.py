@@ -485,6 +485,21 @@ def test_solo_evidence_is_smoke_run_by_the_lab_tests():
 
 
 @pytest.mark.slow
+def test_wan_benchmark(tmp_path, monkeypatch):
+    """Two peers and a bootstrap behind 100 ms relays for three rounds each, the network behind the round; in this
+    process, so that its nodes start from the preloaded interpreter. The row's figures are not checked."""
+    from scripts.bench import wan
+
+    monkeypatch.setenv("SAPO_POW_DIFFICULTY", "8")
+    rows = tmp_path / "rows.json"
+    args = ["--rtt-ms", "100", "--pipeline", "on", "--peers", "2", "--rounds", "3", "--warmup", "0"]
+    assert wan.main([*args, "--json", str(rows)]) == 0
+    (row,) = json.loads(rows.read_text())
+    assert row["pipeline"] == "on" and row["rtt_ms"] == 100 and row["rounds"] == 6
+    assert row["exit_codes"] == [0, 0] and row["relay_bytes_per_round"] > 0 and row["round_s_median"] > 0
+
+
+@pytest.mark.slow
 def test_sybil_benchmark(tmp_path, monkeypatch):
     """In this process, so that its nodes start from the preloaded interpreter (scripts/bench/procs.py)."""
     from scripts.bench import sybil

@@ -45,6 +45,19 @@ TINY = [
 ]
 
 
+def as_in_the_suite() -> None:
+    """Nodes a benchmark starts run as in the suite unless the environment says otherwise: offline, on the
+    paper's defaults (not the CPU recipe), their keys minted at a low proof of work."""
+    for name, value in (
+        ("HF_HUB_OFFLINE", "1"),
+        ("TRANSFORMERS_OFFLINE", "1"),
+        ("TOKENIZERS_PARALLELISM", "false"),
+        ("SAPO_RECIPE", "none"),
+        ("SAPO_POW_DIFFICULTY", "8"),
+    ):
+        os.environ.setdefault(name, value)
+
+
 def node_env(**extra: str) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", SAPO_THREADS="1")
     env.update(extra)

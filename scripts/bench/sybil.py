@@ -42,19 +42,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from scripts.bench.procs import Proc, live_metrics, prefix_of, start_bootstrap, start_node, stop_all
+from scripts.bench.procs import Proc, as_in_the_suite, live_metrics, prefix_of, start_bootstrap, start_node, stop_all
 from scripts.bench.scale import _store_spilled, pct
 
-# the honest nodes run as in the suite: offline, on the paper's defaults (not the CPU recipe), their keys
-# minted at a low proof of work
-for _name, _value in (
-    ("HF_HUB_OFFLINE", "1"),
-    ("TRANSFORMERS_OFFLINE", "1"),
-    ("TOKENIZERS_PARALLELISM", "false"),
-    ("SAPO_RECIPE", "none"),
-    ("SAPO_POW_DIFFICULTY", "8"),
-):
-    os.environ.setdefault(_name, _value)
+as_in_the_suite()  # the honest nodes
 
 ATTACKS = ("ghost", "useless", "copycat", "liars")
 
