@@ -225,9 +225,11 @@ class NodeConfig:
         "round, in line), auto (on over the DHT, off in a silo and in-process experiments)",
     )
     net_max_age: int = opt(
-        2,
+        0,
         "rounds a node may run ahead of its network: a prefetch begun at round r is taken at round "
-        "r + N at the latest, which waits for it (bounded by --net-timeout); 0 = take it in its own round",
+        "r + N at the latest, which waits for it (bounded by --net-timeout); 0: in its own round, the "
+        "round waiting only for what the fetch takes beyond generation (a reader reads each publisher's "
+        "newest round only, so a prefetch spanning several rounds brings one batch where they would bring several)",
     )
     verify_budget_s: float = opt(
         0.0, "seconds of verification per round; the rest waits a round (0 = --net-timeout / 3)"

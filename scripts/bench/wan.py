@@ -8,6 +8,8 @@ model, `--num-local`/`--num-external` 2/2 by default), each behind a relay of th
 `--stall-ms` per lost chunk) and a `--bandwidth-mbit` cap; `--spread S` gives peer i a delay (1 + S i/(N-1))
 times the row's, so peers of one swarm differ. `--pipeline off` runs the nodes with `--net-pipeline off`: the
 round of earlier versions, which awaits publish, fetch and verify in line; `on` runs them behind the round.
+`--net-max-age` (comma-separated) gives the pipeline's rows their staleness bound (0, the node's default:
+each round takes its own prefetch, waiting for what the fetch takes beyond generation; more: rounds run on).
 The peers run until each has finished `--rounds` rounds (or `--timeout-s`); rounds before `--warmup` are
 left out (joining).
 
@@ -51,12 +53,13 @@ def links(args: argparse.Namespace, rtt_ms: float) -> list[Link]:
     return [link(1.0)] + [link(1.0 + args.spread * i / max(1, n - 1)) for i in range(n)]
 
 
-def run_row(rtt_ms: float, pipeline: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    swarm = f"bench-wan-{pipeline}-{rtt_ms:g}"
+def run_row(rtt_ms: float, pipeline: str, max_age: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    swarm = f"bench-wan-{pipeline}-{max_age}-{rtt_ms:g}"
     root = tmp / swarm
     root.mkdir()
     node_flags = ["--num-local", str(args.num_local), "--num-external", str(args.num_external)]
     node_flags += ["--net-pipeline", pipeline, "--net-timeout", str(args.net_timeout)]
+    node_flags += ["--net-max-age", str(max_age)]
     node_flags += ["--checkpoint-every", "1000"]
     with Wan(seed=int(rtt_ms)) as wan:
         boot_link, *peer_links = links(args, rtt_ms)
@@ -86,7 +89,8 @@ def run_row(rtt_ms: float, pipeline: str, args: argparse.Namespace, tmp: Path) -
             boot.stop()
         moved = sum(r.stats.bytes_in + r.stats.bytes_out for r in relays)
     recs = [r for d in dirs for r in live_metrics(d)[args.warmup : args.rounds]]
-    return summarize(rtt_ms, pipeline, recs, moved, codes, seconds, args, peer_links)
+    row = summarize(rtt_ms, pipeline, recs, moved, codes, seconds, args, peer_links)
+    return {**row, "net_max_age": max_age}
 
 
 def _median(xs: list[float]) -> float | None:
@@ -135,7 +139,8 @@ def row_line(row: dict[str, Any]) -> str:
         return "-" if x is None else f"{x:.{digits}f}"
 
     return (
-        f"RTT {row['rtt_ms']:>5g} ms  pipeline {row['pipeline']:>3}: {row['rounds']:>3} rounds, "
+        f"RTT {row['rtt_ms']:>5g} ms  pipeline {row['pipeline']:>3} (max age {row['net_max_age']}): "
+        f"{row['rounds']:>3} rounds, "
         f"round mean {f(row['round_s_mean'])} s median {f(row['round_s_median'])} s | waited fetch "
         f"{f(row['fetch_wait_s_median'])} s publish {f(row['publish_wait_s_median'])} s | prefetch "
         f"{f(row['prefetch_s_median'])} s | ext/round {row['external_per_round']:.2f} of J={row['j']} "
@@ -155,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-local", type=int, default=2)
     p.add_argument("--num-external", type=int, default=2)
     p.add_argument("--net-timeout", type=float, default=10.0)
+    p.add_argument("--net-max-age", default="0", help="comma-separated --net-max-age values for the pipeline's rows")
     p.add_argument("--jitter-ms", type=float, default=0.0)
     p.add_argument("--loss", type=float, default=0.0, help="share of chunks held up by a retransmission stall")
     p.add_argument("--stall-ms", type=float, default=200.0)
@@ -165,9 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-wan-") as tmp:
+        ages = [int(a) for a in args.net_max_age.split(",")]
+        settings = [(p, a) for p in args.pipeline.split(",") for a in (ages if p != "off" else [0])]
         for rtt in (float(x) for x in args.rtt_ms.split(",")):
-            for pipeline in args.pipeline.split(","):
-                row = run_row(rtt, pipeline, args, Path(tmp))
+            for pipeline, max_age in settings:
+                row = run_row(rtt, pipeline, max_age, args, Path(tmp))
                 rows.append(row)
                 print(row_line(row), flush=True)
                 if args.json:
