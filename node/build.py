@@ -23,6 +23,7 @@ from node.learn.guard import CollapseGuard, GuardConfig
 from node.learn.lora import Adapter, attach
 from node.learn.practise import practised
 from node.learn.sampling import SamplingConfig
+from node.learn.screen import ExternalScreen, ScreenConfig
 from node.learn.stop import StopRequest
 from node.learn.tasks import TaskMix, TaskSampler
 from node.learn.trainer import TrainConfig, Trainer
@@ -161,6 +162,7 @@ def build_node(
         seed=cfg.seed,
         stop=stop,
         adapter=adapter,
+        screen=ExternalScreen(ScreenConfig(cfg.external_screen)),
     )
     mode = precision.resolve(cfg.mixed_precision, device)
     if adapter is not None and mode == "bf16":

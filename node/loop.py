@@ -217,7 +217,7 @@ class SapoNode:
         self.quiet.saw(r, stats.optimizer_steps)
 
         tokens = tokens_generated(sampled)
-        self.totals.add(selection, tokens)
+        self.totals.add(selection, tokens, stats.screen)
         record = round_record(r, timer, local, external, selection, (num_local, num_external), stats, tokens)
         memory = peak_memory_mb(self.device)
         record |= round_context(arrival.counts, self.exchange.stats, memory, self.cfg, self.publisher)
@@ -231,7 +231,9 @@ class SapoNode:
 
     def train(self, groups: list[Group]) -> StepStats:
         cap = external_token_cap(self.sampling.max_new_tokens)
-        seqs = to_sequences(groups, self.tokenizer, self.prompter, self.cfg.scale_std, self.cfg.external_loss, cap)
+        seqs = to_sequences(
+            groups, self.tokenizer, self.prompter, self.cfg.scale_std, self.cfg.external_loss, cap, self.trainer.screen
+        )
         return self.trainer.step(seqs)
 
     def _keep(self, record: dict) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 from node import __version__
 from node.learn.groups import Group, Selection, collapse_metrics, mean_reward
 from node.learn.sampling import SampledGroup
+from node.learn.screen import ScreenReport
 from node.learn.trainer import StepStats
 from node.ops.config import NodeConfig
 from node.ops.live import LiveState, PhaseTimer
@@ -42,7 +43,11 @@ HISTORY_EXTRA = (
     "lr",
     "guard_restores",
     "eval_next",
+    "screened_by_reason",
+    "screened_tokens_frac",
+    "canary_share",
 )
+MAX_SCREENED_PUBLISHERS = 64  # publishers whose screened completions the totals keep (most screened first)
 
 
 @dataclass
@@ -57,9 +62,19 @@ class NodeTotals:
     groups_external: int = 0
     dropped_zero_adv: int = 0
     recent_external: list[str] = field(default_factory=list)  # group_id of the last RECENT_EXTERNAL trained on
+    screened: dict[str, int] = field(default_factory=dict)  # the external screen's drops and masks, by reason
+    screened_by_publisher: dict[str, int] = field(default_factory=dict)  # completions screened, per publisher
 
-    def add(self, selection: Selection, tokens: int) -> None:
-        """One completed round."""
+    def add(self, selection: Selection, tokens: int, screen: ScreenReport | None = None) -> None:
+        """One completed round (`screen`: what the external screen did in its update)."""
+        if screen is not None:
+            for reason, n in screen.by_reason.items():
+                self.screened[reason] = self.screened.get(reason, 0) + n
+            for pub, row in screen.by_publisher.items():
+                n = sum(v for k, v in row.items() if k != "masked_tokens")
+                self.screened_by_publisher[pub] = self.screened_by_publisher.get(pub, 0) + n
+            top = sorted(self.screened_by_publisher.items(), key=lambda kv: -kv[1])[:MAX_SCREENED_PUBLISHERS]
+            self.screened_by_publisher = dict(top)
         self.rounds += 1
         self.tokens_generated += tokens
         self.groups_local += len(selection.local)
@@ -73,7 +88,12 @@ class NodeTotals:
         return [g for g in external if group_id(g) not in seen]
 
     def state_dict(self) -> dict[str, Any]:
-        return {**vars(self), "recent_external": list(self.recent_external)}
+        return {
+            **vars(self),
+            "recent_external": list(self.recent_external),
+            "screened": dict(self.screened),
+            "screened_by_publisher": dict(self.screened_by_publisher),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         vars(self).update(NodeTotals(**state).state_dict())  # a checkpoint from before recent_external: empty
@@ -157,6 +177,8 @@ def round_record(
         "optimizer_steps": stats.optimizer_steps,
         "train_sequences": stats.sequences,  # with --external-loss positive/ftis, fewer than the groups hold
         "external_weight": stats.external_weight,  # mean min(1, pi_old/mu) of weighted external completions
+        # what the external screen dropped and masked of other peers' right answers, and why (node/learn/screen.py)
+        **(stats.screen.to_record() if stats.screen is not None else {"external_screen": "off"}),
         "tokens_generated": tokens,
         **collapse_metrics(local, external),
     }
@@ -236,6 +258,7 @@ def log_line(rec: dict[str, Any]) -> str:
         f"train {p.get('train', 0):.1f}s swarm {rec['swarm_io_s']:.2f}s"
         + _lag_text(rec)
         + (" | solo: waiting for peers" if rec.get("swarm_state") == "solo" else "")
+        + _screen_part(rec)
     )
 
 
@@ -249,6 +272,19 @@ def _lag_text(rec: dict[str, Any]) -> str:
     if rec.get("net_pipeline") and rec.get("prefetch_waited"):
         text += f" waited {rec['phase_s'].get('fetch', 0):.2f}s"
     return text
+
+
+def _screen_part(rec: dict[str, Any]) -> str:
+    """What the external screen dropped or masked this round, by reason and publisher ("" when nothing)."""
+    reasons = rec.get("screened_by_reason") or {}
+    if not reasons:
+        return ""
+    why = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))
+    who = ", ".join(
+        f"{pub[:8]} {sum(v for k, v in row.items() if k != 'masked_tokens')}"
+        for pub, row in sorted((rec.get("screened_by_publisher") or {}).items())
+    )
+    return f" | screened {why} ({rec.get('screened_tokens_frac', 0.0):.0%} of their tokens; {who})"
 
 
 def status_snapshot(
@@ -288,6 +324,13 @@ def status_snapshot(
         "eval": live.last_eval,
         "entropy": last.get("entropy_mean") if last else None,
         "signal_frac": last.get("signal_frac") if last else None,
+        "screen": {
+            "mode": cfg.external_screen,
+            "last_round": {k: last.get(k) for k in ("screened_by_reason", "screened_tokens_frac")} if last else {},
+            "totals": dict(totals.screened),
+            "by_publisher": dict(totals.screened_by_publisher),
+            "canary_share": live.last_eval.get("canary_share") if live.last_eval else None,
+        },
         "guard": {
             "lr": last.get("lr") if last else None,
             "restores": last.get("guard_restores", 0) if last else 0,

@@ -212,13 +212,20 @@ def _peer_records(run_dir: Path) -> list[list[dict]]:
 def run_engines(run_dir: Path) -> dict[str, list[str]]:
     """What a run's peers used, sorted, from their records in one pass: `evaluators` decoded their held-out
     answers, `rollout_engines` sampled their completions ("unrecorded" for records older than the key, so a run
-    resumed across it shows the stretch nobody named)."""
+    resumed across it shows the stretch nobody named), `external_screens` shaped other peers' right answers
+    (--external-screen; "unrecorded" likewise)."""
     evaluators: set[str | None] = set()
     engines: set[str] = set()
+    screens: set[str] = set()
     for recs in _peer_records(run_dir):
         evaluators.add(evaluator_of(recs))
         engines.update(e if isinstance(e := rec.get("rollout_engine"), str) else "unrecorded" for rec in recs)
-    return {"evaluators": sorted(e for e in evaluators if e), "rollout_engines": sorted(engines)}
+        screens.update(e if isinstance(e := rec.get("external_screen"), str) else "unrecorded" for rec in recs)
+    return {
+        "evaluators": sorted(e for e in evaluators if e),
+        "rollout_engines": sorted(engines),
+        "external_screens": sorted(screens),
+    }
 
 
 def _sum_sources(recs: list[dict]) -> dict[str, int]:

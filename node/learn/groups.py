@@ -10,6 +10,7 @@ import torch
 
 from node.learn.grpo import group_advantages, has_signal, keeps_external, weighs_external
 from node.learn.sampling import SampledGroup, Sequence, encode_completion, prompt_text
+from node.learn.screen import ExternalScreen
 from node.learn.tasks import Task, TaskMix, build_messages, score_responses
 
 LOCAL = "local"
@@ -124,6 +125,7 @@ def to_sequences(
     scale_std: bool,
     external_loss: str = "sapo",
     max_external_tokens: int | None = None,
+    screen: ExternalScreen | None = None,
 ) -> list[Sequence]:
     """Training sequences with group-relative advantages.
 
@@ -132,10 +134,16 @@ def to_sequences(
     that of a rollout engine's samples, is formed by the trainer with our own model. `external_loss` says
     which external completions enter the update and with what weight (node/learn/grpo.py): the advantages
     are always those of the whole group. An external completion longer than `max_external_tokens` of ours is
-    trained on its first that many (without the EOS it never reached), and the cut is logged.
+    trained on its first that many (without the EOS it never reached), and the cut is logged. `screen`
+    (--external-screen) shapes every external completion with positive advantage, the only ones whose text
+    the update would teach: tokens outside the answer span out of the loss, or the completion dropped, and
+    the rest marked for the trainer's reference screen (node/learn/screen.py).
     """
     seqs: list[Sequence] = []
     cut = 0
+    screening = screen is not None and screen.active
+    if screen is not None:
+        screen.begin()
     for g in groups:
         adv = group_advantages(torch.tensor(g.rewards, dtype=torch.float64), scale_std=scale_std).tolist()
         if g.sampled is not None:
@@ -152,10 +160,19 @@ def to_sequences(
                 continue
             body = response[len(prefix) :] if prefix and response.startswith(prefix) else response
             prompt_ids, completion_ids = encode_completion(tokenizer, prompt, body)
+            weights = None
+            if screening and a > 0:
+                assert screen is not None
+                weights = screen.shape(tokenizer, g.task, body, completion_ids, prefix, g.source[:16])
+                if weights is False:
+                    continue
             if max_external_tokens is not None and len(completion_ids) > max_external_tokens:
                 completion_ids = completion_ids[:max_external_tokens]
                 cut += 1
-            seqs.append(Sequence(prompt_ids, completion_ids, a, behaviour_mean_logp=None if mu is None else mu[i]))
+            seq = Sequence(prompt_ids, completion_ids, a, behaviour_mean_logp=None if mu is None else mu[i])
+            seq.source, seq.screened = g.source, screening and a > 0
+            seq.token_weights = weights[: len(completion_ids)] if isinstance(weights, list) else None
+            seqs.append(seq)
     if cut:
         log.warning("%d external completions cut to their first %d tokens for training", cut, max_external_tokens)
     return seqs

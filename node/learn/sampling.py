@@ -200,6 +200,11 @@ class Sequence:
     advantage: float
     old_logp: list[float] | None = None
     behaviour_mean_logp: float | None = None  # a peer's mean token log-prob (mu): weight min(1, pi_old/mu) (grpo.py)
+    # the external screen (node/learn/screen.py): per completion token, its weight in the loss (None: all 1);
+    # the publisher of another peer's completion (None: ours); whether the reference screen judges it
+    token_weights: list[float] | None = None
+    source: str | None = None
+    screened: bool = False
 
 
 def pad_batch(seqs: list[Sequence], pad_id: int, device: torch.device):

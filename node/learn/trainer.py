@@ -22,6 +22,7 @@ from node.learn.lora import Adapter
 from node.learn.precision import update_attention
 from node.learn.prefix import PREFIX_SHARING, micro_batches, supports_prefix_sharing
 from node.learn.sampling import Sequence
+from node.learn.screen import ExternalScreen, ScreenReport
 from node.learn.stop import RoundAbandoned, StopRequest
 
 
@@ -59,6 +60,7 @@ class StepStats:
     sequences: int = 0
     tokens: int = 0
     external_weight: float | None = None  # mean importance weight of the weighted external completions, if any
+    screen: ScreenReport | None = None  # what the external screen dropped and masked (None: no screen)
 
 
 class Trainer:
@@ -74,8 +76,10 @@ class Trainer:
         seed: int = 0,
         stop: StopRequest | None = None,
         adapter: Adapter | None = None,
+        screen: ExternalScreen | None = None,
     ):
         cfg.validate()
+        self.screen = screen  # --external-screen: shapes other peers' right answers (node/learn/screen.py)
         self.stop = stop
         self.steps_taken = 0  # optimizer steps since this trainer was made (counted as each one starts)
         self._update_began_at = 0  # steps_taken when the current update began
@@ -144,6 +148,7 @@ class Trainer:
         """epochs x minibatches optimizer steps; pi_old stays the one recorded before the first step."""
         stats = StepStats(sequences=len(seqs))
         if not seqs:
+            stats.screen = self.screen.take() if self.screen is not None else None
             return stats
         self._update_began_at = self.steps_taken
         watch = self.stop.watch(self.model, lambda: not self._stepped) if self.stop else contextlib.nullcontext()
@@ -153,12 +158,18 @@ class Trainer:
         except RoundAbandoned:
             self.optimizer.zero_grad(set_to_none=True)  # drop half-accumulated gradients
             raise
+        finally:
+            stats.screen = self.screen.take() if self.screen is not None else None
 
     def _update(self, seqs: list[Sequence], stats: StepStats) -> StepStats:
         self._weights_seen = []
         if not self.single_step:
             self.fill_old_logp(seqs)
         refs = self._ref_logprobs(seqs)  # once per update: the reference model never changes
+        seqs = self._screened(seqs, refs)
+        stats.sequences = len(seqs)
+        if not seqs:
+            return stats
         order = list(range(len(seqs)))
         totals = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0, "grad_norm": 0.0}
         for _ in range(self.cfg.epochs):
@@ -182,7 +193,7 @@ class Trainer:
     def _optimizer_step(self, minibatch: list[Sequence], refs: dict[int, list[float]] | None) -> dict[str, float]:
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
-        total_tokens = sum(len(s.completion_ids) for s in minibatch)
+        total_tokens = round(sum(_kept_tokens(s) for s in minibatch))
         acc = {"loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0, "tokens": 0.0}
         with sparse_embedding_grads(self.model):
             acc = self._accumulate(minibatch, refs, acc, total_tokens)
@@ -199,6 +210,7 @@ class Trainer:
         """Forward and backward of every micro-batch; gradients add up in the parameters."""
         cfg = self.cfg
         for chunk, logp, mask in self._micro_batches(self.model, minibatch):
+            mask = _weighted_mask(chunk, mask)
             old = _old_logp(chunk, logp)
             ref = None if refs is None else _padded([refs[id(s)] for s in chunk], logp)
             adv = torch.tensor([s.advantage for s in chunk], dtype=logp.dtype, device=logp.device)
@@ -248,11 +260,43 @@ class Trainer:
         if self.stop is not None and not self._stepped:
             self.stop.check()
 
+    @property
+    def reference(self) -> str:
+        """What the reference is: the base with the adapter off, a frozen copy (full fine-tuning, beta > 0), none."""
+        return "base" if self.adapter is not None else "copy" if self.ref_model is not None else "none"
+
+    def _screened(self, seqs: list[Sequence], refs: dict[int, list[float]] | None) -> list[Sequence]:
+        """The external screen's reference part: other peers' right answers whose kept text the reference finds
+        far less likely than our own completions are masked or dropped (node/learn/screen.py). Its log-probs
+        are the KL term's where that runs, else one no-grad pass over our and the screened sequences."""
+        screen = self.screen
+        judged = [s for s in seqs if s.screened]
+        if screen is None or not screen.cfg.reference or not judged or self.reference == "none":
+            return seqs
+        own = [s for s in seqs if s.source is None]
+        refs = refs if refs is not None else self._reference_pass(own + judged)
+        verdicts = screen.judge_reference(
+            [refs[id(s)] for s in own],
+            [(str(s.source)[:16], refs[id(s)], s.token_weights or [1.0] * len(s.completion_ids)) for s in judged],
+            self.reference,
+        )
+        dropped = set()
+        for s, weights in zip(judged, verdicts):
+            if weights is None:
+                dropped.add(id(s))
+            elif 0.0 in weights:
+                s.token_weights = weights
+        return [s for s in seqs if id(s) not in dropped]
+
     @torch.no_grad()
     def _ref_logprobs(self, seqs: list[Sequence]) -> dict[int, list[float]] | None:
         """The reference model's log-probs per sequence (keyed by id), when the KL term is on."""
         if self.cfg.beta <= 0:
             return None
+        return self._reference_pass(seqs)
+
+    @torch.no_grad()
+    def _reference_pass(self, seqs: list[Sequence]) -> dict[int, list[float]]:
         out = {}
         reference = self.adapter.disabled() if self.adapter is not None else contextlib.nullcontext()
         with reference:
@@ -293,6 +337,23 @@ def release_freed_memory() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except OSError:
             pass
+
+
+def _kept_tokens(s: Sequence) -> float:
+    """The completion tokens that count in the loss: all, or those the external screen left a weight."""
+    return len(s.completion_ids) if s.token_weights is None else sum(s.token_weights)
+
+
+def _weighted_mask(chunk: list[Sequence], mask: torch.Tensor) -> torch.Tensor:
+    """The completion mask times each token's screen weight; the mask itself where no sequence has weights."""
+    if all(s.token_weights is None for s in chunk):
+        return mask
+    weights = torch.ones_like(mask)
+    for i, s in enumerate(chunk):
+        if s.token_weights is not None:
+            row = s.token_weights[: mask.shape[1]]
+            weights[i, : len(row)] = torch.tensor(row, dtype=mask.dtype)
+    return mask * weights
 
 
 def _old_logp(chunk: list[Sequence], logp: torch.Tensor) -> torch.Tensor:

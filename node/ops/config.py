@@ -19,6 +19,7 @@ from node.learn.choices import (
     ENGINES,
     EVAL_ENGINES,
     EXTERNAL_LOSSES,
+    EXTERNAL_SCREENS,
     IJ_POLICIES,
     LOSS_TYPES,
     MIXED_PRECISION,
@@ -120,6 +121,13 @@ class NodeConfig:
         "rule), positive (only those with positive advantage), is (weighted by "
         "min(1, pi_old/mu), mu the publisher's log-probs), ftis (both); "
         "docs/experiments/off-policy-sharing.md",
+    )
+    external_screen: str = opt(
+        "on",
+        "what of another peer's right answer is learned: on (span and reference), span (short-answer "
+        "mixes: only the answer the reward reads, a completion with more text outside it dropped), "
+        "reference (windows the frozen reference finds far less likely than our own text masked), off "
+        "(all of it, the paper's rule); docs/ALGORITHM.md",
     )
     epochs: int = opt(1, "passes over the round's sequences")
     minibatches: int = opt(1, "optimizer steps per epoch")
@@ -316,6 +324,7 @@ SMALL_MODELS = (*PACKAGED, "tiny-random", "tiny-random-smol")  # models `auto` g
 CHOICES = {
     "loss_type": LOSS_TYPES,
     "external_loss": EXTERNAL_LOSSES,
+    "external_screen": EXTERNAL_SCREENS,
     "ij_policy": IJ_POLICIES,
     "log_level": LOG_LEVELS,
     "prefix_sharing": PREFIX_SHARING,

@@ -477,7 +477,11 @@ def test_the_report_and_run_json_name_the_evaluator(tmp_path, capsys):
     wheel = "llama: ik-llama-cpp-python 0.1.5 (wheel)"
     path.write_text("".join(json.dumps({**r, "rollout_engine": wheel} if r["round"] > 3 else r) + "\n" for r in recs))
     assert run_engines(exp / "2-2" / "seed1")["rollout_engines"] == [wheel, "unrecorded"]
-    assert run_engines(exp / "4-0" / "seed1") == {"evaluators": ["torch"], "rollout_engines": ["unrecorded"]}
+    assert run_engines(exp / "4-0" / "seed1") == {
+        "evaluators": ["torch"],
+        "rollout_engines": ["unrecorded"],
+        "external_screens": ["unrecorded"],
+    }
     summary = summarize(load_runs([exp]))
     assert summary["evaluators"] == ["llama", "torch"]
     assert summary["per_config"]["2/2"]["evaluators"] == ["llama"]
