@@ -91,6 +91,7 @@ def swarm_settings(cfg: NodeConfig) -> SwarmSettings:
         pow_difficulty=cfg.pow_difficulty,
         identity_tier=cfg.identity_tier,
         ban_s=cfg.ban_s,
+        external_screen=cfg.external_screen,
     )
 
 

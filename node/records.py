@@ -197,6 +197,8 @@ def round_context(
         "verified_batches": counts.verified,
         "verify_bytes": counts.verify_bytes,
         "verify_s": round(counts.verify_s, 4),
+        # groups whose right answers carry their publisher's recurring text (node/swarm/screening.py)
+        "foreign_text_by_publisher": dict(counts.foreign),
         "swarm_state": exchange.round_swarm_state,  # joined, solo (waiting for peers: nothing shared) or silo
         **({"solo_since": exchange.round_solo_since} if exchange.round_solo_since is not None else {}),
         "publisher": publisher[:SOURCE_PREFIX] or None,  # this peer as the others' external_sources name it

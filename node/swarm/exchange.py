@@ -28,6 +28,7 @@ class RoundCounts:
     verified: int = 0  # batches judged
     verify_bytes: int = 0
     verify_s: float = 0.0
+    foreign: dict[str, int] = field(default_factory=dict)  # publisher -> groups judged foreign_text
 
 
 @dataclass
@@ -49,6 +50,8 @@ class ExchangeStats:
     round_verify_s: float = 0.0
     round_swarm_state: str = "joined"  # what the last round ran as: joined, solo (shared nothing: p2p.membership)
     round_solo_since: float | None = None  # or silo; when solo, since when (Unix time)
+    foreign: Counter = field(default_factory=Counter)  # peer -> groups judged foreign_text (node/swarm/screening.py)
+    round_foreign: Counter = field(default_factory=Counter)  # the same, last round
 
     def row(self, peer: str) -> str:
         """The row that counts this peer: its own, or OTHERS once MAX_PEERS rows are taken."""
@@ -68,6 +71,11 @@ class ExchangeStats:
         self.accepted[self.row(peer)] += n
         self.round_accepted += n
 
+    def foreign_text(self, peer: str) -> None:
+        """A group accepted whose right answers carry the publisher's recurring text (not a rejection)."""
+        self.foreign[self.row(peer)] += 1
+        self.round_foreign[peer[:16]] += 1
+
     def saw(self, peer: str, info: dict) -> None:
         """Last round and time seen of a peer whose batch was taken (bounded like the counters)."""
         if self.row(peer) == peer:
@@ -76,6 +84,7 @@ class ExchangeStats:
     def new_round(self) -> None:
         self.round_accepted = 0
         self.round_rejected = Counter()
+        self.round_foreign = Counter()
         self.round_verified = self.round_verify_bytes = 0
         self.round_verify_s = 0.0
 
@@ -87,12 +96,14 @@ class ExchangeStats:
             self.round_verified,
             self.round_verify_bytes,
             self.round_verify_s,
+            dict(self.round_foreign),
         )
 
     def to_dict(self) -> dict:
         return {
             "accepted": dict(self.accepted),
             "rejected": {peer: dict(reasons) for peer, reasons in self.rejected.items()},
+            "foreign_text": dict(self.foreign),
         }
 
 

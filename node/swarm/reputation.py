@@ -22,6 +22,9 @@ Scoring rule and why:
   the zero-advantage filter anyway), a task outside our mix, or content we already had (`duplicate`
   from another key: a copy; `repeated` from the same key). A flood of useless batches gets banned;
   an honest peer with a weak model only needs one group in six with signal to stay above water.
+* Foreign text (-0.1, and no credit): a group whose right answers carry text outside the answer that
+  recurs across the publisher's groups (node/swarm/screening.py): a rule-following poisoner earns no
+  trust and is banned after about a hundred such groups.
 * Credit (+0.1 per group with learning signal), capped at +5 so that a long good history buys room for
   at most two severe offences, never immunity.
 
@@ -71,6 +74,7 @@ PENALTIES: dict[str, float] = {
     "duplicate": MILD,
     "repeated": MILD,
     "task_not_allowed": MILD,
+    "foreign_text": 5 * MILD,  # with no credit: -0.1 a group (node/swarm/screening.py)
 }
 
 

@@ -58,3 +58,4 @@ class SwarmSettings:
     pow_difficulty: int = DEFAULT_POW_DIFFICULTY  # swarm-wide proof-of-work bits
     identity_tier: int = 1  # our own key's work tier above the swarm's minimum (p2p.pow)
     ban_s: float = 3600.0  # a misbehaving publisher's first ban; each repeat doubles it
+    external_screen: str = "on"  # --external-screen: its span mode also takes per-publisher evidence

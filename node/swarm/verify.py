@@ -11,6 +11,10 @@ are skipped before any check, counted as `banned`. Each round's verification has
 records past it wait for the next round (counted `over_budget`), and the order is fair: trusted publishers
 first, then unknown ones, then those in the red, each tier shuffled with the node's seeded rng, so a flood
 of new identities cannot crowd out peers that have already been useful.
+
+Why this module is long: it is the one place where received bytes become trusted groups, and every check
+of docs/PROTOCOL.md section 8 (with the evidence each gives the reputation, the bandit and the
+foreign-text count of node/swarm/screening.py) reads best in order, in one file.
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from node.learn.groups import Group, has_signal
+from node.learn.screen import ScreenConfig
 from node.learn.tasks import TaskError, TaskMix, TaskSpec, regenerate
 from node.swarm.bandit import PublisherBandit
 from node.swarm.clock import ClockCheck
 from node.swarm.exchange import ExchangeStats, Received
 from node.swarm.reputation import PENALTIES, Reputation, ReputationConfig
 from node.swarm.sandbox import GROUP_TIME_S, SANDBOX, group_time_limit
+from node.swarm.screening import ForeignText
 from node.swarm.settings import SwarmSettings
 from p2p.identity import Identity, peer_name_of
 from p2p.wire import (
@@ -70,6 +76,7 @@ class VerifyConfig:
     caps: WireCaps = WireCaps()
     budget_s: float = 3.0  # verification time per round; the rest waits for the next round
     budget_bytes: int = 32 * 1024 * 1024  # bytes verified per round
+    external_screen: str = "on"  # --external-screen: span modes count foreign_text (node/swarm/screening.py)
     score_time_s: float = GROUP_TIME_S  # a group's scoring time limit, plus PER_COMPLETION_S a completion
     seed: int = 0  # the verification order's shuffle
     pow_difficulty: int = 0  # proof-of-work bits a publisher key must carry (the swarm's setting)
@@ -86,6 +93,7 @@ class VerifyConfig:
             budget_bytes=int(s.verify_budget_mb * 1024 * 1024),
             pow_difficulty=s.pow_difficulty,
             reputation=ReputationConfig(ban_s=s.ban_s),
+            external_screen=s.external_screen,
         )
         return cls(**{**values, **overrides})
 
@@ -121,6 +129,7 @@ class Verifier:
         self.time_limit_at = math.inf
         self.sandbox = SANDBOX  # where other peers' completions are scored (a child process: node/swarm/sandbox.py)
         self.clock_check = ClockCheck(cfg.max_clock_skew_s)  # whose clock a batch from the future blames
+        self.foreign = ForeignText(mix.answer_prefix, ScreenConfig(cfg.external_screen))  # text around right answers
 
     def verify(self, data: bytes, now: float | None = None, hint: bytes | None = None) -> list[Group]:
         """Groups from one batch that passed every check (possibly none). Never raises on bad input.
@@ -221,8 +230,9 @@ class Verifier:
             self.taken.popitem(last=False)
         self.stats.saw(peer, {"name": peer_name_of(batch.publisher), "last_round": newest, "last_seen": now})
         self._original_useful = False  # set by _group: a useful group of ours that a copier showed us first
+        self.foreign.new_batch()
         groups = [g for g in (self._group(batch.publisher, wg, batch.created_at) for wg in batch.groups) if g]
-        self.bandit.observe(batch.publisher, useful=self._original_useful or any(g.signal() for g in groups))
+        self.bandit.observe(batch.publisher, useful=self._original_useful or self.foreign.useful(groups))
         return groups
 
     def _first_sight(self, publisher: bytes, wg: WireGroup) -> bool | None:
@@ -302,7 +312,10 @@ class Verifier:
             behaviour_mean_logp=wg.logp_mean,
             created_at=created_at,
         )
-        if group.signal():
+        if self.foreign.judge(publisher, group):  # its recurring text around right answers: no credit
+            self.stats.foreign_text(peer)
+            self.reputation.penalize(publisher, "foreign_text")
+        elif group.signal():
             self.reputation.credit(publisher)
         else:
             self.reputation.penalize(publisher, "useless")
