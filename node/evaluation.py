@@ -19,14 +19,17 @@ from typing import Any
 
 from node.learn.evaluate import EvalResult, HeldOutEval
 from node.learn.guard import START_ROUND, CollapseGuard, EvalSummary, round_name, weights_name
+from node.learn.screen import Canary
 from node.learn.stop import RoundAbandoned
 from node.learn.trainer import Trainer
 from node.ops.checkpoint import CheckpointError
 from node.ops.live import LiveState, PhaseTimer
-from node.ops.metrics import MetricsWriter
+from node.ops.metrics import MetricsWriter, read_records
 from node.persistence import Persistence
 
 log = logging.getLogger("sapo.node")
+
+CANARY_EVERY = 20  # rounds between two canary warnings
 
 
 @dataclass(eq=False, repr=False)
@@ -48,6 +51,8 @@ class NodeEvaluation:
         self.start_eval: dict = {}  # the starting weights' evaluation (start_* keys), for round 0's record
         self.loads = 0  # restore points the guard has tried to load: each may have changed the weights
         self._last: tuple[tuple[int, int], int, bool, EvalResult] | None = None  # weights, round, unseen, result
+        self.canary = Canary()  # our held-out answers against the starting weights' (node/learn/screen.py)
+        self._canary_warned: int | None = None  # the round of its last warning (one line per CANARY_EVERY rounds)
 
     def weights(self) -> tuple[int, int]:
         """What names the weights as they are: the optimizer steps taken and the restores tried (the loop
@@ -84,6 +89,7 @@ class NodeEvaluation:
             log.info("held-out evaluation of the starting weights skipped: stop requested")
             return False
         log.info("%s", result.log_line(None, self.held_out.practised))
+        self.canary.start(result.outside)
         self.start_eval = result.to_record("start", self.held_out.practised)
         return await self.judge(START_ROUND, result.to_record())  # the guard reads the eval_ keys
 
@@ -111,7 +117,7 @@ class NodeEvaluation:
             log.info("held-out evaluation of round %d skipped: stop requested", r)
             return
         fields = result.to_record(practised=self.held_out.practised)
-        fields |= {} if repeats is None else {"eval_repeats": repeats}
+        fields |= ({} if repeats is None else {"eval_repeats": repeats}) | self._canary(r, result)
         self.live.last_eval = {
             "round": r,
             **{k: v for k, v in fields.items() if not isinstance(v, list)},
@@ -127,6 +133,37 @@ class NodeEvaluation:
                 result.log_line(r, self.held_out.practised),
                 round_name(repeats),
             )
+
+    def _canary(self, r: int, result: EvalResult) -> dict:
+        """The canary's reading of round r's held-out answers, and its warning (rate-limited). Its baseline is
+        the starting weights' answers: this run's, or on resume round 0's record (start_outside); without
+        either (the guard off, or a record from before the key), this evaluation's, said once."""
+        if self.canary.baseline is None:
+            start = next((rec.get("start_outside") for rec in self._records() if rec.get("round") == 0), None)
+            if start is None:
+                log.info(
+                    "canary: no evaluation of the starting weights to compare with; round %d's answers are "
+                    "the baseline",
+                    r,
+                )
+            self.canary.start(start if start is not None else result.outside)
+        reading = self.canary.read(result.outside)
+        if reading.alarm and (self._canary_warned is None or r - self._canary_warned >= CANARY_EVERY):
+            self._canary_warned = r
+            log.warning(
+                "canary: %.0f%% of held-out answers after round %d carry text the starting weights never wrote "
+                "(%s): another peer's text may be being learned (--external-screen; docs/PROTOCOL.md)",
+                100 * reading.share,
+                r,
+                "; ".join(repr(p) for p in reading.phrases),
+            )
+        return {"canary_share": reading.share, "canary_phrases": reading.phrases}
+
+    def _records(self) -> list[dict]:
+        try:
+            return read_records(self.metrics.path, partial_ok=True)
+        except (OSError, ValueError):
+            return []
 
     async def skipped_round(self, next_round: int) -> bool:
         """A stop after a round's update keeps the round but skips its due evaluation. The checkpoint holds

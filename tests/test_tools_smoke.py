@@ -500,6 +500,22 @@ def test_wan_benchmark(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_poison_benchmark(tmp_path, monkeypatch):
+    """Three rounds of one attack with the screen on, on the tiny model: the poisoner's right answers reach the
+    node and the screen drops them (its text is more than the bound outside the answer)."""
+    from scripts.bench import poison
+
+    monkeypatch.setenv("SAPO_POW_DIFFICULTY", "8")
+    rows = tmp_path / "rows.json"
+    argv = ["--model", "tiny-random", "--tasks", "smoke", "--rounds", "3", "--eval-every", "1", "--eval-size", "4"]
+    assert poison.main([*argv, "--period", "1", "--screen", "on", "--attack", "after", "--json", str(rows)]) == 0
+    (row,) = json.loads(rows.read_text())
+    assert row["attack"] == "after" and row["screen"] == "on" and row["rounds"] == 3
+    assert row["exit_codes"] == [0, 0] and row["by_round"] and row["payload_share"] == 0.0
+    assert row["screened_by_reason"].get("outside_answer", 0) >= 1, row
+
+
+@pytest.mark.slow
 def test_sybil_benchmark(tmp_path, monkeypatch):
     """In this process, so that its nodes start from the preloaded interpreter (scripts/bench/procs.py)."""
     from scripts.bench import sybil

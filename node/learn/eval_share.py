@@ -157,6 +157,7 @@ _CHECKS: dict[str, Callable[[object], bool]] = {
     "scores": lambda v: isinstance(v, list) and all(_number(x) for x in v),
     "answers": lambda v: isinstance(v, list) and all(x is None or isinstance(x, str) for x in v),
     "datasets": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "outside": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "distinct_gold": lambda v: v is None or _number(v),
     "baseline_by_dataset": _numbers_by_name,
     "unseen": lambda v: v is None or isinstance(v, dict),  # checked in full by its own _result

@@ -25,6 +25,7 @@ import torch
 from node.learn.formats import stop_token_ids
 from node.learn.groups import Prompter, score_responses
 from node.learn.kvcache import CommonPrefix, cache_arg, generate_positions, left_padded, returned_cache
+from node.learn.screen import answer_span
 from node.learn.stop import StopRequest
 from node.learn.tasks import Task, TaskMix, eval_tasks, extract_answer, score
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_ANSWER_CHARS = 40  # answers kept per task in metrics.jsonl (enough to tell a collapse)
+MAX_OUTSIDE_CHARS = 120  # text outside each answer kept per task (enough to tell whose words they are)
 EVAL_BATCH = 64  # prompts per decoding batch; 128 outgrows the memory allowance
 # (docs/benchmarks/prefix-sharing-and-evaluation.md)
 
@@ -47,6 +49,9 @@ class EvalResult:
     baseline: float | None = None  # what the best constant answer per dataset scores on this set
     scores: list[float] = field(default_factory=list)  # per task, in the set's fixed order
     answers: list[str | None] = field(default_factory=list)  # the extracted greedy answer per task
+    # per task, the greedy completion's text outside the answer the reward reads (node/learn/screen.py): what
+    # the canary compares with the starting weights' (another peer's text in our answers shows up here)
+    outside: list[str] = field(default_factory=list)
     datasets: list[str] = field(default_factory=list)  # per task
     distinct_gold: float | None = None  # distinct_answers of the gold answers themselves
     baseline_by_dataset: dict[str, float] = field(default_factory=dict)
@@ -98,6 +103,8 @@ class EvalResult:
             out[f"{prefix}_scores"] = [round(x, 4) for x in self.scores]
             out[f"{prefix}_answers"] = [None if a is None else a[:MAX_ANSWER_CHARS] for a in self.answers]
             out[f"{prefix}_datasets"] = list(self.datasets)
+        if self.outside:
+            out[f"{prefix}_outside"] = [t[:MAX_OUTSIDE_CHARS] for t in self.outside]
         return out
 
     def log_line(self, r: int | None, practised: frozenset[str] = frozenset()) -> str:
@@ -327,6 +334,9 @@ def scored(tasks: list[Task], texts: list[str], prompter: Prompter) -> EvalResul
         size=len(flat),
         scores=flat,
         answers=[extract_answer(prompter.answer_prefix + text) for text in texts],
+        outside=[
+            answer_span(prompter.answer_prefix + x, t, prompter.answer_prefix).outside for t, x in zip(tasks, texts)
+        ],
         datasets=[t.spec.dataset for t in tasks],
     )
 
