@@ -502,7 +502,7 @@ def test_wan_benchmark(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_poison_benchmark(tmp_path, monkeypatch):
     """Three rounds of one attack with the screen on, on the tiny model: the poisoner's right answers reach the
-    node and the screen drops them (its text is more than the bound outside the answer)."""
+    node and the screen masks the text out of the loss."""
     from scripts.bench import poison
 
     monkeypatch.setenv("SAPO_POW_DIFFICULTY", "8")
@@ -512,7 +512,7 @@ def test_poison_benchmark(tmp_path, monkeypatch):
     (row,) = json.loads(rows.read_text())
     assert row["attack"] == "after" and row["screen"] == "on" and row["rounds"] == 3
     assert row["exit_codes"] == [0, 0] and row["by_round"] and row["payload_share"] == 0.0
-    assert row["screened_by_reason"].get("outside_answer", 0) >= 1, row
+    assert row["screened_by_reason"].get("masked_outside", 0) >= 1, row
 
 
 @pytest.mark.slow

@@ -17,5 +17,6 @@ NET_PIPELINE = ("auto", "on", "off")  # swarm/pipeline: the network behind the r
 # grpo: how another peer's completions are trained on (sapo: as our own; the others treat them as another
 # policy's samples: docs/experiments/off-policy-sharing.md)
 EXTERNAL_LOSSES = ("sapo", "positive", "is", "ftis")
-# screen: what of another peer's right answer is learned (on: span + reference; off: all of it, the paper's rule)
-EXTERNAL_SCREENS = ("on", "span", "reference", "off")
+# screen: what of another peer's right answer is learned (on: span + reference; strict: on, and a completion with
+# much text outside its answer dropped; off: all of it, the paper's rule)
+EXTERNAL_SCREENS = ("on", "strict", "span", "reference", "off")

@@ -8,9 +8,12 @@ text (a negative advantage pushes away from it), so only those are screened, and
 * span (short-answer mixes, those with a forced answer prefix such as cpu-learn): what is learned of a
   right answer is what the reward reads, the answer inside the last answer tags (the text after the last
   "=" under the `result` rule; the gold answer's own occurrence where a partial-credit scorer paid for it)
-  with its tags and the end of the turn. Every other token leaves the loss (weight 0, still context); a
-  completion with more than `max_outside_chars` characters of text outside that span (spaces not counted)
-  is dropped (`outside_answer`), else its outside tokens are masked (`masked_outside`).
+  with its tags and the end of the turn. Every other token leaves the loss (weight 0, still context:
+  `masked_outside`). Masked, not dropped: the answer is still learned (an honest model's right answer often
+  rambles on after it early in training: 6 of 16 honest right answers in a measured default-model swarm's
+  first rounds), and a masked payload is never taught. `strict` also drops a completion with more than
+  `max_outside_chars` characters outside that span, spaces not counted (`outside_answer`); that bound is
+  also what node/swarm/screening.py counts as a publisher's text.
 * reference (any mix, where a frozen reference exists: the base with the LoRA adapter off, or the KL copy):
   windows of `window` kept tokens whose mean log-likelihood under the reference lies far below what it gives
   our own completions (a low quantile of this and recent rounds' windows, minus `margin`, clamped to
@@ -39,7 +42,7 @@ WORD = re.compile(r"[^\W\d_]{2,}")  # words of two letters or more: numbers and 
 @dataclass(frozen=True)
 class ScreenConfig:
     mode: str = "off"  # one of EXTERNAL_SCREENS
-    max_outside_chars: int = 12  # non-space characters outside the answer span before a completion is dropped
+    max_outside_chars: int = 12  # non-space characters outside the answer span: dropped (strict), evidence
     window: int = 4  # tokens per reference window
     quantile: float = 0.05  # of our own completions' window means
     margin: float = 2.0  # nats per token below that quantile
@@ -55,11 +58,15 @@ class ScreenConfig:
 
     @property
     def spans(self) -> bool:
-        return self.mode in ("on", "span")
+        return self.mode in ("on", "strict", "span")
 
     @property
     def reference(self) -> bool:
-        return self.mode in ("on", "reference")
+        return self.mode in ("on", "strict", "reference")
+
+    @property
+    def drops_outside(self) -> bool:
+        return self.mode == "strict"
 
 
 # --- the answer span: which characters of a response the reward reads -----------------------------------
@@ -303,7 +310,7 @@ class ExternalScreen:
         if not (self.cfg.spans and prefix):
             return None
         span = answer_span(prefix + body, task, prefix)
-        if span.outside_chars > self.cfg.max_outside_chars:
+        if self.cfg.drops_outside and span.outside_chars > self.cfg.max_outside_chars:
             self.report.count(source, "outside_answer", len(completion_ids))
             self.report.masked_tokens += len(completion_ids)
             return False

@@ -1,8 +1,9 @@
 """Over a real DHT, with a real node: a publisher that follows every rule (a valid key, fresh tasks of the node's
-mix, rewards exactly right) but puts its own text after every right answer has those answers dropped by the
-node's external screen, counted per publisher, and loses reputation; an honest publisher beside it (plain right
-answers) is trained on untouched. The publishers are one DHT client signing with the project's wire code
-(scripts/bench/poison.py), the node the real CLI on the tiny random model (--external-screen on by default).
+mix, rewards exactly right) but puts its own text after every right answer has that text masked out of the loss
+by the node's external screen (its answers still teach), counted per publisher, and loses reputation; an honest
+publisher beside it (plain right answers) is trained on untouched. The publishers are one DHT client signing
+with the project's wire code (scripts/bench/poison.py), the node the real CLI on the tiny random model
+(--external-screen on by default).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def test_rule_following_poisoner_is_screened_and_an_honest_publisher_is_not(tmp_
     def done() -> bool:
         recs = rounds(node_dir)
         return (
-            screened(recs, poisoner, "outside_answer") >= 4
+            screened(recs, poisoner, "masked_outside") >= 4
             and sum((r.get("foreign_text_by_publisher") or {}).get(poisoner, 0) for r in recs) >= 1
             and trained(recs, honest) >= 2
         )
@@ -65,7 +66,7 @@ def test_rule_following_poisoner_is_screened_and_an_honest_publisher_is_not(tmp_
         assert trained(recs, poisoner) >= 1, "its groups pass verification: every rule is followed"
         assert screened(recs, honest, "outside_answer") == screened(recs, honest, "masked_outside") == 0
         assert all(r["external_screen"] == "on" for r in recs)
-        assert "screened outside_answer" in (node_dir / "node.log").read_text()
+        assert "screened masked_outside" in (node_dir / "node.log").read_text()
     finally:
         loop.close()
         pubs.shutdown()

@@ -149,7 +149,7 @@ def test_to_sequences_masks_or_drops_positive_external_text_and_keeps_the_rest(t
     group = received(
         task,
         [
-            f"<answer>{g}</answer> {PAYLOAD}",  # right, a payload after it: dropped
+            f"<answer>{g}</answer> {PAYLOAD}",  # right, a payload after it: masked (strict: dropped)
             f"<answer>Go = {g}</answer>",  # right, a short phrase inside the tags: masked
             f"<answer>{g}</answer>",  # right, nothing else: whole
             f"<answer>{wrong}</answer> {PAYLOAD}",  # wrong: pushed away from, whole
@@ -158,15 +158,20 @@ def test_to_sequences_masks_or_drops_positive_external_text_and_keeps_the_rest(t
     assert group.rewards == [1.0, 1.0, 1.0, 0.0]
     screen = ExternalScreen(ScreenConfig("on"))
     seqs = to_sequences([group], tok, prompter, scale_std=True, screen=screen)
-    assert len(seqs) == 3 and [s.advantage > 0 for s in seqs] == [True, True, False]
-    masked, whole, negative = seqs
+    assert len(seqs) == 4 and [s.advantage > 0 for s in seqs] == [True, True, True, False]
+    after, inside, whole, negative = seqs
+    body = f"{g}</answer> {PAYLOAD}"
+    assert after.token_weights == [1.0] * len(f"{g}</answer>") + [0.0] * len(f" {PAYLOAD}") + [1.0]  # EOS kept
     body = f"Go = {g}</answer>"
-    assert masked.token_weights == [0.0] * body.index(g) + [1.0] * (len(body) - body.index(g)) + [1.0]
+    assert inside.token_weights == [0.0] * body.index(g) + [1.0] * (len(body) - body.index(g)) + [1.0]
     assert whole.token_weights is None and negative.token_weights is None
-    assert masked.screened and whole.screened and not negative.screened
+    assert after.screened and whole.screened and not negative.screened
     report = screen.take()
-    assert dict(report.by_reason) == {"outside_answer": 1, "masked_outside": 1}
-    assert report.screened == 3 and report.by_publisher["ab" * 8]["outside_answer"] == 1
+    assert dict(report.by_reason) == {"masked_outside": 2}
+    assert report.screened == 3 and report.by_publisher["ab" * 8]["masked_tokens"] == len(f" {PAYLOAD}") + 5
+    strict = ExternalScreen(ScreenConfig("strict"))
+    assert len(to_sequences([group], tok, prompter, scale_std=True, screen=strict)) == 3
+    assert dict(strict.take().by_reason) == {"outside_answer": 1, "masked_outside": 1}
     off = to_sequences([group], tok, prompter, scale_std=True, screen=ExternalScreen(ScreenConfig("off")))
     assert len(off) == 4 and all(s.token_weights is None for s in off)
 
