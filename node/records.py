@@ -88,15 +88,18 @@ class NodeTotals:
         return [g for g in external if group_id(g) not in seen]
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            **vars(self),
-            "recent_external": list(self.recent_external),
-            "screened": dict(self.screened),
-            "screened_by_publisher": dict(self.screened_by_publisher),
-        }
+        """The counters as a checkpoint keeps them; the screen's only once it screened something, so that a
+        run without external groups keeps exactly the state it had before the screen existed."""
+        state = {**vars(self), "recent_external": list(self.recent_external)}
+        for key in ("screened", "screened_by_publisher"):
+            state.pop(key)
+            if getattr(self, key):
+                state[key] = dict(getattr(self, key))
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        vars(self).update(NodeTotals(**state).state_dict())  # a checkpoint from before recent_external: empty
+        fresh = NodeTotals(**state)  # a checkpoint from before recent_external or the screen: those empty
+        vars(self).update({**vars(fresh), "recent_external": list(fresh.recent_external)})
 
 
 RECENT_EXTERNAL = 1024  # a batch lives 10 minutes in the fetch window: far fewer groups than this at any J
