@@ -3,13 +3,15 @@
     nice -n 10 python -m scripts.bench.wan --rtt-ms 0,10,50,150 --pipeline off,on --peers 3 --rounds 25 --json OUT
 
 Each row is a fresh swarm on 127.0.0.1: a bootstrap peer and `--peers` real `sapo-node` peers (the tiny random
-model, `--num-local`/`--num-external` 2/2 by default), each behind a relay of the loopback WAN
-(scripts/bench/relay.py) that adds the row's round trip (half each way), `--jitter-ms`, `--loss` (a stall of
-`--stall-ms` per lost chunk) and a `--bandwidth-mbit` cap; `--spread S` gives peer i a delay (1 + S i/(N-1))
-times the row's, so peers of one swarm differ. `--pipeline off` runs the nodes with `--net-pipeline off`: the
-round of earlier versions, which awaits publish, fetch and verify in line; `on` runs them behind the round.
-`--net-max-age` (comma-separated) gives the pipeline's rows their staleness bound (0, the node's default:
-each round takes its own prefetch, waiting for what the fetch takes beyond generation; more: rounds run on).
+model, or `--model`'s on the cpu-learn mix; `--num-local`/`--num-external` 2/2 by default), each behind a relay
+of the loopback WAN (scripts/bench/relay.py) that adds the row's round trip (half each way), `--jitter-ms`,
+`--loss` (a stall of `--stall-ms` per lost chunk) and a `--bandwidth-mbit` cap; `--spread S` gives peer i a
+delay (1 + S i/(N-1)) times the row's, so peers of one swarm differ. `--pipeline off` runs the nodes with
+`--net-pipeline off`: the round of earlier versions, which awaits publish, fetch and verify in line; `on` runs
+them behind the round. `--net-max-age` (comma-separated) gives the pipeline's rows their staleness bound (0, the
+node's default: each round takes its own prefetch, waiting for what the fetch takes beyond generation; more:
+rounds run on).
+
 The peers run until each has finished `--rounds` rounds (or `--timeout-s`); rounds before `--warmup` are
 left out (joining).
 
@@ -61,6 +63,8 @@ def run_row(rtt_ms: float, pipeline: str, max_age: int, args: argparse.Namespace
     node_flags += ["--net-pipeline", pipeline, "--net-timeout", str(args.net_timeout)]
     node_flags += ["--net-max-age", str(max_age)]
     node_flags += ["--checkpoint-every", "1000"]
+    if args.model != "tiny-random":  # a real model learns the CPU recipe's mix, at its own lengths
+        node_flags += ["--tasks", "cpu-learn", "--max-new-tokens", "0", "--generations", str(args.generations)]
     with Wan(seed=int(rtt_ms)) as wan:
         boot_link, *peer_links = links(args, rtt_ms)
         host, announce, _ = wan.relayed(boot_link)
@@ -72,7 +76,11 @@ def run_row(rtt_ms: float, pipeline: str, max_age: int, args: argparse.Namespace
             for i, d in enumerate(dirs):
                 host, announce, relay = wan.relayed(peer_links[i])
                 relays.append(relay)
-                nodes.append(start_node(d, maddrs, swarm, *node_flags, seed=100 + i, host=host, announce=announce))
+                nodes.append(
+                    start_node(
+                        d, maddrs, swarm, *node_flags, model=args.model, seed=100 + i, host=host, announce=announce
+                    )
+                )
             t0 = time.time()
             deadline = time.monotonic() + args.timeout_s
             while not all(len(live_metrics(d)) >= args.rounds for d in dirs):
@@ -155,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtt-ms", default="0,10,50,150", help="comma-separated round trips added by each peer's relay")
     p.add_argument("--pipeline", default="off,on", help="comma-separated --net-pipeline values to compare")
     p.add_argument("--peers", type=int, default=3)
+    p.add_argument("--model", default="tiny-random", help="the peers' model (another: the cpu-learn mix)")
+    p.add_argument(
+        "--generations", type=int, default=8, help="G, with a --model other than tiny-random (the node's default)"
+    )
     p.add_argument("--rounds", type=int, default=25, help="rounds every peer finishes (rounds past it are ignored)")
     p.add_argument("--warmup", type=int, default=2, help="first rounds of each peer left out (joining)")
     p.add_argument("--num-local", type=int, default=2)
