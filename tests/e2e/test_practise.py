@@ -54,7 +54,7 @@ def test_specialists_train_on_each_others_part_and_refuse_what_lies_outside_the_
             a, b = rounds(a_dir), rounds(b_dir)
             return bool(trained_datasets(a, kb) and trained_datasets(b, ka) and reasons(a).get("task_not_allowed"))
 
-        wait_for(both_learned_from_the_other, nodes, 300, "each specialist training on the other's part")
+        wait_for(both_learned_from_the_other, nodes, 500, "each specialist training on the other's part")
         a, b = rounds(a_dir), rounds(b_dir)
         assert set(trained_datasets(a, kb)) == {OTHER}  # the part A does not practise, learned from B
         assert set(trained_datasets(b, ka)) == {PRACTISED}  # all A published: its own part only
