@@ -66,8 +66,8 @@ def export(req: ExportRequest) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        files = WRITERS[req.format](policy, run, tmp, req)
-        facts = export_facts(run, req, files)
+        WRITERS[req.format](policy, run, tmp, req)
+        facts = export_facts(run, req, sorted(p.name for p in tmp.iterdir()))
         (tmp / EXPORT_JSON).write_text(json.dumps(facts, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(facts))
         if out.exists():  # --force (checked above): the old export goes only once the new one is whole
@@ -94,12 +94,11 @@ def _merged(policy: Policy) -> torch.nn.Module:
     return policy.model.merge_and_unload()
 
 
-def write_hf(policy: Policy, run: TrainedRun, out: Path, req: ExportRequest) -> list[str]:
+def write_hf(policy: Policy, run: TrainedRun, out: Path, req: ExportRequest) -> None:
     model = _merged(policy).to(HF_DTYPES[req.dtype])
     model.generation_config.pad_token_id = policy.tokenizer.pad_token_id
     model.save_pretrained(str(out), safe_serialization=True)
     policy.tokenizer.save_pretrained(str(out))
-    return sorted(p.name for p in out.iterdir())
 
 
 def base_location(model: str) -> str:
@@ -112,21 +111,20 @@ def base_location(model: str) -> str:
     return model
 
 
-def write_peft(policy: Policy, run: TrainedRun, out: Path, req: ExportRequest) -> list[str]:
+def write_peft(policy: Policy, run: TrainedRun, out: Path, req: ExportRequest) -> None:
     assert policy.adapter is not None  # export() refused a full fine-tune
     name = policy.adapter.name
     policy.model.peft_config[name].base_model_name_or_path = base_location(run.cfg.model)
     with warnings.catch_warnings():  # "could not find a config file in <base>": a packaged or tiny base
         warnings.simplefilter("ignore", UserWarning)
         policy.model.save_pretrained(str(out), selected_adapters=[name])
-    return sorted(p.name for p in out.iterdir())
 
 
 def gguf_name(req: ExportRequest) -> str:
     return f"model-{req.gguf_type}.gguf"
 
 
-def write_gguf(policy: Policy, run: TrainedRun, out: Path, req: ExportRequest) -> list[str]:
+def write_gguf(policy: Policy, run: TrainedRun, out: Path, req: ExportRequest) -> None:
     from node.learn.engines import gguf_export
     from node.learn.engines.llama import template_for
 
@@ -140,7 +138,6 @@ def write_gguf(policy: Policy, run: TrainedRun, out: Path, req: ExportRequest) -
     gguf_export.write_model(path, model, gguf_export.template_fields(template), req.gguf_type)
     policy.tokenizer.save_pretrained(str(out))  # sapo-ask prompts with it; llama.cpp reads the file's own
     (out / "Modelfile").write_text(f"FROM ./{path.name}\n")
-    return sorted(p.name for p in out.iterdir())
 
 
 WRITERS = {"hf": write_hf, "peft": write_peft, "gguf": write_gguf}

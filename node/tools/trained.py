@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from node.learn import precision
-from node.learn.groups import Prompter
 from node.learn.guard import START_ROUND
 from node.learn.lora import Adapter, attach, base_fingerprint
 from node.learn.model_io import ModelLoadError, load_model
@@ -127,18 +126,20 @@ def open_run(path: Path, round_: int | None = None) -> TrainedRun:
         if round_ is not None:
             raise ToolError(f"{path} is one checkpoint already: --round chooses among a run dir's checkpoints")
         run_dir = path.parent.parent if path.parent.name == CHECKPOINTS_DIR else None
-        ckpt_path = path
+        rounds = checkpoint_dirs(run_dir) if run_dir is not None else {}
+        chosen, ckpt_path = round_of(path), path
     else:
-        rounds = checkpoint_dirs(path)
+        run_dir, rounds = path, checkpoint_dirs(path)
         if not rounds:
             raise ToolError(f"{path}: no checkpoint (checkpoints/round-*) in this run dir: nothing to take out yet")
         if round_ is not None and round_ not in rounds:
             raise ToolError(f"{path}: no checkpoint of round {round_} (it has {_listed(sorted(rounds))})")
-        run_dir, ckpt_path = path, rounds[round_ if round_ is not None else max(rounds)]
+        chosen = round_ if round_ is not None else max(rounds)
+        ckpt_path = rounds[chosen]
     try:
         ckpt = CheckpointStore.load(ckpt_path)
     except CheckpointError as exc:
-        older = sorted(r for r in checkpoint_dirs(run_dir) if r < round_of(ckpt_path)) if run_dir else []  # type: ignore[operator]
+        older = sorted(r for r in rounds if chosen is not None and r < chosen)
         hint = f"; --round {older[-1]} takes an older one" if older else ""
         raise ToolError(f"corrupt checkpoint: {exc}{hint}") from None
     return TrainedRun(ckpt, _config_of(ckpt), run_dir)
@@ -170,9 +171,6 @@ class Policy:
     adapter: Adapter | None
     mix: TaskMix
     precision: str  # the node's mixed precision on this device ("bf16" or "off")
-
-    def prompter(self) -> Prompter:
-        return Prompter(self.tokenizer, self.mix)
 
 
 def load_trained(run: TrainedRun, device: torch.device, node_precision: bool = False) -> Policy:
